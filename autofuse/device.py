@@ -1,0 +1,54 @@
+"""What autofuse needs to know about where kernels run: interpreter or GPU, and the GPU's limits."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from .errors import AutofuseError
+
+# Shared memory to assume when the device cannot be asked (the smallest opt-in limit among
+# GPUs with tensor cores that Triton supports, consumer Ampere/Ada: 99 KiB).
+_DEFAULT_SHARED_MEMORY = 99 * 1024
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU under its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(device: torch.device) -> None:
+    """Raise AutofuseError unless autofuse kernels can run on `device` in this process."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise AutofuseError(
+                "device 'cuda' asked for but no CUDA GPU is visible; on a machine without one, set "
+                "TRITON_INTERPRET=1 and pass device='cpu' to run under Triton's interpreter"
+            )
+    elif device.type == "cpu":
+        if not interpreting():
+            raise AutofuseError(
+                "autofuse kernels run on NVIDIA GPUs; CPU tensors work only under Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before building the module)"
+            )
+    else:
+        raise AutofuseError(f"autofuse runs on 'cuda' (or 'cpu' under the interpreter), not on {device.type!r}")
+
+
+@lru_cache(maxsize=None)
+def shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory one program may use on this GPU, read from the device."""
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"])
+    except Exception:  # no driver (interpreter, CPU): the conservative default
+        return _DEFAULT_SHARED_MEMORY
+
+
+def fp32_input_precision() -> str:
+    """Follow PyTorch's own switch for float32 matmuls: tf32 only when the user allowed it."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"

@@ -1,0 +1,37 @@
+"""`show_kernel`: the source autofuse generates for an op, so users can read what runs."""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+from .device import fp32_input_precision, interpreting
+from .errors import AutofuseError
+from .render import KernelSpec, render
+
+OPS = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS}
+
+
+def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, residual: bool = False,
+                dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None) -> str:
+    """Rendered Triton source of the kernel autofuse builds for `op` ("linear" or "gated_up").
+
+    `even_k` picks the unmasked K loop (K divisible by BLOCK_K); `interpret` defaults to whether
+    TRITON_INTERPRET=1 is set now, since interpreted kernels upcast their operands.
+    """
+    if op not in OPS:
+        raise AutofuseError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    if activation is None:
+        activation = "none" if op == "linear" else "gelu_tanh"
+    if residual and op != "linear":
+        raise AutofuseError("only the linear op takes a residual")
+    spec = KernelSpec(
+        template=op,
+        activation=canonical_activation(activation, OPS[op]),
+        has_bias=bool(bias),
+        has_residual=bool(residual),
+        even_k=bool(even_k),
+        input_precision=fp32_input_precision() if dtype == torch.float32 else None,
+        upcast_operands=interpreting() if interpret is None else bool(interpret),
+    )
+    return render(spec)

@@ -1,0 +1,105 @@
+"""Host launchers: check what the kernel assumes, allocate the output, pick the kernel, launch.
+
+Callers (the modules) have already validated user input; the checks here guard the kernels'
+own assumptions, so a bug elsewhere fails with a message rather than reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .configs import KernelConfig
+from .device import fp32_input_precision, interpreting
+from .render import KernelSpec, load_kernel
+
+
+def _spec(template: str, activation: str, K: int, dtype: torch.dtype, config: KernelConfig, **flags) -> KernelSpec:
+    interpret = interpreting()
+    return KernelSpec(
+        template=template,
+        activation=activation,
+        even_k=K % config.block_k == 0,
+        input_precision=fp32_input_precision() if dtype == torch.float32 else None,
+        # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
+        upcast_operands=interpret,
+        **flags,
+    )
+
+
+def _grid(M: int, N: int, config: KernelConfig) -> tuple[int]:
+    return (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+
+
+def _launch_options(config: KernelConfig) -> dict[str, int]:
+    return dict(
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def _check_operands(x: torch.Tensor, *tensors: torch.Tensor | None) -> None:
+    assert x.dim() == 2, "launchers take 2-D activations"
+    for t in tensors:
+        if t is not None:
+            assert t.dtype == x.dtype and t.device == x.device, "operands must share dtype and device"
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    activation: str,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """Y = act(x @ weight.T + bias) + residual, x: [M, K], weight: [N, K], residual: [M, N]."""
+    _check_operands(x, weight, bias, residual)
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and (residual is None or residual.shape == (M, N))
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    spec = _spec("linear", activation, K, x.dtype, config, has_bias=bias is not None, has_residual=residual is not None)
+    args = [x, weight] + [t for t in (bias, residual) if t is not None] + [y, M, N, K]
+    args += [x.stride(0), x.stride(1), weight.stride(0), weight.stride(1)]
+    if residual is not None:
+        args += [residual.stride(0), residual.stride(1)]
+    args += [y.stride(0), y.stride(1)]
+    load_kernel(spec)[_grid(M, N, config)](*args, **_launch_options(config))
+    return y
+
+
+def gated_up(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    activation: str,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """H = act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), x: [M, K], w_*: [N, K]."""
+    _check_operands(x, w_gate, w_up, b_gate, b_up)
+    M, K = x.shape
+    N = w_gate.shape[0]
+    assert w_gate.shape == w_up.shape == (N, K)
+    assert (b_gate is None) == (b_up is None), "gate and up biases come together"
+    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return h
+    spec = _spec("gated_up", activation, K, x.dtype, config, has_bias=b_gate is not None)
+    args = [x, w_gate, w_up]
+    if b_gate is not None:
+        args += [b_gate.contiguous(), b_up.contiguous()]
+    args += [h, M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1)]
+    args += [w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1)]
+    load_kernel(spec)[_grid(M, N, config)](*args, **_launch_options(config))
+    return h

@@ -1,0 +1,236 @@
+"""nn.Modules users get from get_linear / get_mlp.
+
+Parameters are named and shaped like nn.Linear's (`weight` [out, in], `bias` [out]) and like a
+Hugging Face gated MLP's (`gate_proj`, `up_proj`, `down_proj`), so existing state_dicts load
+unchanged. Configs are resolved once per M bucket and kept on the module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import launch
+from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+from .configs import KernelConfig
+from .device import check_device
+from .errors import AutofuseError
+from .resolve import m_bucket, resolve_config
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtype(dtype: object) -> torch.dtype:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise AutofuseError(f"unsupported dtype {dtype}; autofuse supports {names}")
+    return dtype
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AutofuseError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_device(device: object) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise AutofuseError(f"invalid device {device!r}: {e}") from None
+    check_device(device)
+    return device
+
+
+class _NoBackward(torch.autograd.Function):
+    """Runs a forward whose gradient autofuse does not compute yet, so that a backward through it
+    fails loudly instead of silently leaving the weights without gradients."""
+
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        return run()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "autofuse modules do not support backward yet; run them under torch.no_grad() or "
+            "torch.inference_mode()"
+        )
+
+
+def _run(run, *tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _NoBackward.apply(run, *[t for t in tensors if t is not None])
+    return run()
+
+
+class _FusedBase(nn.Module):
+    """Input checks and the per-M-bucket config table shared by the fused modules."""
+
+    in_features: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._configs: dict[tuple, dict[str, KernelConfig]] = {}
+
+    def _reference_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _flatten(self, x: object, what: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise AutofuseError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
+        weight = self._reference_weight()
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise AutofuseError(
+                f"expected input of shape (..., {self.in_features}) ({what}), got {tuple(x.shape)}"
+            )
+        if x.dtype != weight.dtype:
+            raise AutofuseError(
+                f"input dtype {x.dtype} does not match the module's {weight.dtype}; cast with .to({weight.dtype})"
+            )
+        if x.device != weight.device:
+            raise AutofuseError(f"input is on {x.device} but the module's weights are on {weight.device}")
+        _check_dtype(weight.dtype)
+        check_device(weight.device)
+        return x.reshape(-1, self.in_features)
+
+    def _config_table(self, M: int) -> dict[str, KernelConfig]:
+        weight = self._reference_weight()
+        key = (m_bucket(M), weight.dtype, weight.device)
+        table = self._configs.get(key)
+        if table is None:
+            table = self._configs[key] = self._resolve(M, weight.dtype, weight.device)
+        return table
+
+    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device) -> dict[str, KernelConfig]:
+        raise NotImplementedError
+
+    def config_for(self, M: int) -> dict[str, KernelConfig]:
+        """The kernel config each of this module's kernels uses for a batch of M rows."""
+        return dict(self._config_table(_check_size("M", M)))
+
+
+class FusedLinear(_FusedBase):
+    """y = act(x @ weight.T + bias) [+ residual] in one kernel."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, activation: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's initialisation, so a fresh module behaves like the layer it replaces.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _reference_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def _resolve(self, M, dtype, device):
+        return {"linear": resolve_config("linear", M, self.out_features, self.in_features, dtype, device)}
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        x2d = self._flatten(x, "in_features")
+        out_shape = (*x.shape[:-1], self.out_features)
+        r2d = None
+        if residual is not None:
+            if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != out_shape:
+                got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+                raise AutofuseError(f"residual must have the output's shape {out_shape}, got {got}")
+            if residual.dtype != x.dtype or residual.device != x.device:
+                raise AutofuseError(
+                    f"residual must match the input's dtype and device ({x.dtype}, {x.device}), "
+                    f"got ({residual.dtype}, {residual.device})"
+                )
+            r2d = residual.reshape(-1, self.out_features)
+        config = self._config_table(x2d.shape[0])["linear"]
+
+        def run():
+            return launch.linear(x2d, self.weight, self.bias, r2d, self.activation, config)
+
+        return _run(run, x, self.weight, self.bias, residual).reshape(out_shape)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, activation={self.activation}")
+
+
+class FusedMLP(_FusedBase):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): the gated up-projection in one kernel, then the
+    down projection through the linear kernel."""
+
+    def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.in_features = d_model
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.activation = activation
+        # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
+        # is never called.
+        factory = dict(bias=bias, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(d_model, d_ff, **factory)
+        self.up_proj = nn.Linear(d_model, d_ff, **factory)
+        self.down_proj = nn.Linear(d_ff, d_model, **factory)
+
+    def _reference_weight(self) -> torch.Tensor:
+        return self.gate_proj.weight
+
+    def _resolve(self, M, dtype, device):
+        return {
+            "gated_up": resolve_config("gated_up", M, self.d_ff, self.d_model, dtype, device),
+            "down": resolve_config("linear", M, self.d_model, self.d_ff, dtype, device),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = self._flatten(x, "d_model")
+        configs = self._config_table(x2d.shape[0])
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        for layer in (up, down):
+            if layer.weight.dtype != gate.weight.dtype or layer.weight.device != gate.weight.device:
+                raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
+
+        def run():
+            h = launch.gated_up(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation, configs["gated_up"])
+            return launch.linear(h, down.weight, down.bias, None, "none", configs["down"])
+
+        params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+        return _run(run, x, *params).reshape(*x.shape[:-1], self.d_model)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"
+
+
+def get_linear(in_features: int, out_features: int, *, bias: bool = True, activation: str = "none",
+               dtype: torch.dtype = torch.bfloat16, device: object = "cuda") -> FusedLinear:
+    """A fused `act(x @ W.T + b) [+ residual]` module; call it as `module(x, residual=None)`."""
+    return FusedLinear(
+        _check_size("in_features", in_features),
+        _check_size("out_features", out_features),
+        bias=bool(bias),
+        activation=canonical_activation(activation, LINEAR_ACTIVATIONS),
+        dtype=_check_dtype(dtype),
+        device=_parse_device(device),
+    )
+
+
+def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
+            dtype: torch.dtype = torch.bfloat16, device: object = "cuda") -> FusedMLP:
+    """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names."""
+    return FusedMLP(
+        _check_size("d_model", d_model),
+        _check_size("d_ff", d_ff),
+        bias=bool(bias),
+        activation=canonical_activation(activation, GATED_ACTIVATIONS),
+        dtype=_check_dtype(dtype),
+        device=_parse_device(device),
+    )

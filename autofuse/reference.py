@@ -1,0 +1,48 @@
+"""Pure-PyTorch references, shared by tests, the demo and benchmarks.
+
+`*_reference` compute in float64 from the given (already rounded) inputs: the exact answer the
+kernels approximate. `eager_*` run in the inputs' dtype the way a PyTorch model would, and are the
+baseline autofuse is timed against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .activations import TORCH_ACTIVATIONS
+
+
+def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
+
+
+def linear_reference(x, weight, bias=None, residual=None, activation="none") -> torch.Tensor:
+    y = TORCH_ACTIVATIONS[activation](F.linear(_f64(x), _f64(weight), _f64(bias)))
+    return y if residual is None else y + _f64(residual)
+
+
+def gated_reference(x, w_gate, w_up, b_gate=None, b_up=None, activation="gelu_tanh") -> torch.Tensor:
+    gate = F.linear(_f64(x), _f64(w_gate), _f64(b_gate))
+    return TORCH_ACTIVATIONS[activation](gate) * F.linear(_f64(x), _f64(w_up), _f64(b_up))
+
+
+def mlp_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="gelu_tanh",
+                  hidden_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) in float64. With `hidden_dtype`, the hidden activation H is rounded
+    to that dtype first, as every implementation that stores H in the model's dtype does."""
+    h = gated_reference(x, w_gate, w_up, b_gate, b_up, activation)
+    if hidden_dtype is not None:
+        h = h.to(hidden_dtype).double()
+    return F.linear(h, _f64(w_down), _f64(b_down))
+
+
+def eager_linear(x, weight, bias=None, residual=None, activation="none") -> torch.Tensor:
+    y = TORCH_ACTIVATIONS[activation](F.linear(x, weight, bias))
+    return y if residual is None else y + residual
+
+
+def eager_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="gelu_tanh"):
+    """Three nn.Linear calls plus the pointwise gate: what a Hugging Face MLP does."""
+    h = TORCH_ACTIVATIONS[activation](F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
+    return F.linear(h, w_down, b_down)

@@ -1,0 +1,29 @@
+"""Where autofuse's data folders live: `templates/` and `cache/`.
+
+In the repository they sit at the top level, beside the package. A built wheel maps them into the
+package (`autofuse/templates`, `autofuse/cache`, see pyproject.toml). Look inside the package
+first, then beside it, so both an installed wheel and an editable checkout find them.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+
+def _data_dir(name: str) -> Path:
+    packaged = Path(str(importlib.resources.files("autofuse"))) / name
+    if packaged.is_dir():
+        return packaged
+    beside = Path(__file__).resolve().parent.parent / name
+    if beside.is_dir():
+        return beside
+    raise FileNotFoundError(f"autofuse installation is incomplete: no '{name}' folder at {packaged} or {beside}")
+
+
+def templates_dir() -> Path:
+    return _data_dir("templates")
+
+
+def shipped_cache_dir() -> Path:
+    return _data_dir("cache")
