@@ -42,6 +42,11 @@ def _launch_options(config: KernelConfig) -> dict[str, int]:
     )
 
 
+def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """Output buffer; uninitialised, since the kernels write every element (tests poison it)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
 def _check_operands(x: torch.Tensor, *tensors: torch.Tensor | None) -> None:
     assert x.dim() == 2, "launchers take 2-D activations"
     for t in tensors:
@@ -64,7 +69,7 @@ def linear(
     assert weight.shape[1] == K and (residual is None or residual.shape == (M, N))
     if bias is not None:
         bias = bias.contiguous()
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = _allocate((M, N), x)
     if M == 0:
         return y
     spec = _spec("linear", activation, K, x.dtype, config, has_bias=bias is not None, has_residual=residual is not None)
@@ -92,7 +97,7 @@ def gated_up(
     N = w_gate.shape[0]
     assert w_gate.shape == w_up.shape == (N, K)
     assert (b_gate is None) == (b_up is None), "gate and up biases come together"
-    h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    h = _allocate((M, N), x)
     if M == 0:
         return h
     spec = _spec("gated_up", activation, K, x.dtype, config, has_bias=b_gate is not None)

@@ -1,0 +1,40 @@
+"""Comparison helpers shared by the kernel tests."""
+
+import torch
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Elementwise tolerances (rtol, atol) against a float64 reference computed from the same rounded
+# inputs. The kernels accumulate in float32 and round once when they store, so the error is about
+# one unit roundoff u of the output dtype (2**-24, 2**-11, 2**-8); we allow 2u relative, because an
+# MLP's hidden H may round to the other side of a boundary than the reference's H, plus an absolute
+# floor for outputs near zero, sized like that relative term at the outputs' typical size (~1).
+TOLERANCES = {
+    # On a GPU float32 dots are IEEE here (PyTorch's default disallows tf32); K <= ~200 in CPU tests.
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2 * 2**-11, atol=2e-3),
+    torch.bfloat16: dict(rtol=2 * 2**-8, atol=1.6e-2),
+}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf so it can never pass."""
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor) -> None:
+    """Check `out` elementwise against the float64 `ref`, and check that its overall error is no
+    worse than PyTorch's own in the same dtype (`peer`) by more than 25%.
+
+    The second check is the sharp one for 16-bit types: a kernel that truncates instead of
+    rounding stays inside the elementwise band but has about twice PyTorch's error.
+    """
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    assert out.dtype == peer.dtype, f"dtype {out.dtype} != {peer.dtype}"
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[out.dtype])
+    err, peer_err = relative_error(out, ref), relative_error(peer, ref)
+    # The 1e-6 floor covers float32, where both errors are ~1e-7 and their ratio is noise.
+    assert err <= 1.25 * peer_err + 1e-6, f"error {err:.3g} vs PyTorch's {peer_err:.3g} in {out.dtype}"

@@ -1,0 +1,40 @@
+"""Test setup: the interpreter switch, seeds, a private cache folder, and the gpu marker.
+
+Without a CUDA GPU the kernels run under Triton's interpreter, which must be switched on before
+any kernel is generated; with one, the same tests run compiled on the GPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    # Generated kernels and caches go to a per-test folder, never the user's.
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "autofuse-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # A fresh, reproducible draw per test: the seed depends on the test's id.
+    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,64 @@
+"""KernelConfig validation, the feasibility filters and the heuristic."""
+
+import pytest
+import torch
+
+from autofuse.configs import (
+    KernelConfig,
+    clamp_to_problem,
+    fit_shared_memory,
+    heuristic_config,
+    shared_memory_bytes,
+)
+from autofuse.resolve import m_bucket
+
+
+def test_round_trip_through_json_dict():
+    config = KernelConfig(64, 128, 32, group_m=4, num_warps=8, num_stages=3)
+    assert KernelConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ([64, 64, 64], "JSON object"),
+        ({"block_m": 64, "block_n": 64}, "lacks: block_k"),
+        ({"block_m": 64, "block_n": 64, "block_k": 64, "evil": 1}, "unknown kernel config fields: evil"),
+        ({"block_m": 48, "block_n": 64, "block_k": 64}, "block_m must be one of"),
+        ({"block_m": 8, "block_n": 64, "block_k": 64}, "block_m must be one of"),
+        ({"block_m": 64.0, "block_n": 64, "block_k": 64}, "block_m must be one of"),
+        ({"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 3}, "num_warps"),
+        ({"block_m": 64, "block_n": 64, "block_k": 64, "num_stages": 0}, "num_stages"),
+        ({"block_m": 64, "block_n": 64, "block_k": 64, "group_m": True}, "group_m"),
+    ],
+)
+def test_from_dict_rejects_bad_data(data, message):
+    with pytest.raises(ValueError, match=message):
+        KernelConfig.from_dict(data)
+
+
+def test_clamp_to_problem_never_goes_below_16():
+    clamped = clamp_to_problem(KernelConfig(128, 128, 128), M=1, N=40, K=3000)
+    assert (clamped.block_m, clamped.block_n, clamped.block_k) == (16, 64, 128)
+
+
+def test_shared_memory_fit():
+    big = KernelConfig(128, 256, 128, num_stages=5)
+    assert shared_memory_bytes(big, "gated_up", torch.bfloat16) > 227 * 1024
+    fitted = fit_shared_memory(big, "gated_up", torch.bfloat16, 227 * 1024)
+    assert shared_memory_bytes(fitted, "gated_up", torch.bfloat16) <= 227 * 1024
+    assert fitted.num_stages >= 2
+
+
+@pytest.mark.parametrize("template", ["linear", "gated_up"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M", [1, 16, 128, 1024, 16384])
+@pytest.mark.parametrize("limit", [99 * 1024, 227 * 1024])
+def test_heuristic_fits_every_gpu_limit(template, dtype, M, limit):
+    config = heuristic_config(template, M, 16384, 2048, dtype, interpret=False, shared_memory_limit=limit)
+    assert shared_memory_bytes(config, template, dtype) <= limit
+    assert config.block_m <= max(16, M)
+
+
+def test_m_buckets():
+    assert [m_bucket(m) for m in (1, 2, 3, 16, 17, 1000, 16384, 100000)] == [1, 2, 4, 16, 32, 1024, 16384, 16384]
