@@ -37,6 +37,24 @@ def check_device(device: torch.device) -> None:
         raise AutofuseError(f"autofuse runs on 'cuda' (or 'cpu' under the interpreter), not on {device.type!r}")
 
 
+def check_interpreter_consistency() -> None:
+    """Raise AutofuseError if TRITON_INTERPRET changed after triton.language was imported.
+
+    Triton decides at import time whether its own library functions (tl.cdiv, ...) are compiled or
+    interpreted; kernels generated later under the other mode fail deep inside Triton.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    imported_interpreted = isinstance(tl.cdiv, InterpretedFunction)
+    if imported_interpreted != interpreting():
+        now, then = ("on", "off") if interpreting() else ("off", "on")
+        raise AutofuseError(
+            f"TRITON_INTERPRET is {now} now but was {then} when Triton was first imported; set it before "
+            "anything imports triton (e.g. at the top of the program or in the environment)"
+        )
+
+
 @lru_cache(maxsize=None)
 def shared_memory_limit(device_index: int) -> int:
     """Bytes of shared memory one program may use on this GPU, read from the device."""

@@ -2,12 +2,13 @@
 
 Callers (the modules) have already validated user input; the checks here guard the kernels'
 own assumptions, so a bug elsewhere fails with a message rather than reading out of bounds.
+Triton itself is imported only when the first kernel is built (render.load_kernel), so that a
+program may still switch the interpreter on after `import autofuse`.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from .configs import KernelConfig
 from .device import fp32_input_precision, interpreting
@@ -28,7 +29,7 @@ def _spec(template: str, activation: str, K: int, dtype: torch.dtype, config: Ke
 
 
 def _grid(M: int, N: int, config: KernelConfig) -> tuple[int]:
-    return (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
+    return (-(-M // config.block_m) * -(-N // config.block_n),)  # ceil-divisions
 
 
 def _launch_options(config: KernelConfig) -> dict[str, int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
+from .device import check_interpreter_consistency, interpreting
 from .resources import templates_dir
 
 TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS}
@@ -103,9 +104,10 @@ def load_kernel(spec: KernelSpec):
     source = render(spec)
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     # Interpreted and compiled kernels differ in kind even for equal source: key on the mode too.
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = interpreting()
     key = f"{digest}-{int(interpret)}"
     if key not in _loaded:
+        check_interpreter_consistency()
         path = _write_once(source, f"{spec.kernel_name}_{digest}.py")
         module_name = f"autofuse._generated.{spec.kernel_name}_{digest}_{int(interpret)}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)

@@ -1,0 +1,150 @@
+"""The shapes file: which MLPs and Linears to build, tune or benchmark, at which token counts.
+
+    {
+      "dtype": "bfloat16",                      # optional: float32 | float16 | bfloat16
+      "tokens": [1, 16, 128],                   # optional: the M values (rows) to use
+      "mlps":    [{"name": "gemma-2b", "d_model": 2048, "d_ff": 16384,
+                   "activation": "gelu_tanh", "bias": false}],
+      "linears": [{"name": "proj", "in_features": 4096, "out_features": 16384,
+                   "activation": "gelu", "bias": true}]
+    }
+
+Every problem is reported with the path of the offending field, e.g. `mlps[1].d_ff: ...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+from .errors import AutofuseError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPShape:
+    name: str
+    d_model: int
+    d_ff: int
+    activation: str = "gelu_tanh"
+    bias: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearShape:
+    name: str
+    in_features: int
+    out_features: int
+    activation: str = "none"
+    bias: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeSet:
+    dtype: torch.dtype
+    tokens: tuple[int, ...]
+    mlps: tuple[MLPShape, ...]
+    linears: tuple[LinearShape, ...]
+
+
+def _fail(path: str, problem: str):
+    raise AutofuseError(f"{path}: {problem}")
+
+
+def _positive_int(value, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _fail(path, f"must be a positive integer, got {json.dumps(value)}")
+    return value
+
+
+def _fields(entry, path: str, required: tuple[str, ...], optional: dict) -> dict:
+    if not isinstance(entry, dict):
+        _fail(path, f"must be an object, got {json.dumps(entry)}")
+    unknown = set(entry) - set(required) - set(optional) - {"name"}
+    if unknown:
+        _fail(path, f"unknown field(s) {', '.join(sorted(unknown))}")
+    for key in required:
+        if key not in entry:
+            _fail(path, f"missing field '{key}'")
+    return {**optional, **entry}
+
+
+def _activation(value, path: str, allowed) -> str:
+    try:
+        return canonical_activation(value, allowed)
+    except AutofuseError as e:
+        _fail(path, str(e))
+
+
+def _bias(value, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, f"must be true or false, got {json.dumps(value)}")
+    return value
+
+
+def parse_shapes(data, source: str = "shapes") -> ShapeSet:
+    """Validate decoded JSON `data` into a ShapeSet; `source` prefixes field paths in errors."""
+    if not isinstance(data, dict):
+        _fail(source, "must be a JSON object with 'mlps' and/or 'linears'")
+    unknown = set(data) - {"dtype", "tokens", "mlps", "linears"}
+    if unknown:
+        _fail(source, f"unknown field(s) {', '.join(sorted(unknown))}")
+    dtype_name = data.get("dtype", "bfloat16")
+    if dtype_name not in DTYPES:
+        _fail(f"{source}.dtype", f"must be one of {', '.join(DTYPES)}, got {json.dumps(dtype_name)}")
+    tokens = data.get("tokens", list(DEFAULT_TOKENS))
+    if not isinstance(tokens, list) or not tokens:
+        _fail(f"{source}.tokens", "must be a non-empty list of positive integers")
+    tokens = tuple(sorted({_positive_int(t, f"{source}.tokens[{i}]") for i, t in enumerate(tokens)}))
+
+    mlps, linears = [], []
+    for kind, out in (("mlps", mlps), ("linears", linears)):
+        entries = data.get(kind, [])
+        if not isinstance(entries, list):
+            _fail(f"{source}.{kind}", "must be a list")
+        for i, entry in enumerate(entries):
+            path = f"{source}.{kind}[{i}]"
+            if kind == "mlps":
+                e = _fields(entry, path, ("d_model", "d_ff"), {"activation": "gelu_tanh", "bias": False})
+                out.append(MLPShape(
+                    name=str(e.get("name", f"mlp{i}")),
+                    d_model=_positive_int(e["d_model"], f"{path}.d_model"),
+                    d_ff=_positive_int(e["d_ff"], f"{path}.d_ff"),
+                    activation=_activation(e["activation"], f"{path}.activation", GATED_ACTIVATIONS),
+                    bias=_bias(e["bias"], f"{path}.bias"),
+                ))
+            else:
+                e = _fields(entry, path, ("in_features", "out_features"), {"activation": "none", "bias": True})
+                out.append(LinearShape(
+                    name=str(e.get("name", f"linear{i}")),
+                    in_features=_positive_int(e["in_features"], f"{path}.in_features"),
+                    out_features=_positive_int(e["out_features"], f"{path}.out_features"),
+                    activation=_activation(e["activation"], f"{path}.activation", LINEAR_ACTIVATIONS),
+                    bias=_bias(e["bias"], f"{path}.bias"),
+                ))
+    if not mlps and not linears:
+        _fail(source, "lists no 'mlps' and no 'linears'")
+    return ShapeSet(DTYPES[dtype_name], tokens, tuple(mlps), tuple(linears))
+
+
+def load_shapes(path: str | Path) -> ShapeSet:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise AutofuseError(f"cannot read shapes file {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AutofuseError(f"{path.name}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    return parse_shapes(data, path.name)
+
+
+def example_shapes_path() -> Path:
+    return Path(__file__).parent / "examples" / "tiny.json"

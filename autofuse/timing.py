@@ -1,0 +1,74 @@
+"""Timing helpers shared by the demo and the benchmarks.
+
+GPU: `do_bench` medians (L2 flushed between runs by Triton), host time per call, and CUDA-graph
+replay time, since at small M do_bench's cache flush hides launch overhead. Interpreter: a CPU
+wall-clock median, which says nothing about GPU speed and is labelled so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def gpu_median_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """Median host time of one call, launches queued but not awaited: the CPU cost a user pays per
+    forward when the GPU keeps up. Synchronized once per batch of 10 calls to bound the queue."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls // 10):
+        start = time.perf_counter()
+        for _ in range(10):
+            fn()
+        samples.append((time.perf_counter() - start) / 10 * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_graph: int = 10) -> float:
+    """Median GPU time of one call replayed from a CUDA graph (launch gaps removed), via CUDA events.
+
+    The graph holds `calls_per_graph` back-to-back calls so the events' ~1 us resolution does not
+    dominate a few-microsecond forward."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up: compile and allocate outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    for _ in range(5):
+        graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    return statistics.median(samples)
+
+
+def cpu_median_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
