@@ -98,7 +98,8 @@ def fit_shared_memory(config: KernelConfig, template: str, dtype: torch.dtype, l
 
 
 def heuristic_config(
-    template: str, M: int, N: int, K: int, dtype: torch.dtype, *, interpret: bool, shared_memory_limit: int
+    template: str, M: int, N: int, K: int, dtype: torch.dtype, *, interpret: bool, shared_memory_limit: int,
+    multiprocessors: int = 108,
 ) -> KernelConfig:
     """A sound default for (template, M, N, K, dtype): the fallback when no tuned config exists.
 
@@ -111,10 +112,12 @@ def heuristic_config(
         return clamp_to_problem(config, M, N, K)
     wide = dtype.itemsize <= 2  # 16-bit operands: twice the K per byte of shared memory
     gated = template == "gated_up"
-    if M <= 16:
-        config = KernelConfig(16, 64, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
-    elif M <= 64:
-        config = KernelConfig(32 if M <= 32 else 64, 64, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
+    if M <= 64:
+        # Small M streams the weights: every SM needs a program, so narrow BLOCK_N until the
+        # N tiles alone cover the SMs (a narrow output, e.g. a down projection, needs 16).
+        block_n = next((bn for bn in (64, 32) if -(-N // bn) >= multiprocessors), 16)
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+        config = KernelConfig(block_m, block_n, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
     elif M <= 256:
         config = KernelConfig(64, 64 if gated else 128, 64 if wide else 32, group_m=8, num_warps=4, num_stages=4)
     else:

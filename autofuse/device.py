@@ -56,15 +56,23 @@ def check_interpreter_consistency() -> None:
 
 
 @lru_cache(maxsize=None)
-def shared_memory_limit(device_index: int) -> int:
-    """Bytes of shared memory one program may use on this GPU, read from the device."""
+def _device_properties(device_index: int) -> dict:
     try:
         import triton
 
-        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-        return int(props["max_shared_mem"])
-    except Exception:  # no driver (interpreter, CPU): the conservative default
-        return _DEFAULT_SHARED_MEMORY
+        return dict(triton.runtime.driver.active.utils.get_device_properties(device_index))
+    except Exception:  # no driver (interpreter, CPU): callers use their defaults
+        return {}
+
+
+def shared_memory_limit(device_index: int) -> int:
+    """Bytes of shared memory one program may use on this GPU, read from the device."""
+    return int(_device_properties(device_index).get("max_shared_mem", _DEFAULT_SHARED_MEMORY))
+
+
+def multiprocessor_count(device_index: int) -> int:
+    """Streaming multiprocessors on this GPU (108 assumed, an A100's, when it cannot be read)."""
+    return int(_device_properties(device_index).get("multiprocessor_count", 108))
 
 
 def fp32_input_precision() -> str:

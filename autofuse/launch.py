@@ -8,6 +8,8 @@ program may still switch the interpreter on after `import autofuse`.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .configs import KernelConfig
@@ -15,17 +17,26 @@ from .device import fp32_input_precision, interpreting
 from .render import KernelSpec, load_kernel
 
 
-def _spec(template: str, activation: str, K: int, dtype: torch.dtype, config: KernelConfig, **flags) -> KernelSpec:
-    interpret = interpreting()
-    return KernelSpec(
+@lru_cache(maxsize=None)
+def _kernel(template: str, activation: str, has_bias: bool, has_residual: bool, even_k: bool,
+            input_precision: str | None, interpret: bool):
+    """The JIT function for one source variant. Memoised: rendering costs ~100 us, a launch must not pay it."""
+    return load_kernel(KernelSpec(
         template=template,
         activation=activation,
-        even_k=K % config.block_k == 0,
-        input_precision=fp32_input_precision() if dtype == torch.float32 else None,
+        has_bias=has_bias,
+        has_residual=has_residual,
+        even_k=even_k,
+        input_precision=input_precision,
         # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
         upcast_operands=interpret,
-        **flags,
-    )
+    ))
+
+
+def _kernel_for(template: str, activation: str, K: int, dtype: torch.dtype, config: KernelConfig,
+                has_bias: bool, has_residual: bool = False):
+    precision = fp32_input_precision() if dtype == torch.float32 else None
+    return _kernel(template, activation, has_bias, has_residual, K % config.block_k == 0, precision, interpreting())
 
 
 def _grid(M: int, N: int, config: KernelConfig) -> tuple[int]:
@@ -73,13 +84,13 @@ def linear(
     y = _allocate((M, N), x)
     if M == 0:
         return y
-    spec = _spec("linear", activation, K, x.dtype, config, has_bias=bias is not None, has_residual=residual is not None)
+    kernel = _kernel_for("linear", activation, K, x.dtype, config, bias is not None, residual is not None)
     args = [x, weight] + [t for t in (bias, residual) if t is not None] + [y, M, N, K]
     args += [x.stride(0), x.stride(1), weight.stride(0), weight.stride(1)]
     if residual is not None:
         args += [residual.stride(0), residual.stride(1)]
     args += [y.stride(0), y.stride(1)]
-    load_kernel(spec)[_grid(M, N, config)](*args, **_launch_options(config))
+    kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return y
 
 
@@ -101,11 +112,11 @@ def gated_up(
     h = _allocate((M, N), x)
     if M == 0:
         return h
-    spec = _spec("gated_up", activation, K, x.dtype, config, has_bias=b_gate is not None)
+    kernel = _kernel_for("gated_up", activation, K, x.dtype, config, b_gate is not None)
     args = [x, w_gate, w_up]
     if b_gate is not None:
         args += [b_gate.contiguous(), b_up.contiguous()]
     args += [h, M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1)]
     args += [w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1)]
-    load_kernel(spec)[_grid(M, N, config)](*args, **_launch_options(config))
+    kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return h

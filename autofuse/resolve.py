@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .configs import KernelConfig, heuristic_config, next_power_of_2
-from .device import interpreting, shared_memory_limit
+from .device import interpreting, multiprocessor_count, shared_memory_limit
 
 M_BUCKET_RULE = "pow2"
 MAX_M_BUCKET = 16384
@@ -21,7 +21,10 @@ def m_bucket(M: int) -> int:
 
 def resolve_config(template: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
     """The config for `template` at M's bucket. Today: the built-in heuristic."""
-    limit = shared_memory_limit(device.index or 0) if device.type == "cuda" else 0
+    if interpreting() or device.type != "cuda":
+        return heuristic_config(template, m_bucket(M), N, K, dtype, interpret=True, shared_memory_limit=0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return heuristic_config(
-        template, m_bucket(M), N, K, dtype, interpret=interpreting(), shared_memory_limit=limit
+        template, m_bucket(M), N, K, dtype, interpret=False,
+        shared_memory_limit=shared_memory_limit(index), multiprocessors=multiprocessor_count(index),
     )

@@ -25,7 +25,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, tolerances=None) -> None:
+def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, tolerances=None,
+                             floor: float = 1e-6) -> None:
     """Check `out` elementwise against the float64 `ref`, and check that its overall error is no
     worse than PyTorch's own in the same dtype (`peer`) by more than 25%.
 
@@ -36,5 +37,5 @@ def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, peer: torch.T
     assert out.dtype == peer.dtype, f"dtype {out.dtype} != {peer.dtype}"
     torch.testing.assert_close(out.double(), ref, **(tolerances or TOLERANCES[out.dtype]))
     err, peer_err = relative_error(out, ref), relative_error(peer, ref)
-    # The 1e-6 floor covers float32, where both errors are ~1e-7 and their ratio is noise.
-    assert err <= 1.25 * peer_err + 1e-6, f"error {err:.3g} vs PyTorch's {peer_err:.3g} in {out.dtype}"
+    # The floor covers float32, where both errors are ~1e-7 at small K and their ratio is noise.
+    assert err <= 1.25 * peer_err + floor, f"error {err:.3g} vs PyTorch's {peer_err:.3g} in {out.dtype}"

@@ -62,3 +62,12 @@ def test_heuristic_fits_every_gpu_limit(template, dtype, M, limit):
 
 def test_m_buckets():
     assert [m_bucket(m) for m in (1, 2, 3, 16, 17, 1000, 16384, 100000)] == [1, 2, 4, 16, 32, 1024, 16384, 16384]
+
+
+def test_small_m_heuristic_gives_every_sm_a_program():
+    down = heuristic_config("linear", 1, 2048, 16384, torch.bfloat16, interpret=False,
+                            shared_memory_limit=227 * 1024, multiprocessors=132)
+    assert down.block_n == 16 and 2048 // down.block_n >= 128
+    up = heuristic_config("gated_up", 1, 16384, 2048, torch.bfloat16, interpret=False,
+                          shared_memory_limit=227 * 1024, multiprocessors=132)
+    assert up.block_n == 64

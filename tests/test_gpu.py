@@ -10,6 +10,12 @@ from autofuse.reference import eager_linear, eager_mlp, linear_reference, mlp_re
 pytestmark = pytest.mark.gpu
 
 
+def _floor(K):
+    # float32 error of a K-long blocked sum: ~sqrt(K) * 2**-24 relative (8e-6 at K=16384); cuBLAS may
+    # split K differently and land lower, so the ratio to its error means nothing below this.
+    return K**0.5 * 2**-24
+
+
 def _tolerances(dtype, K):
     if dtype != torch.float32:
         return TOLERANCES[dtype]
@@ -29,7 +35,8 @@ def test_mlp_real_size(dtype, M, activation):
     with torch.no_grad():
         out = module(x)
         ref = mlp_reference(x, *weights, activation=activation, hidden_dtype=dtype)
-        assert_matches_reference(out, ref, eager_mlp(x, *weights, activation=activation), _tolerances(dtype, 16384))
+        assert_matches_reference(out, ref, eager_mlp(x, *weights, activation=activation), _tolerances(dtype, 16384),
+                                 floor=_floor(16384))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -41,7 +48,8 @@ def test_linear_real_size(dtype, M):
     args = (x, module.weight, module.bias, r, "gelu")
     with torch.no_grad():
         out = module(x, residual=r)
-        assert_matches_reference(out, linear_reference(*args), eager_linear(*args), _tolerances(dtype, 4096))
+        assert_matches_reference(out, linear_reference(*args), eager_linear(*args), _tolerances(dtype, 4096),
+                                 floor=_floor(4096))
 
 
 def test_forward_is_capturable_in_a_cuda_graph():
