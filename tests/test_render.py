@@ -69,6 +69,7 @@ def test_show_kernel_bad_input():
 
 def test_generated_once_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(render, "_loaded", {})  # other tests in this process may have loaded this variant
     spec = KernelSpec("linear", "relu", has_bias=True)
     first = render.load_kernel(spec)
     assert render.load_kernel(spec) is first
