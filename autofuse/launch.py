@@ -59,6 +59,11 @@ def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
+def _checked_out(out: torch.Tensor, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    assert out.shape == shape and out.dtype == like.dtype and out.device == like.device, "bad out buffer"
+    return out
+
+
 def _check_operands(x: torch.Tensor, *tensors: torch.Tensor | None) -> None:
     assert x.dim() == 2, "launchers take 2-D activations"
     for t in tensors:
@@ -73,15 +78,17 @@ def linear(
     residual: torch.Tensor | None,
     activation: str,
     config: KernelConfig,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Y = act(x @ weight.T + bias) + residual, x: [M, K], weight: [N, K], residual: [M, N]."""
+    """Y = act(x @ weight.T + bias) + residual, x: [M, K], weight: [N, K], residual: [M, N].
+    Written into `out` ([M, N], x's dtype) when given."""
     _check_operands(x, weight, bias, residual)
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and (residual is None or residual.shape == (M, N))
     if bias is not None:
         bias = bias.contiguous()
-    y = _allocate((M, N), x)
+    y = _allocate((M, N), x) if out is None else _checked_out(out, (M, N), x)
     if M == 0:
         return y
     kernel = _kernel_for("linear", activation, K, x.dtype, config, bias is not None, residual is not None)
@@ -102,14 +109,16 @@ def gated_up(
     b_up: torch.Tensor | None,
     activation: str,
     config: KernelConfig,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """H = act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), x: [M, K], w_*: [N, K]."""
+    """H = act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), x: [M, K], w_*: [N, K].
+    Written into `out` ([M, N], x's dtype) when given."""
     _check_operands(x, w_gate, w_up, b_gate, b_up)
     M, K = x.shape
     N = w_gate.shape[0]
     assert w_gate.shape == w_up.shape == (N, K)
     assert (b_gate is None) == (b_up is None), "gate and up biases come together"
-    h = _allocate((M, N), x)
+    h = _allocate((M, N), x) if out is None else _checked_out(out, (M, N), x)
     if M == 0:
         return h
     kernel = _kernel_for("gated_up", activation, K, x.dtype, config, b_gate is not None)

@@ -12,12 +12,14 @@ import math
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from . import launch
-from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS, canonical_activation
 from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
-from .resolve import m_bucket, resolve_config
+from .resolve import Choice, m_bucket, resolve
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -73,7 +75,7 @@ class _FusedBase(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._configs: dict[tuple, dict[str, KernelConfig]] = {}
+        self._configs: dict[tuple, dict[str, Choice]] = {}
 
     def _reference_weight(self) -> torch.Tensor:
         raise NotImplementedError
@@ -96,20 +98,33 @@ class _FusedBase(nn.Module):
         check_device(weight.device)
         return x.reshape(-1, self.in_features)
 
-    def _config_table(self, M: int) -> dict[str, KernelConfig]:
+    def _config_table(self, M: int, residual: bool = False) -> dict[str, Choice]:
+        """Choices for M, resolved once per (M, bucket, dtype, device): no disk access per forward.
+        M itself is part of the table key because a user may have tuned that exact token count."""
         weight = self._reference_weight()
-        key = (m_bucket(M), weight.dtype, weight.device)
+        M = max(M, 1)  # an empty batch launches nothing; any config will do
+        key = (M if M <= 16384 else m_bucket(M), weight.dtype, weight.device, residual)
         table = self._configs.get(key)
         if table is None:
-            table = self._configs[key] = self._resolve(M, weight.dtype, weight.device)
+            table = self._configs[key] = self._resolve(M, weight.dtype, weight.device, residual)
         return table
 
-    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device) -> dict[str, KernelConfig]:
+    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
         raise NotImplementedError
 
-    def config_for(self, M: int) -> dict[str, KernelConfig]:
-        """The kernel config each of this module's kernels uses for a batch of M rows."""
-        return dict(self._config_table(_check_size("M", M)))
+    def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | str]:
+        """The kernel config each of this module's kernels uses for a batch of M rows, or
+        "baseline" where tuning found eager PyTorch faster (then that op runs eagerly)."""
+        table = self._config_table(_check_size("M", M), residual)
+        return {op: "baseline" if c.config is None else c.config for op, c in table.items()}
+
+    def config_sources(self, M: int, residual: bool = False) -> dict[str, str]:
+        """Where each config for M came from: user-cache, shipped:<file>, nearest:<key>, heuristic."""
+        return {op: c.source for op, c in self._config_table(_check_size("M", M), residual).items()}
+
+    def clear_config_table(self) -> None:
+        """Resolve again on the next forward (e.g. after tuning or importing configs in this process)."""
+        self._configs.clear()
 
 
 class FusedLinear(_FusedBase):
@@ -135,8 +150,9 @@ class FusedLinear(_FusedBase):
     def _reference_weight(self) -> torch.Tensor:
         return self.weight
 
-    def _resolve(self, M, dtype, device):
-        return {"linear": resolve_config("linear", M, self.out_features, self.in_features, dtype, device)}
+    def _resolve(self, M, dtype, device, residual):
+        return {"linear": resolve("linear", M, self.out_features, self.in_features, dtype, device,
+                                  activation=self.activation, bias=self.bias is not None, residual=residual)}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x2d = self._flatten(x, "in_features")
@@ -152,9 +168,12 @@ class FusedLinear(_FusedBase):
                     f"got ({residual.dtype}, {residual.device})"
                 )
             r2d = residual.reshape(-1, self.out_features)
-        config = self._config_table(x2d.shape[0])["linear"]
+        config = self._config_table(x2d.shape[0], r2d is not None)["linear"].config
 
         def run():
+            if config is None:  # tuning found eager PyTorch faster for this shape
+                y = TORCH_ACTIVATIONS[self.activation](F.linear(x2d, self.weight, self.bias))
+                return y if r2d is None else y + r2d
             return launch.linear(x2d, self.weight, self.bias, r2d, self.activation, config)
 
         return _run(run, x, self.weight, self.bias, residual).reshape(out_shape)
@@ -185,10 +204,12 @@ class FusedMLP(_FusedBase):
     def _reference_weight(self) -> torch.Tensor:
         return self.gate_proj.weight
 
-    def _resolve(self, M, dtype, device):
+    def _resolve(self, M, dtype, device, residual):
+        bias = self.gate_proj.bias is not None
         return {
-            "gated_up": resolve_config("gated_up", M, self.d_ff, self.d_model, dtype, device),
-            "down": resolve_config("linear", M, self.d_model, self.d_ff, dtype, device),
+            "gated_up": resolve("gated_up", M, self.d_ff, self.d_model, dtype, device,
+                                activation=self.activation, bias=bias),
+            "down": resolve("down", M, self.d_model, self.d_ff, dtype, device, activation="none", bias=bias),
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,9 +220,18 @@ class FusedMLP(_FusedBase):
             if layer.weight.dtype != gate.weight.dtype or layer.weight.device != gate.weight.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
 
+        up_config, down_config = configs["gated_up"].config, configs["down"].config
+
         def run():
-            h = launch.gated_up(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation, configs["gated_up"])
-            return launch.linear(h, down.weight, down.bias, None, "none", configs["down"])
+            # A None config means tuning found eager PyTorch faster for that op at this shape.
+            if up_config is None:
+                act = TORCH_ACTIVATIONS[self.activation]
+                h = act(F.linear(x2d, gate.weight, gate.bias)) * F.linear(x2d, up.weight, up.bias)
+            else:
+                h = launch.gated_up(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation, up_config)
+            if down_config is None:
+                return F.linear(h, down.weight, down.bias)
+            return launch.linear(h, down.weight, down.bias, None, "none", down_config)
 
         params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
         return _run(run, x, *params).reshape(*x.shape[:-1], self.d_model)

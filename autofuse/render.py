@@ -80,11 +80,16 @@ def render(spec: KernelSpec) -> str:
     return template.render(kernel_name=spec.kernel_name, **fields)
 
 
+@lru_cache(maxsize=None)
 def template_hash(template: str) -> str:
     """Hash of a template family's source files, so tuned configs can notice a changed template."""
+    return hash_template_files(templates_dir(), template)
+
+
+def hash_template_files(folder: Path, template: str) -> str:
     digest = hashlib.sha256()
     for name in (f"{template}.py.jinja", "_common.py.jinja"):
-        digest.update((templates_dir() / name).read_bytes())
+        digest.update((folder / name).read_bytes())
     return digest.hexdigest()[:16]
 
 

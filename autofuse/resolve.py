@@ -1,17 +1,29 @@
-"""Which kernel config to use for a problem: the runtime's single entry point for configs.
+"""Which kernel config a module uses for a problem: the runtime's single entry point for configs.
 
-M varies at run time, so configs are chosen per M bucket (rule "pow2": the next power of two,
-capped at 16384) and remembered by the module, never looked up on every forward.
+Lookup order, for the key of (op, N, K, M bucket, dtype, flags, GPU, Triton, template hash):
+  1. the user's cache (AUTOFUSE_CACHE_DIR), for the bucket M itself, then M's power-of-two bucket;
+  2. shipped pretuned files: the package's cache/*.json, then files or folders in AUTOFUSE_CACHE_PATH;
+  3. the nearest tuned key of the same problem on the same GPU/Triton/template (closest N and K,
+     then closest M bucket, in log scale): any config is correct for any shape, only its speed moves;
+  4. the built-in heuristic.
+Winners are read once per process into an in-memory index; modules resolve once per M bucket.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
 import torch
 
-from .configs import KernelConfig, heuristic_config, next_power_of_2
+from .configs import KernelConfig, clamp_to_problem, heuristic_config, next_power_of_2
 from .device import interpreting, multiprocessor_count, shared_memory_limit
 
-M_BUCKET_RULE = "pow2"
+M_BUCKET_RULE = "pow2+tokens"  # M -> a tuned bucket equal to M, else the next power of two
 MAX_M_BUCKET = 16384
 
 
@@ -19,12 +31,101 @@ def m_bucket(M: int) -> int:
     return min(next_power_of_2(max(M, 1)), MAX_M_BUCKET)
 
 
-def resolve_config(template: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The config for `template` at M's bucket. Today: the built-in heuristic."""
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A resolved config: `config` None means eager PyTorch (the baseline won the tuning)."""
+
+    config: KernelConfig | None
+    source: str  # "user-cache", "shipped:<file>", "nearest:<key id>", "heuristic"
+
+
+def heuristic_for(template: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
     if interpreting() or device.type != "cuda":
-        return heuristic_config(template, m_bucket(M), N, K, dtype, interpret=True, shared_memory_limit=0)
+        return heuristic_config(template, M, N, K, dtype, interpret=True, shared_memory_limit=0)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return heuristic_config(
-        template, m_bucket(M), N, K, dtype, interpret=False,
-        shared_memory_limit=shared_memory_limit(index), multiprocessors=multiprocessor_count(index),
-    )
+    return heuristic_config(template, M, N, K, dtype, interpret=False,
+                            shared_memory_limit=shared_memory_limit(index), multiprocessors=multiprocessor_count(index))
+
+
+class TunedIndex:
+    """Every winner this process can see, by key id, user cache first."""
+
+    def __init__(self, cache_dir: str, extra_paths: str) -> None:
+        from .store import open_store
+
+        self.user = {w.key.id(): w for w in open_store(cache_dir).winners()} if Path(cache_dir, "configs").exists() \
+            else {}
+        self.shipped: dict[str, tuple] = {}
+        for path in _shipped_files(extra_paths):
+            for winner in _read_shipped(path):
+                self.shipped.setdefault(winner.key.id(), (winner, path.name))
+        self.by_problem: dict[tuple, list] = {}
+        for winner in [*self.user.values(), *(w for w, _ in self.shipped.values())]:
+            self.by_problem.setdefault(winner.key.problem(), []).append(winner)
+
+
+def _shipped_files(extra_paths: str) -> list[Path]:
+    from .resources import shipped_cache_dir
+
+    files = sorted(shipped_cache_dir().glob("*.json"))
+    for entry in filter(None, extra_paths.split(os.pathsep)):
+        p = Path(entry)
+        files += sorted(p.glob("*.json")) if p.is_dir() else [p]
+    return files
+
+
+@lru_cache(maxsize=None)
+def _read_shipped(path: Path) -> tuple:
+    from .errors import AutofuseError
+    from .export import read_export
+
+    try:
+        return tuple(read_export(path))
+    except AutofuseError as e:  # a bad shipped file is skipped with one warning, never a crash
+        warnings.warn(f"autofuse: ignoring pretuned file: {e}", stacklevel=2)
+        return ()
+
+
+_indexes: dict[tuple[str, str], TunedIndex] = {}
+
+
+def tuned_index() -> TunedIndex:
+    from .store import cache_dir
+
+    where = (str(cache_dir()), os.environ.get("AUTOFUSE_CACHE_PATH", ""))
+    if where not in _indexes:
+        _indexes[where] = TunedIndex(*where)
+    return _indexes[where]
+
+
+def invalidate() -> None:
+    """Forget what was read: call after tuning or importing in this process."""
+    _indexes.clear()
+    _read_shipped.cache_clear()
+
+
+def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
+            bias: bool, residual: bool = False) -> Choice:
+    from .key import OP_TEMPLATES, current_environment, make_key
+
+    template = OP_TEMPLATES[op]
+    env = current_environment(device)
+    index = tuned_index()
+    key = None
+    for bucket in dict.fromkeys((M, m_bucket(M))):
+        key = make_key(op, N, K, bucket, dtype, activation, bias, residual, env)
+        found = index.user.get(key.id())
+        if found is not None:
+            return Choice(found.config, "user-cache")
+        shipped = index.shipped.get(key.id())
+        if shipped is not None:
+            return Choice(shipped[0].config, f"shipped:{shipped[1]}")
+    neighbours = index.by_problem.get(key.problem(), [])
+    if neighbours:
+        def distance(w):
+            return (abs(math.log2(w.key.n / N)) + abs(math.log2(w.key.k / K)), abs(math.log2(w.key.m_bucket / M)))
+
+        nearest = min(neighbours, key=distance)
+        config = None if nearest.config is None else clamp_to_problem(nearest.config, M, N, K)
+        return Choice(config, f"nearest:{nearest.key.id()}")
+    return Choice(heuristic_for(template, m_bucket(M), N, K, dtype, device), "heuristic")

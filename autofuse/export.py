@@ -1,0 +1,143 @@
+"""Export and import tuned configs as one versioned JSON file.
+
+    {"format": "autofuse-configs", "schema_version": 1, "autofuse": "0.1.0",
+     "gpus": ["NVIDIA H200"], "tritons": ["3.6.0"], "template_hashes": {"linear": "...", ...},
+     "bucket_rule": {"name": "pow2+tokens", "max": 16384},
+     "records": [{"key": {...}, "config": {...} | "baseline", "time_ms": ..., "baseline_ms": ...,
+                  "heuristic_ms": ..., "trials": ..., "tune_seconds": ..., "policy": "optuna"}],
+     "sha256": "<sha256 of the canonical JSON of records>"}
+
+Reading validates everything (header, every record, the checksum, that each record's GPU,
+Triton and template hash are the header's) and fails with one line naming the problem; an
+import writes all records in one transaction or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from . import __version__
+from .errors import AutofuseError
+from .resolve import M_BUCKET_RULE, MAX_M_BUCKET
+from .store import Store, Winner
+
+FORMAT = "autofuse-configs"
+SCHEMA_VERSION = 1
+_HEADER = {"format", "schema_version", "autofuse", "gpus", "tritons", "template_hashes", "bucket_rule", "records",
+           "sha256"}
+
+
+def _checksum(records: list) -> str:
+    canonical = json.dumps(records, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def build_document(winners: Iterable[Winner]) -> dict:
+    winners = sorted(winners, key=lambda w: w.key.id())
+    records = [w.to_record() for w in winners]
+    hashes: dict[str, str] = {}
+    for w in winners:
+        hashes.setdefault(w.key.template, w.key.template_hash)
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "autofuse": __version__,
+        "gpus": sorted({w.key.gpu for w in winners}),
+        "tritons": sorted({w.key.triton for w in winners}),
+        "template_hashes": hashes,
+        "bucket_rule": {"name": M_BUCKET_RULE, "max": MAX_M_BUCKET},
+        "records": records,
+        "sha256": _checksum(records),
+    }
+
+
+def export_winners(store: Store, path: Path | str, gpu: str | None = None) -> int:
+    """Write the store's winners (only `gpu`'s, if given) to `path` atomically; returns the count."""
+    winners = [w for w in store.winners() if gpu is None or w.key.gpu == gpu]
+    if not winners:
+        have = sorted({w.key.gpu for w in store.winners()})
+        raise AutofuseError(f"nothing to export{f' for GPU {gpu!r}' if gpu else ''}; "
+                            f"the cache holds configs for: {', '.join(have) or 'no GPU'}")
+    document = build_document(winners)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(document, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return len(winners)
+
+
+def parse_document(document, source: str) -> list[Winner]:
+    """Validate a decoded export; AutofuseError with a one-line reason on any problem."""
+    def bad(problem: str):
+        raise AutofuseError(f"{source}: {problem}")
+
+    if not isinstance(document, dict):
+        bad("not an autofuse config export (expected a JSON object)")
+    if document.get("format") != FORMAT:
+        bad(f"not an autofuse config export (format is {document.get('format')!r})")
+    if document.get("schema_version") != SCHEMA_VERSION:
+        bad(f"schema version {document.get('schema_version')!r} is not supported (this autofuse reads "
+            f"{SCHEMA_VERSION})")
+    if set(document) != _HEADER:
+        bad(f"header fields wrong: missing {sorted(_HEADER - set(document))}, unknown "
+            f"{sorted(set(document) - _HEADER)}")
+    records = document["records"]
+    if not isinstance(records, list):
+        bad("'records' must be a list")
+    if not isinstance(document["sha256"], str) or document["sha256"] != _checksum(records):
+        bad("checksum mismatch: the records were changed or cut after export")
+    for name in ("gpus", "tritons"):
+        if not isinstance(document[name], list) or not all(isinstance(v, str) for v in document[name]):
+            bad(f"'{name}' must be a list of strings")
+    hashes = document["template_hashes"]
+    if not isinstance(hashes, dict) or not all(isinstance(v, str) for v in hashes.values()):
+        bad("'template_hashes' must map template names to hashes")
+    rule = document["bucket_rule"]
+    if not isinstance(rule, dict) or rule.get("name") != M_BUCKET_RULE:
+        bad(f"bucket rule {rule!r} is not {M_BUCKET_RULE!r}")
+    winners = []
+    seen = set()
+    for i, record in enumerate(records):
+        try:
+            winner = Winner.from_record(record)
+        except (ValueError, TypeError) as e:
+            bad(f"record {i}: {e}")
+        key = winner.key
+        if key.gpu not in document["gpus"] or key.triton not in document["tritons"]:
+            bad(f"record {i}: GPU {key.gpu!r} / Triton {key.triton!r} not in the header")
+        if hashes.get(key.template) != key.template_hash:
+            bad(f"record {i}: template hash {key.template_hash} differs from the header's")
+        if key in seen:
+            bad(f"record {i}: duplicate key {key.id()}")
+        seen.add(key)
+        winners.append(winner)
+    return winners
+
+
+def read_export(path: Path | str) -> list[Winner]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise AutofuseError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AutofuseError(f"{path.name}: not valid JSON, truncated or damaged (line {e.lineno}, column "
+                            f"{e.colno}: {e.msg})") from None
+    return parse_document(document, path.name)
+
+
+def import_winners(store: Store, path: Path | str) -> list[Winner]:
+    """Validate the whole file first, then write every record in one transaction."""
+    winners = read_export(path)
+    store.put_winners(winners)
+    return winners

@@ -1,0 +1,155 @@
+"""The one key type shared by tuner, cache and runtime.
+
+A key names one kernel problem on one software/hardware stack: the op, its template and that
+template's source hash, N and K, the M bucket, dtype, bias/activation/residual, the GPU (name and
+compute capability), and the Triton and CUDA versions. Anything that could make a tuned config
+wrong or slow elsewhere is in it, so a changed template or Triton never reuses stale configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
+
+# op -> the template that implements it. "down" is the MLP's down projection: the linear template
+# with no activation, keyed apart so a shapes file's MLP and Linear entries never collide.
+OP_TEMPLATES = {"linear": "linear", "gated_up": "gated_up", "down": "linear"}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """Where a config was (or will be) tuned."""
+
+    gpu: str  # torch.cuda.get_device_name(), or "interpreter"
+    capability: str  # "9.0", or "cpu"
+    triton: str
+    cuda: str  # torch.version.cuda, or "none"
+
+
+@lru_cache(maxsize=None)
+def _environment(device_index: int | None, interpret: bool) -> Environment:
+    import triton
+
+    cuda = torch.version.cuda or "none"
+    if interpret or device_index is None:
+        return Environment("interpreter", "cpu", triton.__version__, cuda)
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return Environment(torch.cuda.get_device_name(device_index), f"{major}.{minor}", triton.__version__, cuda)
+
+
+def current_environment(device: torch.device) -> Environment:
+    from .device import interpreting
+
+    if interpreting() or device.type != "cuda":
+        return _environment(None, True)
+    return _environment(device.index if device.index is not None else torch.cuda.current_device(), False)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningKey:
+    op: str  # "linear" | "gated_up" | "down"
+    template_hash: str
+    n: int
+    k: int
+    m_bucket: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    activation: str
+    bias: bool
+    residual: bool
+    gpu: str
+    capability: str
+    triton: str
+    cuda: str
+
+    def __post_init__(self) -> None:
+        if self.op not in OP_TEMPLATES:
+            raise ValueError(f"op must be one of {', '.join(OP_TEMPLATES)}, got {self.op!r}")
+        allowed = GATED_ACTIVATIONS if self.op == "gated_up" else ("none",) if self.op == "down" else LINEAR_ACTIVATIONS
+        if self.activation not in allowed:
+            raise ValueError(f"activation {self.activation!r} is not valid for op {self.op!r}")
+        if self.dtype not in DTYPE_NAMES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {self.dtype!r}")
+        for name in ("n", "k", "m_bucket"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("bias", "residual"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false")
+        if self.residual and self.op != "linear":
+            raise ValueError("only op 'linear' takes a residual")
+        for name in ("template_hash", "gpu", "capability", "triton", "cuda"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or "|" in value:
+                raise ValueError(f"{name} must be a non-empty string without '|', got {value!r}")
+
+    @property
+    def template(self) -> str:
+        return OP_TEMPLATES[self.op]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {v: k for k, v in DTYPE_NAMES.items()}[self.dtype]
+
+    @property
+    def environment(self) -> Environment:
+        return Environment(self.gpu, self.capability, self.triton, self.cuda)
+
+    def problem(self) -> tuple:
+        """Everything but the M bucket and the shape: keys equal here may share configs as neighbours."""
+        return (self.op, self.template_hash, self.dtype, self.activation, self.bias, self.residual,
+                self.gpu, self.capability, self.triton, self.cuda)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "TuningKey":
+        if not isinstance(data, dict):
+            raise ValueError(f"a key must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            missing, extra = names - set(data), set(data) - names
+            raise ValueError(f"key fields wrong: missing {sorted(missing)}, unknown {sorted(extra)}")
+        return cls(**data)
+
+    def id(self) -> str:
+        """Canonical, human-readable text form; what the cache stores and `autofuse cache show` takes."""
+        return "|".join(f"{f.name}={_text(getattr(self, f.name))}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def parse(cls, text: str) -> "TuningKey":
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        data: dict[str, Any] = {}
+        for part in text.split("|"):
+            name, sep, value = part.partition("=")
+            if not sep or name not in fields:
+                raise ValueError(f"not a key: {text!r} (bad part {part!r})")
+            if name in ("n", "k", "m_bucket"):
+                data[name] = int(value) if value.isdigit() else value
+            elif name in ("bias", "residual"):
+                data[name] = {"1": True, "0": False}.get(value, value)
+            else:
+                data[name] = value
+        return cls.from_dict(data)
+
+
+def _text(value: Any) -> str:
+    return str(int(value)) if isinstance(value, bool) else str(value)
+
+
+def make_key(op: str, n: int, k: int, m_bucket: int, dtype: torch.dtype, activation: str, bias: bool,
+             residual: bool, environment: Environment) -> TuningKey:
+    from .render import template_hash
+
+    return TuningKey(
+        op=op, template_hash=template_hash(OP_TEMPLATES[op]), n=n, k=k, m_bucket=m_bucket,
+        dtype=DTYPE_NAMES[dtype], activation=activation, bias=bias, residual=residual,
+        gpu=environment.gpu, capability=environment.capability, triton=environment.triton, cuda=environment.cuda,
+    )

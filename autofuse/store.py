@@ -1,0 +1,208 @@
+"""The user's tuning cache: diskcache under AUTOFUSE_CACHE_DIR, JSON only.
+
+Two diskcache folders of plain JSON entries (diskcache's JSONDisk: nothing is pickled, nothing
+is unpickled), validated when read:
+  configs/  <key id>                 the winner for a key (a KernelConfig dict, or "baseline")
+  trials/   <key id>|<config id>     one finished trial (typed outcome, time), written as it ends
+Writes are SQLite transactions, so several processes may tune into one cache at once, and a
+killed run leaves only whole entries behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+from .configs import KernelConfig
+from .key import TuningKey
+
+BASELINE = "baseline"  # a key whose winner is eager PyTorch (no candidate beat it)
+TRIAL_STATUSES = ("ok", "infeasible", "compile_error", "out_of_resources", "wrong_result", "timeout", "error")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("AUTOFUSE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "autofuse"
+    )
+    return Path(root)
+
+
+@dataclasses.dataclass(frozen=True)
+class Winner:
+    """The tuned choice for one key, with what was measured when it was chosen."""
+
+    key: TuningKey
+    config: KernelConfig | None  # None: the eager PyTorch baseline won
+    time_ms: float  # the winner's median time
+    baseline_ms: float  # eager PyTorch for the same op
+    heuristic_ms: float | None = None  # the built-in heuristic's config, when it was timed
+    trials: int = 0
+    tune_seconds: float = 0.0
+    policy: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "key": self.key.to_dict(),
+            "config": BASELINE if self.config is None else self.config.to_dict(),
+            "time_ms": self.time_ms,
+            "baseline_ms": self.baseline_ms,
+            "heuristic_ms": self.heuristic_ms,
+            "trials": self.trials,
+            "tune_seconds": self.tune_seconds,
+            "policy": self.policy,
+        }
+
+    @classmethod
+    def from_record(cls, record: Any) -> "Winner":
+        """Validate one JSON record; ValueError names what is wrong."""
+        if not isinstance(record, dict):
+            raise ValueError("a record must be a JSON object")
+        expected = {"key", "config", "time_ms", "baseline_ms", "heuristic_ms", "trials", "tune_seconds", "policy"}
+        if set(record) != expected:
+            raise ValueError(f"record fields wrong: missing {sorted(expected - set(record))}, "
+                             f"unknown {sorted(set(record) - expected)}")
+        key = TuningKey.from_dict(record["key"])
+        config = None if record["config"] == BASELINE else KernelConfig.from_dict(record["config"])
+        for name in ("time_ms", "baseline_ms"):
+            if not _positive_number(record[name]):
+                raise ValueError(f"{name} must be a positive number, got {record[name]!r}")
+        if record["heuristic_ms"] is not None and not _positive_number(record["heuristic_ms"]):
+            raise ValueError(f"heuristic_ms must be a positive number or null, got {record['heuristic_ms']!r}")
+        if type(record["trials"]) is not int or record["trials"] < 0:
+            raise ValueError(f"trials must be a non-negative integer, got {record['trials']!r}")
+        if not _positive_number(record["tune_seconds"], allow_zero=True):
+            raise ValueError(f"tune_seconds must be a non-negative number, got {record['tune_seconds']!r}")
+        if not isinstance(record["policy"], str):
+            raise ValueError("policy must be a string")
+        return cls(key, config, float(record["time_ms"]), float(record["baseline_ms"]),
+                   None if record["heuristic_ms"] is None else float(record["heuristic_ms"]),
+                   record["trials"], float(record["tune_seconds"]), record["policy"])
+
+
+def _positive_number(value: Any, allow_zero: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= 0 if allow_zero else value > 0
+
+
+def config_id(config: KernelConfig) -> str:
+    c = config
+    return f"{c.block_m}-{c.block_n}-{c.block_k}-{c.group_m}-{c.num_warps}-{c.num_stages}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialRecord:
+    config: KernelConfig
+    status: str
+    time_ms: float | None = None
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "status": self.status, "time_ms": self.time_ms,
+                "detail": self.detail[:500]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "TrialRecord":
+        if not isinstance(data, dict) or set(data) != {"config", "status", "time_ms", "detail"}:
+            raise ValueError("malformed trial record")
+        if data["status"] not in TRIAL_STATUSES:
+            raise ValueError(f"unknown trial status {data['status']!r}")
+        time_ms = data["time_ms"]
+        if data["status"] == "ok" and not _positive_number(time_ms):
+            raise ValueError("an ok trial needs a positive time_ms")
+        return cls(KernelConfig.from_dict(data["config"]), data["status"],
+                   None if time_ms is None else float(time_ms), str(data["detail"]))
+
+
+class Store:
+    """The tuning cache of one directory."""
+
+    def __init__(self, directory: Path | str | None = None) -> None:
+        import diskcache
+
+        self.directory = Path(directory) if directory is not None else cache_dir()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        settings = dict(
+            disk=diskcache.JSONDisk,
+            disk_compress_level=0,
+            eviction_policy="none",  # tuned results are never culled for space
+            timeout=60,
+        )
+        self._cache = diskcache.Cache(str(self.directory / "configs"), **settings)
+        self._trials = diskcache.Cache(str(self.directory / "trials"), **settings)
+
+    def close(self) -> None:
+        self._cache.close()
+        self._trials.close()
+
+    # winners
+    def get_winner(self, key: TuningKey) -> Winner | None:
+        record = self._cache.get(key.id())
+        if record is None:
+            return None
+        try:
+            return Winner.from_record(record)
+        except ValueError:
+            return None  # a corrupt entry is ignored, never trusted
+
+    def put_winner(self, winner: Winner) -> None:
+        self._cache.set(winner.key.id(), winner.to_record())
+
+    def put_winners(self, winners: list[Winner]) -> None:
+        """All or nothing, in one transaction."""
+        with self._cache.transact():
+            for winner in winners:
+                self.put_winner(winner)
+
+    def winners(self) -> Iterator[Winner]:
+        for name in list(self._cache.iterkeys()):
+            record = self._cache.get(name)
+            if record is not None:
+                try:
+                    yield Winner.from_record(record)
+                except ValueError:
+                    continue
+
+    def delete_winner(self, key: TuningKey) -> bool:
+        return self._cache.delete(key.id())
+
+    # trials
+    def put_trial(self, key: TuningKey, trial: TrialRecord) -> None:
+        self._trials.set(f"{key.id()}|{config_id(trial.config)}", trial.to_json())
+
+    def trials(self, key: TuningKey) -> list[TrialRecord]:
+        prefix = f"{key.id()}|"
+        out = []
+        for name in list(self._trials.iterkeys()):
+            if isinstance(name, str) and name.startswith(prefix):
+                data = self._trials.get(name)
+                try:
+                    out.append(TrialRecord.from_json(data))
+                except ValueError:
+                    continue
+        return out
+
+    def clear_trials(self, key: TuningKey) -> None:
+        prefix = f"{key.id()}|"
+        with self._trials.transact():
+            for name in list(self._trials.iterkeys()):
+                if isinstance(name, str) and name.startswith(prefix):
+                    self._trials.delete(name)
+
+    def clear(self) -> int:
+        """Remove every winner and trial; returns how many winners there were."""
+        self._trials.clear()
+        return self._cache.clear()
+
+
+@lru_cache(maxsize=8)
+def open_store(directory: str) -> Store:
+    return Store(directory)
+
+
+def default_store() -> Store:
+    return open_store(str(cache_dir()))

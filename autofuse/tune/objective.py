@@ -1,0 +1,144 @@
+"""One key's trial objective: compile (time-limited), verify on fresh random inputs, then time.
+
+Every outcome is a TrialRecord: a time for a correct config, or a typed failure (compile error,
+out of resources, wrong result, timeout). Nothing a candidate does can crash the tuning run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import launch
+from ..activations import TORCH_ACTIVATIONS
+from ..configs import KernelConfig
+from ..device import interpreting
+from ..key import TuningKey
+from ..reference import gated_reference, linear_reference
+from ..store import TrialRecord
+from ..timing import cpu_median_ms, gpu_median_ms
+
+# A candidate is correct when ||out - ref|| / ||ref|| stays within a few unit roundoffs of the
+# dtype (one rounding of the output; fp32 allows for tf32 when PyTorch enables it), and every
+# element is finite (outputs are poisoned with NaN before the run).
+ERROR_BOUNDS = {torch.float32: 2e-3, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
+
+
+def _status_of(error: BaseException) -> str:
+    name = type(error).__name__
+    if name == "OutOfResources" or "out of resource" in str(error).lower():
+        return "out_of_resources"
+    if name in ("CompilationError", "CompileTimeoutError") or "compil" in name.lower():
+        return "compile_error"
+    return "error"
+
+
+class Evaluator:
+    """Operands, reference and launchers for one key at one M; evaluates configs on them."""
+
+    def __init__(self, key: TuningKey, M: int, device: torch.device, seed: int = 0,
+                 compile_timeout_s: float = 120.0) -> None:
+        self.key, self.M, self.device = key, M, device
+        self.dtype = key.torch_dtype
+        self.compile_timeout_s = compile_timeout_s
+        self.interpret = interpreting()
+        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        n, k = key.n, key.k
+        scale = k**-0.5  # like nn.Linear's init: outputs of order one
+        self.weights = [self._random(n, k) * scale]
+        if key.op == "gated_up":
+            self.weights.append(self._random(n, k) * scale)
+        self.biases = [self._random(n) for _ in self.weights] if key.bias else [None] * len(self.weights)
+        self.residual = self._random(M, n) if key.residual else None
+        self.x = self._random(M, k)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self._generator).to(self.dtype).to(self.device)
+
+    # the op, three ways
+    def _launch(self, config: KernelConfig, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.key.op == "gated_up":
+            return launch.gated_up(x, *self.weights, *self.biases, self.key.activation, config, out=out)
+        return launch.linear(x, self.weights[0], self.biases[0], self.residual, self.key.activation, config, out=out)
+
+    def baseline(self, x: torch.Tensor) -> torch.Tensor:
+        """What eager PyTorch runs for this op: cuBLAS GEMM(s) + pointwise."""
+        act = TORCH_ACTIVATIONS[self.key.activation]
+        if self.key.op == "gated_up":
+            return act(F.linear(x, self.weights[0], self.biases[0])) * F.linear(x, self.weights[1], self.biases[1])
+        y = act(F.linear(x, self.weights[0], self.biases[0]))
+        return y if self.residual is None else y + self.residual
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.key.op == "gated_up":
+            return gated_reference(x, *self.weights, *self.biases, self.key.activation)
+        return linear_reference(x, self.weights[0], self.biases[0], self.residual, self.key.activation)
+
+    # timing
+    def _time(self, fn: Callable[[], object]) -> float:
+        if self.interpret:
+            return cpu_median_ms(fn, repeats=1)
+        return gpu_median_ms(fn)
+
+    def baseline_ms(self) -> float:
+        with torch.no_grad():
+            return self._time(lambda: self.baseline(self.x))
+
+    # one trial
+    def evaluate(self, config: KernelConfig) -> TrialRecord:
+        try:
+            compiled = self._compile(config)
+            if compiled is not None:
+                return compiled
+            with torch.no_grad():
+                wrong = self._verify(config)
+                if wrong is not None:
+                    return TrialRecord(config, "wrong_result", None, wrong)
+                return TrialRecord(config, "ok", self._time(lambda: self._launch(config, self.x)))
+        except Exception as e:  # any failure is a typed result, never a crash of the run
+            return TrialRecord(config, _status_of(e), None, f"{type(e).__name__}: {e}")
+
+    def _compile(self, config: KernelConfig) -> TrialRecord | None:
+        """Run the candidate once so Triton compiles it, giving up after compile_timeout_s.
+
+        A compile that overruns keeps going in its abandoned thread (Triton cannot be interrupted);
+        the trial is recorded as a timeout and the next one gets a fresh thread."""
+        if self.interpret:
+            return None  # nothing to compile
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        future = self._pool.submit(self._compile_and_sync, config)
+        try:
+            future.result(timeout=self.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            return TrialRecord(config, "timeout", None, f"compile took over {self.compile_timeout_s:.0f} s")
+        return None
+
+    def _compile_and_sync(self, config: KernelConfig) -> None:
+        with torch.no_grad():
+            self._launch(config, self.x)
+        torch.cuda.synchronize(self.device)
+
+    def _verify(self, config: KernelConfig) -> str | None:
+        """None when correct on fresh inputs; otherwise what was wrong."""
+        x = self._random(self.M, self.key.k)
+        out = torch.full((self.M, self.key.n), float("nan"), dtype=self.dtype, device=self.device)
+        self._launch(config, x, out=out)
+        if not torch.isfinite(out).all():
+            return f"{(~torch.isfinite(out)).sum().item()} non-finite or unwritten elements"
+        ref = self._reference(x)
+        error = ((out.double() - ref).norm() / ref.norm()).item()
+        if not error <= ERROR_BOUNDS[self.dtype]:
+            return f"relative error {error:.3g} > {ERROR_BOUNDS[self.dtype]:.3g}"
+        return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+

@@ -1,0 +1,104 @@
+"""Search policies behind one interface, so their quality can be compared on the same key.
+
+A policy proposes configs; the driver evaluates them (compile, verify, time) and says how each
+went. Every policy skips configs already tried (a resumed run repeats no work) and stops when
+the driver's budget says so.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Iterable, Protocol
+
+from ..configs import KernelConfig
+from ..store import TrialRecord
+from .space import Problem, SearchSpace, feasible
+
+# evaluate(config) -> the trial's record; budget() -> False once trials or time are spent.
+Evaluate = Callable[[KernelConfig], TrialRecord]
+
+
+class Policy(Protocol):
+    name: str
+
+    def run(self, evaluate: Evaluate, budget: Callable[[], bool], done: dict[KernelConfig, TrialRecord]) -> None: ...
+
+
+class _ListPolicy:
+    """Walks a fixed list of candidates in order."""
+
+    name = "list"
+
+    def __init__(self, candidates: Iterable[KernelConfig]) -> None:
+        self.candidates = list(candidates)
+
+    def run(self, evaluate, budget, done) -> None:
+        for config in self.candidates:
+            if not budget():
+                return
+            if config not in done:
+                done[config] = evaluate(config)
+
+
+class ExhaustivePolicy(_ListPolicy):
+    name = "exhaustive"
+
+
+class RandomPolicy(_ListPolicy):
+    name = "random"
+
+    def __init__(self, candidates: Iterable[KernelConfig], seed: int = 0) -> None:
+        super().__init__(candidates)
+        random.Random(seed).shuffle(self.candidates)
+
+
+class OptunaPolicy:
+    """TPE over the space's dimensions (categorical), seeded. Trials already done (a resumed run)
+    are handed to the study first, so the sampler learns from them and none is repeated."""
+
+    name = "optuna"
+    _MAX_SAMPLES_PER_TRIAL = 50  # infeasible or repeated samples cost nothing, but bound them
+
+    def __init__(self, space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool,
+                 seed: int = 0) -> None:
+        self.space, self.problem = space, problem
+        self.shared_memory_limit, self.interpret, self.seed = shared_memory_limit, interpret, seed
+
+    def run(self, evaluate, budget, done) -> None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        dims = self.space.dimensions()
+        distributions = {name: optuna.distributions.CategoricalDistribution(values) for name, values in dims.items()}
+        study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=self.seed))
+        for config, record in done.items():
+            params = config.to_dict()
+            if all(params[name] in dims[name] for name in dims):
+                study.add_trial(self._frozen(optuna, params, distributions, record))
+        samples = 0
+        limit = self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1)
+        while budget() and samples < limit:
+            samples += 1
+            trial = study.ask(distributions)
+            config = feasible(KernelConfig(**trial.params), self.problem, self.shared_memory_limit, self.interpret)
+            if config is None:  # filtered out before compiling
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            if config not in done:
+                done[config] = evaluate(config)
+                limit = self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1)
+            record = done[config]
+            if record.status == "ok":
+                study.tell(trial, record.time_ms)
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
+    @staticmethod
+    def _frozen(optuna, params, distributions, record: TrialRecord):
+        if record.status == "ok":
+            return optuna.trial.create_trial(params=params, distributions=distributions, value=record.time_ms)
+        return optuna.trial.create_trial(params=params, distributions=distributions,
+                                         state=optuna.trial.TrialState.PRUNED)
+
+
+POLICIES = ("optuna", "exhaustive", "random")

@@ -1,0 +1,84 @@
+"""Typed search spaces and the filter pipeline that runs before anything compiles.
+
+Every template shares the same knobs (its tile sizes, GROUP_M, warps, stages). A sampled point
+is clamped to the problem, then dropped if its shared memory exceeds the device's limit or its
+accumulators would need more registers than a thread has; what survives is deduplicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from ..configs import KernelConfig, clamp_to_problem, shared_memory_bytes
+
+# Registers: each thread holds its share of the fp32 accumulator tile(s). 255 registers per
+# thread at most; leave ~25% for addresses, loads and the epilogue.
+_MAX_ACCUMULATOR_REGS_PER_THREAD = 192
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    block_m: tuple[int, ...] = (16, 32, 64, 128, 256)
+    block_n: tuple[int, ...] = (16, 32, 64, 128, 256)
+    block_k: tuple[int, ...] = (32, 64, 128, 256)
+    group_m: tuple[int, ...] = (1, 8, 16)
+    num_warps: tuple[int, ...] = (2, 4, 8)
+    num_stages: tuple[int, ...] = (2, 3, 4, 5)
+
+    def dimensions(self) -> dict[str, tuple[int, ...]]:
+        return dataclasses.asdict(self)
+
+    def points(self):
+        dims = self.dimensions()
+        for values in itertools.product(*dims.values()):
+            yield KernelConfig(**dict(zip(dims, values)))
+
+    def size(self) -> int:
+        n = 1
+        for values in self.dimensions().values():
+            n *= len(values)
+        return n
+
+
+# Under the interpreter every program costs milliseconds: a tiny space of large tiles.
+INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
+                                num_warps=(4,), num_stages=(1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    template: str
+    M: int
+    N: int
+    K: int
+    dtype: torch.dtype
+
+
+def accumulator_registers(config: KernelConfig, template: str) -> int:
+    accumulators = 2 if template == "gated_up" else 1
+    return accumulators * config.block_m * config.block_n // (32 * config.num_warps)
+
+
+def feasible(config: KernelConfig, problem: Problem, shared_memory_limit: int, interpret: bool) -> KernelConfig | None:
+    """The config clamped to the problem, or None when it cannot run on this device."""
+    config = clamp_to_problem(config, problem.M, problem.N, problem.K)
+    if interpret:
+        return config
+    if shared_memory_bytes(config, problem.template, problem.dtype) > shared_memory_limit:
+        return None
+    if accumulator_registers(config, problem.template) > _MAX_ACCUMULATOR_REGS_PER_THREAD:
+        return None
+    return config
+
+
+def candidates(space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool) -> list[KernelConfig]:
+    """Every distinct feasible config of `space` for `problem`, in a fixed order."""
+    seen: dict[KernelConfig, None] = {}
+    for point in space.points():
+        config = feasible(point, problem, shared_memory_limit, interpret)
+        if config is not None:
+            seen.setdefault(config)
+    return list(seen)
