@@ -80,5 +80,196 @@ def show_kernel_command(op, activation, bias, residual, dtype, ragged_k, interpr
                            dtype=getattr(torch, dtype), even_k=not ragged_k, interpret=interpret), nl=False)
 
 
+def _parse_tokens(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        tokens = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
+    except ValueError:
+        raise AutofuseError(f"--tokens must be comma-separated positive integers, got {text!r}") from None
+    if not tokens or tokens[0] < 1:
+        raise AutofuseError(f"--tokens must be comma-separated positive integers, got {text!r}")
+    return tokens
+
+
+class _ProgressLine:
+    """One status line per key: rewritten in place on a terminal, printed every few trials otherwise."""
+
+    def __init__(self, position: str, interpret: bool) -> None:
+        self.position, self.interpret = position, interpret
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+
+    def __call__(self, p) -> None:
+        budget = f"/{p.trials_budget}" if p.trials_budget else ""
+        best = f"{p.best_ms:.4f} ms" if p.best_ms is not None else "-"
+        eta = f"{p.eta_s:.0f}s" if p.eta_s is not None else "?"
+        resumed = f" (resumed {p.resumed})" if p.resumed else ""
+        self.last = (f"{self.position} {p.job.label} M={p.job.M}: trial {p.trials_done}{budget}{resumed} "
+                     f"best {best} baseline {p.baseline_ms:.4f} ms ETA {eta}")
+        if self.tty:
+            click.echo("\r" + self.last.ljust(110), nl=False, err=True)
+        elif p.trials_done % 5 == 0:
+            click.echo(self.last, err=True)
+
+    def finish(self) -> None:
+        if self.tty:
+            click.echo("\r" + self.last.ljust(110), err=True)
+        else:
+            click.echo(self.last, err=True)
+
+
+@main.command()
+@click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), required=True, help="Shapes file (JSON).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Override the file's dtype.")
+@click.option("--tokens", default=None, help="Override the file's token counts, e.g. 1,16,128.")
+@click.option("--trials", type=click.IntRange(min=1), default=20, show_default=True, help="Trials per key.")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds per key (with --trials, whichever ends first).")
+@click.option("--policy", type=click.Choice(["optuna", "exhaustive", "random"]), default="optuna", show_default=True)
+@click.option("--resume", is_flag=True, help="Keep the trials a killed or earlier run recorded; run only the rest.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed):
+    """Tune every key of a shapes file and store the winners in the cache."""
+    import dataclasses
+
+    from . import resolve as resolve_module
+    from .shapes import DTYPES, load_shapes
+    from .store import Store, cache_dir
+    from .tune.driver import jobs_for_shapes, tune_key
+
+    shapes = load_shapes(shapes_path)
+    if dtype:
+        shapes = dataclasses.replace(shapes, dtype=DTYPES[dtype])
+    tokens = _parse_tokens(tokens)
+    if tokens:
+        shapes = dataclasses.replace(shapes, tokens=tokens)
+    device = _select_device()
+    interpret = device == "cpu"
+    store = Store(cache_dir())
+    jobs = jobs_for_shapes(shapes, torch.device(device))
+    click.echo(f"tuning {len(jobs)} keys with {policy}, {trials} trials"
+               f"{f' or {time_budget:g} s' if time_budget else ''} each, cache {store.directory}", err=True)
+    results = []
+    for i, job in enumerate(jobs, 1):
+        line = _ProgressLine(f"[{i}/{len(jobs)}]", interpret)
+        result = tune_key(job, store, torch.device(device), policy=policy, trials=trials, time_budget_s=time_budget,
+                          resume=resume, seed=seed, progress=line)
+        line.finish()
+        results.append((job, result))
+    resolve_module.invalidate()
+    store.close()
+
+    note = "  [interpreter: times are CPU milliseconds, not GPU speed]" if interpret else ""
+    click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'baseline':>9} {'speedup':>7} "
+               f"{'trials':>6} {'resumed':>7}  failures{note}")
+    for job, r in results:
+        w = r.winner
+        winner = "baseline (eager)" if w.config is None else w.config.short()
+        fails = ", ".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
+        click.echo(f"{job.label:<32} {job.M:>6} {winner:<28} {w.time_ms:>9.4f} {w.baseline_ms:>9.4f} "
+                   f"{w.baseline_ms / w.time_ms:>6.2f}x {w.trials:>6} {r.resumed:>7}  {fails}")
+
+
+@main.group()
+def cache():
+    """Inspect, export, import or clear tuned configs."""
+
+
+@cache.command("ls")
+def cache_ls():
+    """List tuned keys in the user cache."""
+    from .store import Store, cache_dir
+
+    store = Store(cache_dir())
+    winners = sorted(store.winners(), key=lambda w: (w.key.gpu, w.key.op, w.key.n, w.key.k, w.key.m_bucket))
+    click.echo(f"{len(winners)} tuned keys in {store.directory}")
+    for w in winners:
+        k = w.key
+        winner = "baseline" if w.config is None else w.config.short()
+        click.echo(f"{k.op:<8} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "
+                   f"bias={int(k.bias)} {winner:<28} {w.time_ms:.4f} ms (baseline {w.baseline_ms:.4f})  {k.gpu}")
+        click.echo(f"    {k.id()}")
+
+
+def _winner_for(key_text: str):
+    from .key import TuningKey
+    from .store import Store, cache_dir
+
+    try:
+        key = TuningKey.parse(key_text)
+    except ValueError as e:
+        raise AutofuseError(str(e)) from None
+    winner = Store(cache_dir()).get_winner(key)
+    if winner is None:
+        raise AutofuseError("no tuned config for that key in the user cache (see `autofuse cache ls`)")
+    return winner
+
+
+@cache.command("show")
+@click.argument("key")
+def cache_show(key):
+    """Show the stored record of KEY (an id printed by `autofuse cache ls`)."""
+    import json
+
+    click.echo(json.dumps(_winner_for(key).to_record(), indent=1))
+
+
+@cache.command("export")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True)
+@click.option("--gpu", default=None, help="Only this GPU's configs (its name as `cache ls` prints it).")
+def cache_export(output, gpu):
+    """Write tuned configs to a versioned JSON file."""
+    from .export import export_winners
+    from .store import Store, cache_dir
+
+    count = export_winners(Store(cache_dir()), output, gpu=gpu)
+    click.echo(f"exported {count} configs to {output}")
+
+
+@cache.command("import")
+@click.argument("file", type=click.Path(dir_okay=False))
+def cache_import(file):
+    """Validate an export and add its configs to the user cache (all or nothing)."""
+    from . import resolve as resolve_module
+    from .export import import_winners
+    from .store import Store, cache_dir
+
+    winners = import_winners(Store(cache_dir()), file)
+    resolve_module.invalidate()
+    click.echo(f"imported {len(winners)} configs from {file}")
+
+
+@cache.command("clear")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def cache_clear(yes):
+    """Delete every tuned config and trial from the user cache."""
+    from .store import Store, cache_dir
+
+    store = Store(cache_dir())
+    if not yes:
+        click.confirm(f"delete every tuned config in {store.directory}?", abort=True)
+    click.echo(f"removed {store.clear()} tuned configs")
+
+
+@main.command("kernel")
+@click.argument("key")
+def kernel_command(key):
+    """Print the generated Triton source that KEY's tuned config runs."""
+    from .kernels import show_kernel
+
+    winner = _winner_for(key)
+    k = winner.key
+    if winner.config is None:
+        click.echo(f"# {k.op} at this key runs eager PyTorch: no candidate beat it "
+                   f"({winner.baseline_ms:.4f} ms)")
+        return
+    click.echo(f"# key {k.id()}\n# config {winner.config.short()}")
+    click.echo(show_kernel(k.template, activation=k.activation, bias=k.bias, residual=k.residual,
+                           dtype=k.torch_dtype, even_k=k.k % winner.config.block_k == 0,
+                           interpret=k.gpu == "interpreter"), nl=False)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,101 @@
+"""Search policies and the trial objective's typed failures."""
+
+import torch
+
+from autofuse import launch
+from autofuse.configs import KernelConfig
+from autofuse.key import current_environment, make_key
+from autofuse.store import Store, TrialRecord
+from autofuse.tune.driver import Job, tune_key
+from autofuse.tune.objective import Evaluator
+from autofuse.tune.policies import ExhaustivePolicy, OptunaPolicy, RandomPolicy
+from autofuse.tune.space import INTERPRETER_SPACE, Problem, SearchSpace, candidates, feasible
+
+PROBLEM = Problem("gated_up", 37, 72, 40, torch.bfloat16)
+
+
+def _fake_evaluate(log):
+    def evaluate(config):
+        log.append(config)
+        return TrialRecord(config, "ok", float(config.block_m + config.block_n + config.block_k))
+    return evaluate
+
+
+def test_exhaustive_and_random_visit_every_candidate_once():
+    found = candidates(INTERPRETER_SPACE, PROBLEM, 0, True)
+    assert len(found) == len(set(found)) > 10
+    for policy in (ExhaustivePolicy(found), RandomPolicy(found, seed=3)):
+        log = []
+        policy.run(_fake_evaluate(log), lambda: True, {})
+        assert sorted(map(str, log)) == sorted(map(str, found))
+    assert RandomPolicy(found, seed=3).candidates != found  # shuffled
+
+
+def test_optuna_respects_budget_skips_done_and_never_repeats():
+    done = {}
+    log = []
+    first = KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1)
+    done[first] = TrialRecord(first, "ok", 1.0)
+    policy = OptunaPolicy(INTERPRETER_SPACE, PROBLEM, 0, True, seed=0)
+    policy.run(_fake_evaluate(log), lambda: len(done) < 8, done)
+    assert len(done) == 8 and len(log) == 7 and first not in log
+    assert len(set(log)) == len(log)
+
+
+def test_filters_drop_what_cannot_fit_before_compiling():
+    space = SearchSpace()
+    big = Problem("gated_up", 4096, 16384, 2048, torch.bfloat16)
+    assert feasible(KernelConfig(256, 256, 128, num_warps=4, num_stages=5), big, 232448, False) is None
+    kept = candidates(space, big, 232448, False)
+    assert 0 < len(kept) < space.size()
+    small = Problem("linear", 1, 40, 24, torch.float16)
+    assert all(c.block_m == 16 and c.block_n <= 64 and c.block_k <= 32 for c in candidates(space, small, 232448, False))
+
+
+def _key(dtype=torch.float16):
+    return make_key("linear", 40, 48, 37, dtype, "gelu", True, True, current_environment(torch.device("cpu")))
+
+
+def test_a_wrong_kernel_is_recorded_as_wrong_and_never_wins(monkeypatch):
+    real = launch.linear
+
+    def broken(x, w, b, r, act, config, out=None):
+        y = real(x, w, b, r, act, config, out=out)
+        if config.block_m == 16:  # this family of configs is "fast but wrong"
+            y[0, 0] += 1.0
+        return y
+
+    monkeypatch.setattr(launch, "linear", broken)
+    evaluator = Evaluator(_key(), 37, torch.device("cpu"))
+    record = evaluator.evaluate(KernelConfig(16, 64, 64, num_stages=1))
+    assert record.status == "wrong_result" and "relative error" in record.detail
+    assert evaluator.evaluate(KernelConfig(32, 64, 64, num_stages=1)).status == "ok"
+    result = tune_key(Job(_key(), 37, "t"), Store(), torch.device("cpu"), policy="exhaustive", trials=12)
+    assert result.winner.config is not None and result.winner.config.block_m != 16
+    assert result.failures.get("wrong_result", 0) >= 1
+
+
+def test_unwritten_output_is_caught(monkeypatch):
+    monkeypatch.setattr(launch, "linear", lambda x, w, b, r, act, config, out=None: out)  # writes nothing
+    record = Evaluator(_key(), 37, torch.device("cpu")).evaluate(KernelConfig(32, 64, 64, num_stages=1))
+    assert record.status == "wrong_result" and "unwritten" in record.detail
+
+
+def test_a_crashing_candidate_is_a_typed_failure(monkeypatch):
+    class OutOfResources(Exception):
+        pass
+
+    def crash(*args, **kwargs):
+        raise OutOfResources("out of resource: shared memory, Required: 300000, Hardware limit: 232448")
+
+    monkeypatch.setattr(launch, "linear", crash)
+    record = Evaluator(_key(), 37, torch.device("cpu")).evaluate(KernelConfig(32, 64, 64, num_stages=1))
+    assert record.status == "out_of_resources" and "shared memory" in record.detail
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(launch, "linear", fail)
+    result = tune_key(Job(_key(), 37, "t"), Store(), torch.device("cpu"), policy="random", trials=3)
+    assert result.winner.config is None  # nothing worked: the eager baseline is the winner
+    assert result.failures == {"error": 3}

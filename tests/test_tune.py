@@ -1,0 +1,255 @@
+"""The tuner end to end under the interpreter: CLI, store, resume, concurrency, export/import."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import autofuse
+from autofuse import resolve
+from autofuse.cli import main
+from autofuse.configs import KernelConfig
+from autofuse.key import current_environment, make_key
+from autofuse.store import Store, TrialRecord, Winner
+
+TINY = {"dtype": "bfloat16", "tokens": [3, 37],
+        "mlps": [{"name": "tiny", "d_model": 40, "d_ff": 72, "activation": "silu"}],
+        "linears": [{"name": "lin", "in_features": 40, "out_features": 56, "activation": "gelu"}]}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_index():
+    resolve.invalidate()
+    yield
+    resolve.invalidate()
+
+
+def _write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _tune(args):
+    result = CliRunner().invoke(main, ["tune", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_tune_end_to_end_and_modules_use_the_winners(tmp_path):
+    shapes = _write(tmp_path, "s.json", TINY)
+    out = _tune(["--shapes", str(shapes), "--trials", "3"])
+    assert "tuning 6 keys with optuna" in out
+    table = [line for line in out.splitlines() if line.startswith(("tiny ", "lin "))]
+    assert len(table) == 6, out
+    store = Store()
+    winners = {(w.key.op, w.key.m_bucket): w for w in store.winners()}
+    assert set(winners) == {(op, m) for op in ("gated_up", "down", "linear") for m in (3, 37)}
+    assert all(w.trials == 3 and w.config is not None for w in winners.values())
+
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
+    assert mlp.config_sources(37) == {"gated_up": "user-cache", "down": "user-cache"}
+    assert mlp.config_for(37) == {"gated_up": winners["gated_up", 37].config, "down": winners["down", 37].config}
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
+    assert lin.config_for(3) == {"linear": winners["linear", 3].config}
+    # M=20 was not tuned: its pow2 bucket 32 neither, so the nearest tuned bucket (37) serves it.
+    assert lin.config_sources(20)["linear"].startswith("nearest:") and "m_bucket=37" in lin.config_sources(20)["linear"]
+
+
+def test_bad_shapes_and_tokens_are_one_line_errors(tmp_path):
+    bad = _write(tmp_path, "bad.json", {"mlps": [{"d_model": 8, "d_ff": 0}]})
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(bad)])
+    assert result.exit_code == 2 and "bad.json.mlps[0].d_ff: must be a positive integer, got 0" in result.output
+    good = _write(tmp_path, "s.json", TINY)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(good), "--tokens", "1,x"])
+    assert result.exit_code == 2 and "--tokens must be comma-separated" in result.output
+
+
+def test_export_import_round_trip_into_a_fresh_cache(tmp_path, monkeypatch):
+    _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "37"])
+    exported = tmp_path / "h.json"
+    result = CliRunner().invoke(main, ["cache", "export", "-o", str(exported)])
+    assert result.exit_code == 0 and "exported 3 configs" in result.output
+    tuned = {w.key.id(): w for w in Store().winners()}
+
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "fresh"))
+    resolve.invalidate()
+    result = CliRunner().invoke(main, ["cache", "import", str(exported)])
+    assert result.exit_code == 0 and "imported 3 configs" in result.output
+    assert {w.key.id(): w for w in Store().winners()} == tuned
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
+    assert mlp.config_sources(37) == {"gated_up": "user-cache", "down": "user-cache"}
+    gated = next(w for w in tuned.values() if w.key.op == "gated_up")
+    assert mlp.config_for(37)["gated_up"] == gated.config
+    x = torch.randn(37, 40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.isfinite(mlp(x)).all()
+
+
+def _exported(tmp_path):
+    _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "3"])
+    path = tmp_path / "e.json"
+    assert CliRunner().invoke(main, ["cache", "export", "-o", str(path)]).exit_code == 0
+    return path
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t[: len(t) // 2], "not valid JSON, truncated or damaged"),
+    (lambda t: t.replace('"trials": 2', '"trials": 7', 1), "checksum mismatch"),
+    (lambda t: t.replace('"format": "autofuse-configs"', '"format": "other"'), "not an autofuse config export"),
+    (lambda t: t.replace('"schema_version": 1', '"schema_version": 9'), "schema version 9 is not supported"),
+])
+def test_damaged_import_is_rejected_and_writes_nothing(tmp_path, monkeypatch, damage, message):
+    path = _exported(tmp_path)
+    path.write_text(damage(path.read_text()))
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "fresh"))
+    result = CliRunner().invoke(main, ["cache", "import", str(path)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) <= 3  # usage line + one error line
+    assert list(Store().winners()) == []
+
+
+def test_import_rejects_a_bad_record_even_with_a_valid_checksum(tmp_path, monkeypatch):
+    from autofuse.export import _checksum
+
+    path = _exported(tmp_path)
+    document = json.loads(path.read_text())
+    document["records"][1]["config"]["block_m"] = 48  # not a power of two
+    document["sha256"] = _checksum(document["records"])
+    path.write_text(json.dumps(document))
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "fresh"))
+    result = CliRunner().invoke(main, ["cache", "import", str(path)])
+    assert result.exit_code == 2 and "record 1: block_m must be one of" in result.output
+    assert list(Store().winners()) == []  # record 0 was valid, and still nothing was written
+
+
+def _key(op="linear", n=56, k=40, m=37, activation="gelu", env=None):
+    env = env or current_environment(torch.device("cpu"))
+    return make_key(op, n, k, m, torch.bfloat16, activation, True, False, env)
+
+
+def test_stale_keys_are_never_reused():
+    import dataclasses
+
+    store = Store()
+    config = KernelConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1)
+    fresh = _key()
+    for stale in (dataclasses.replace(fresh, template_hash="0" * 16), dataclasses.replace(fresh, triton="0.0.1")):
+        store.put_winner(Winner(stale, config, 1.0, 2.0))
+    resolve.invalidate()
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
+    assert lin.config_sources(37) == {"linear": "heuristic"}
+    assert lin.config_for(37)["linear"] != config
+    store.put_winner(Winner(fresh, config, 1.0, 2.0))
+    resolve.invalidate()
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
+    assert lin.config_for(37) == {"linear": config} and lin.config_sources(37) == {"linear": "user-cache"}
+
+
+def test_shipped_files_and_a_bad_one(tmp_path, monkeypatch):
+    path = _exported(tmp_path)
+    ship = tmp_path / "ship"
+    ship.mkdir()
+    (ship / "gpu.json").write_text(path.read_text())
+    (ship / "broken.json").write_text("{")
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("AUTOFUSE_CACHE_PATH", str(ship))
+    resolve.invalidate()
+    with pytest.warns(UserWarning, match="ignoring pretuned file: broken.json"):
+        lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
+        assert lin.config_sources(3) == {"linear": "shipped:gpu.json"}
+
+
+def test_baseline_winner_runs_eager_and_is_correct():
+    from autofuse.reference import linear_reference
+
+    store = Store()
+    store.put_winner(Winner(_key(m=4), None, 2.0, 1.0))
+    resolve.invalidate()
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device="cpu")
+    assert lin.config_for(4) == {"linear": KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=1)}
+    # The baseline record was keyed for bfloat16: a bf16 module picks it up and runs eagerly.
+    lin16 = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
+    assert lin16.config_for(4) == {"linear": "baseline"}
+    x = torch.randn(4, 40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = lin16(x)
+    ref = linear_reference(x, lin16.weight, lin16.bias, None, "gelu")
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * 2**-8
+
+
+def _tune_process(shapes, cache, *extra):
+    env = dict(os.environ, AUTOFUSE_CACHE_DIR=str(cache), TRITON_INTERPRET="1")
+    return subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", "--shapes", str(shapes), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
+    cache = tmp_path / "shared"
+    files = []
+    for i in range(4):
+        # Each file has its own MLP plus one Linear shared by all four: both kinds of overlap.
+        files.append(_write(tmp_path, f"s{i}.json", {
+            "tokens": [5], "mlps": [{"name": f"m{i}", "d_model": 16 + 8 * i, "d_ff": 48}],
+            "linears": [{"in_features": 24, "out_features": 40}]}))
+    procs = [_tune_process(f, cache, "--trials", "3") for f in files]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    winners = list(Store(cache).winners())
+    expected = {("gated_up", 48, 16 + 8 * i) for i in range(4)} | {("down", 16 + 8 * i, 48) for i in range(4)}
+    expected |= {("linear", 40, 24)}
+    assert {(w.key.op, w.key.n, w.key.k) for w in winners} == expected
+    assert all(len(Store(cache).trials(w.key)) >= 3 for w in winners)
+
+
+def test_a_killed_run_resumes_without_repeating_work(tmp_path):
+    cache = tmp_path / "c"
+    shapes = _write(tmp_path, "one.json", {"tokens": [64], "mlps": [{"d_model": 64, "d_ff": 128}]})
+    key_trials = lambda: sum(len(Store(cache).trials(w)) for w in _keys(cache, shapes))  # noqa: E731
+    proc = _tune_process(shapes, cache, "--trials", "6", "--policy", "random")
+    deadline = time.time() + 120
+    while time.time() < deadline and key_trials() < 2 and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it slower"
+    before = key_trials()
+    assert 2 <= before < 12 and len(list(Store(cache).winners())) < 2  # trials kept, the run unfinished
+
+    resumed = _tune_process(shapes, cache, "--trials", "6", "--policy", "random", "--resume")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert key_trials() == 12  # 6 per key (gated_up, down), the killed run's included
+    rows = [line.split() for line in out.splitlines() if line.startswith("mlp0 ")]
+    resumed_counts = [int(row[-2]) for row in rows]
+    assert sum(resumed_counts) == before, out  # every trial of the killed run was reused, none re-run
+
+
+def _keys(cache, shapes_path):
+    from autofuse.shapes import load_shapes
+    from autofuse.tune.driver import jobs_for_shapes
+
+    return [job.key for job in jobs_for_shapes(load_shapes(shapes_path), torch.device("cpu"))]
+
+
+def test_cache_show_clear_and_kernel(tmp_path):
+    _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "3"])
+    ls = CliRunner().invoke(main, ["cache", "ls"])
+    assert ls.exit_code == 0 and "3 tuned keys" in ls.output
+    key_id = next(line.strip() for line in ls.output.splitlines() if line.strip().startswith("op=gated_up"))
+    show = CliRunner().invoke(main, ["cache", "show", key_id])
+    assert show.exit_code == 0 and json.loads(show.output)["key"]["op"] == "gated_up"
+    kernel = CliRunner().invoke(main, ["kernel", key_id])
+    assert kernel.exit_code == 0 and "def autofuse_gated_up_silu(" in kernel.output
+    assert CliRunner().invoke(main, ["cache", "show", "op=nonsense"]).exit_code == 2
+    clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
+    assert clear.exit_code == 0 and "removed 3 tuned configs" in clear.output
+    assert list(Store().winners()) == []
