@@ -45,7 +45,8 @@ class Evaluator:
         self.dtype = key.torch_dtype
         self.compile_timeout_s = compile_timeout_s
         self.interpret = interpreting()
-        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+        # Drawn where they are used: fresh inputs for every trial must not cost a host round trip.
+        self._generator = torch.Generator(device=device).manual_seed(seed)
         n, k = key.n, key.k
         scale = k**-0.5  # like nn.Linear's init: outputs of order one
         self.weights = [self._random(n, k) * scale]
@@ -57,7 +58,7 @@ class Evaluator:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _random(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self._generator).to(self.dtype).to(self.device)
+        return torch.randn(*shape, generator=self._generator, device=self.device).to(self.dtype)
 
     # the op, three ways
     def _launch(self, config: KernelConfig, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
