@@ -93,7 +93,8 @@ def main() -> None:
             reference=lambda: mlp_reference(x, g, u, dn, activation="gelu_tanh", hidden_dtype=dtype),
             flops=2 * M * d * f * 3, min_bytes=2 * (3 * d * f + 2 * M * d), ceilings=ceilings,
         )
-        row["configs"] = {k: v.to_dict() for k, v in mlp.config_for(M).items()}
+        row["configs"] = {k: v if isinstance(v, str) else v.to_dict() for k, v in mlp.config_for(M).items()}
+        row["sources"] = mlp.config_sources(M)
         rows.append(row)
         print(json.dumps(row), flush=True)
     lin = autofuse.get_linear(4096, 16384, bias=True, activation="gelu", dtype=dtype, device="cuda")
@@ -106,7 +107,8 @@ def main() -> None:
             reference=lambda: linear_reference(x, lin.weight, lin.bias, None, "gelu"),
             flops=2 * M * 4096 * 16384, min_bytes=2 * (4096 * 16384 + 16384 + M * (4096 + 16384)), ceilings=ceilings,
         )
-        row["configs"] = {k: v.to_dict() for k, v in lin.config_for(M).items()}
+        row["configs"] = {k: v if isinstance(v, str) else v.to_dict() for k, v in lin.config_for(M).items()}
+        row["sources"] = lin.config_sources(M)
         rows.append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

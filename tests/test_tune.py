@@ -253,3 +253,16 @@ def test_cache_show_clear_and_kernel(tmp_path):
     clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
     assert clear.exit_code == 0 and "removed 3 tuned configs" in clear.output
     assert list(Store().winners()) == []
+
+
+def test_every_shipped_file_is_valid():
+    from autofuse.export import read_export
+    from autofuse.render import template_hash
+    from autofuse.resources import shipped_cache_dir
+
+    files = sorted(shipped_cache_dir().glob("*.json"))
+    for path in files:
+        winners = read_export(path)  # raises on anything malformed
+        assert winners, f"{path.name} is empty"
+        stale = [w.key.id() for w in winners if w.key.template_hash != template_hash(w.key.template)]
+        assert not stale, f"{path.name} was tuned for other template versions: regenerate it ({stale[0]})"
