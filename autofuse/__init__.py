@@ -12,8 +12,8 @@ __all__ = [
     "FusedLinear",
     "FusedMLP",
     "KernelConfig",
+    "__version__",
     "get_linear",
     "get_mlp",
     "show_kernel",
-    "__version__",
 ]

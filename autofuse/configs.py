@@ -45,7 +45,7 @@ class KernelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "KernelConfig":
+    def from_dict(cls, data: Any) -> KernelConfig:
         """Build from JSON data; raise ValueError on anything but exactly the known integer fields."""
         if not isinstance(data, dict):
             raise ValueError(f"a kernel config must be a JSON object, got {type(data).__name__}")

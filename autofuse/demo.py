@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from .device import interpreting
 from .modules import get_linear, get_mlp
 from .reference import eager_linear, eager_mlp, linear_reference, mlp_reference
-from .shapes import LinearShape, MLPShape, ShapeSet
+from .shapes import MLPShape, ShapeSet
 from .timing import cpu_median_ms, gpu_median_ms
 
 # Relative-error bounds (||out - ref|| / ||ref||) for the demo's pass/fail verdict: a few unit

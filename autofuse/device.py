@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -55,7 +55,7 @@ def check_interpreter_consistency() -> None:
         )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device_properties(device_index: int) -> dict:
     try:
         import triton

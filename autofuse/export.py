@@ -18,11 +18,12 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from . import __version__
 from .errors import AutofuseError
+from .jsonfile import read_json
 from .resolve import M_BUCKET_RULE, MAX_M_BUCKET
 from .store import Store, Winner
 
@@ -123,17 +124,7 @@ def parse_document(document, source: str) -> list[Winner]:
 
 
 def read_export(path: Path | str) -> list[Winner]:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise AutofuseError(f"cannot read {path}: {e.strerror}") from None
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise AutofuseError(f"{path.name}: not valid JSON, truncated or damaged (line {e.lineno}, column "
-                            f"{e.colno}: {e.msg})") from None
-    return parse_document(document, path.name)
+    return parse_document(read_json(path, "config export"), Path(path).name)
 
 
 def import_winners(store: Store, path: Path | str) -> list[Winner]:

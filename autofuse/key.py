@@ -9,7 +9,7 @@ wrong or slow elsewhere is in it, so a changed template or Triton never reuses s
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ class Environment:
     cuda: str  # torch.version.cuda, or "none"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _environment(device_index: int | None, interpret: bool) -> Environment:
     import triton
 
@@ -110,7 +110,7 @@ class TuningKey:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "TuningKey":
+    def from_dict(cls, data: Any) -> TuningKey:
         if not isinstance(data, dict):
             raise ValueError(f"a key must be a JSON object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -124,7 +124,7 @@ class TuningKey:
         return "|".join(f"{f.name}={_text(getattr(self, f.name))}" for f in dataclasses.fields(self))
 
     @classmethod
-    def parse(cls, text: str) -> "TuningKey":
+    def parse(cls, text: str) -> TuningKey:
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         data: dict[str, Any] = {}
         for part in text.split("|"):

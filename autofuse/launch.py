@@ -8,7 +8,7 @@ program may still switch the interpreter on after `import autofuse`.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -17,7 +17,7 @@ from .device import fp32_input_precision, interpreting
 from .render import KernelSpec, load_kernel
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernel(template: str, activation: str, has_bias: bool, has_residual: bool, even_k: bool,
             input_precision: str | None, interpret: bool):
     """The JIT function for one source variant. Memoised: rendering costs ~100 us, a launch must not pay it."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from . import launch
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS, canonical_activation

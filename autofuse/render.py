@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 import tempfile
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -80,7 +80,7 @@ def render(spec: KernelSpec) -> str:
     return template.render(kernel_name=spec.kernel_name, **fields)
 
 
-@lru_cache(maxsize=None)
+@cache
 def template_hash(template: str) -> str:
     """Hash of a template family's source files, so tuned configs can notice a changed template."""
     return hash_template_files(templates_dir(), template)

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import os
 import warnings
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -74,7 +74,7 @@ def _shipped_files(extra_paths: str) -> list[Path]:
     return files
 
 
-@lru_cache(maxsize=None)
+@cache
 def _read_shipped(path: Path) -> tuple:
     from .errors import AutofuseError
     from .export import read_export

@@ -22,6 +22,7 @@ import torch
 
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .errors import AutofuseError
+from .jsonfile import read_json
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
@@ -134,16 +135,7 @@ def parse_shapes(data, source: str = "shapes") -> ShapeSet:
 
 
 def load_shapes(path: str | Path) -> ShapeSet:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise AutofuseError(f"cannot read shapes file {path}: {e.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise AutofuseError(f"{path.name}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    return parse_shapes(data, path.name)
+    return parse_shapes(read_json(path, "shapes file"), Path(path).name)
 
 
 def example_shapes_path() -> Path:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .configs import KernelConfig
 from .key import TuningKey
@@ -57,7 +58,7 @@ class Winner:
         }
 
     @classmethod
-    def from_record(cls, record: Any) -> "Winner":
+    def from_record(cls, record: Any) -> Winner:
         """Validate one JSON record; ValueError names what is wrong."""
         if not isinstance(record, dict):
             raise ValueError("a record must be a JSON object")
@@ -106,7 +107,7 @@ class TrialRecord:
                 "detail": self.detail[:500]}
 
     @classmethod
-    def from_json(cls, data: Any) -> "TrialRecord":
+    def from_json(cls, data: Any) -> TrialRecord:
         if not isinstance(data, dict) or set(data) != {"config", "status", "time_ms", "detail"}:
             raise ValueError("malformed trial record")
         if data["status"] not in TRIAL_STATUSES:

@@ -25,9 +25,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import autofuse  # noqa: E402
-from autofuse.reference import eager_linear, eager_mlp, linear_reference, mlp_reference  # noqa: E402
-from autofuse.timing import gpu_median_ms, graph_replay_us, host_us_per_call  # noqa: E402
+import autofuse
+from autofuse.reference import eager_linear, eager_mlp, linear_reference, mlp_reference
+from autofuse.timing import gpu_median_ms, graph_replay_us, host_us_per_call
 
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 SMALL_M = 128

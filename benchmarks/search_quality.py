@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from autofuse.configs import KernelConfig  # noqa: E402
-from autofuse.store import TrialRecord  # noqa: E402
-from autofuse.tune.space import Problem, SearchSpace, candidates  # noqa: E402
+from autofuse.configs import KernelConfig
+from autofuse.store import TrialRecord
+from autofuse.tune.space import Problem, SearchSpace, candidates
 
 # (label, op, N, K, M, activation, space): one small-M key in the full space, one large-M key in
 # a space narrowed to large tiles (the full one holds ~2000 configs there: too long for a lease).

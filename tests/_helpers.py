@@ -2,6 +2,8 @@
 
 import torch
 
+from autofuse.configs import KernelConfig
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Elementwise tolerances (rtol, atol) against a float64 reference computed from the same rounded
@@ -39,3 +41,13 @@ def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, peer: torch.T
     err, peer_err = relative_error(out, ref), relative_error(peer, ref)
     # The floor covers float32, where both errors are ~1e-7 at small K and their ratio is noise.
     assert err <= 1.25 * peer_err + floor, f"error {err:.3g} vs PyTorch's {peer_err:.3g} in {out.dtype}"
+
+
+# Configs every kernel test runs with explicitly: tiny and large tiles, every GROUP_M style, ragged
+# and even K loops (with K=48 and K=64), so any config the tuner may pick is proven correct.
+BLOCK_CONFIGS = [
+    KernelConfig(16, 16, 16, group_m=1, num_warps=1, num_stages=1),
+    KernelConfig(32, 16, 32, group_m=2, num_warps=2, num_stages=2),
+    KernelConfig(16, 32, 64, group_m=4, num_warps=4, num_stages=3),
+    KernelConfig(64, 64, 16, group_m=8, num_warps=8, num_stages=4),
+]

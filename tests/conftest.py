@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _helpers import DTYPES, assert_matches_reference
+from _helpers import BLOCK_CONFIGS, DTYPES, assert_matches_reference
 
 import autofuse
 from autofuse import launch
@@ -48,12 +48,7 @@ def test_3d_and_non_contiguous_input(dtype, device):
     _check(module, strided)
 
 
-CONFIGS = [
-    KernelConfig(16, 16, 16, group_m=1, num_warps=1, num_stages=1),
-    KernelConfig(32, 16, 32, group_m=2, num_warps=2, num_stages=2),
-    KernelConfig(16, 32, 64, group_m=4, num_warps=4, num_stages=3),
-    KernelConfig(64, 64, 16, group_m=8, num_warps=8, num_stages=4),
-]
+CONFIGS = BLOCK_CONFIGS
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

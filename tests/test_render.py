@@ -25,7 +25,11 @@ def _all_specs():
                 yield KernelSpec("gated_up", act, bias, False, False, prec, False)
 
 
-@pytest.mark.parametrize("spec", list(_all_specs()), ids=lambda s: f"{s.kernel_name}-{s.even_k}-{s.upcast_operands}-{s.input_precision}")
+def _spec_id(s):
+    return f"{s.kernel_name}-{s.even_k}-{s.upcast_operands}-{s.input_precision}"
+
+
+@pytest.mark.parametrize("spec", list(_all_specs()), ids=_spec_id)
 def test_every_spec_renders_valid_python(spec):
     source = render.render(spec)
     tree = ast.parse(source)

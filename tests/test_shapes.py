@@ -49,7 +49,7 @@ def test_unreadable_and_invalid_json(tmp_path):
         load_shapes(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text('{"mlps": [')
-    with pytest.raises(AutofuseError, match=r"bad\.json: not valid JSON \(line 1"):
+    with pytest.raises(AutofuseError, match=r"bad\.json: not valid JSON, truncated or damaged \(line 1"):
         load_shapes(bad)
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"linears": [{"in_features": 4, "out_features": 4}]}))

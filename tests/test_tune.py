@@ -16,7 +16,7 @@ from autofuse import resolve
 from autofuse.cli import main
 from autofuse.configs import KernelConfig
 from autofuse.key import current_environment, make_key
-from autofuse.store import Store, TrialRecord, Winner
+from autofuse.store import Store, Winner
 
 TINY = {"dtype": "bfloat16", "tokens": [3, 37],
         "mlps": [{"name": "tiny", "d_model": 40, "d_ff": 72, "activation": "silu"}],
@@ -213,7 +213,10 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
 def test_a_killed_run_resumes_without_repeating_work(tmp_path):
     cache = tmp_path / "c"
     shapes = _write(tmp_path, "one.json", {"tokens": [64], "mlps": [{"d_model": 64, "d_ff": 128}]})
-    key_trials = lambda: sum(len(Store(cache).trials(w)) for w in _keys(cache, shapes))  # noqa: E731
+
+    def key_trials():
+        return sum(len(Store(cache).trials(w)) for w in _keys(cache, shapes))
+
     proc = _tune_process(shapes, cache, "--trials", "6", "--policy", "random")
     deadline = time.time() + 120
     while time.time() < deadline and key_trials() < 2 and proc.poll() is None:

@@ -7,7 +7,7 @@ out of resources, wrong result, timeout). Nothing a candidate does can crash the
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,8 @@ the driver's budget says so.
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from ..configs import KernelConfig
 from ..store import TrialRecord
