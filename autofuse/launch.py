@@ -43,7 +43,9 @@ def _grid(M: int, N: int, config: KernelConfig) -> tuple[int]:
     return (-(-M // config.block_m) * -(-N // config.block_n),)  # ceil-divisions
 
 
+@cache
 def _launch_options(config: KernelConfig) -> dict[str, int]:
+    """Constexprs and launch options of a config (memoised: built once per config, never mutated)."""
     return dict(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

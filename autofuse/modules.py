@@ -80,6 +80,8 @@ class _FusedBase(nn.Module):
         raise NotImplementedError
 
     def _flatten(self, x: object, what: str) -> torch.Tensor:
+        # Runs on every forward: only the checks that depend on x. Whether autofuse can run on the
+        # weights' dtype and device is checked when a config table entry is built (_config_table).
         if not isinstance(x, torch.Tensor):
             raise AutofuseError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
         weight = self._reference_weight()
@@ -93,8 +95,6 @@ class _FusedBase(nn.Module):
             )
         if x.device != weight.device:
             raise AutofuseError(f"input is on {x.device} but the module's weights are on {weight.device}")
-        _check_dtype(weight.dtype)
-        check_device(weight.device)
         return x.reshape(-1, self.in_features)
 
     def _config_table(self, M: int, residual: bool = False) -> dict[str, Choice]:
@@ -105,6 +105,8 @@ class _FusedBase(nn.Module):
         key = (M if M <= 16384 else m_bucket(M), weight.dtype, weight.device, residual)
         table = self._configs.get(key)
         if table is None:
+            _check_dtype(weight.dtype)
+            check_device(weight.device)
             table = self._configs[key] = self._resolve(M, weight.dtype, weight.device, residual)
         return table
 
