@@ -172,6 +172,62 @@ def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed):
                    f"{w.baseline_ms / w.time_ms:>6.2f}x {w.trials:>6} {r.resumed:>7}  {fails}")
 
 
+@main.command()
+@click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), default=None,
+              help="Shapes file; default: the public model shapes on a GPU, the tiny example on the CPU.")
+@click.option("--tokens", default=None, help="Override the file's token counts, e.g. 1,16,128.")
+@click.option("--providers", default=None,
+              help="Comma-separated subset of: eager, eager-merged, torch.compile, liger, autofuse-heuristic, "
+                   "autofuse-tuned (default: all).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Folder for bench.json (all rows) and bench.png (when matplotlib is installed).")
+def bench(shapes_path, tokens, providers, out_dir):
+    """Check and time every provider's forward for each shape and M, beside the roofline."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from .bench import PROVIDERS, plot, run_bench
+    from .shapes import example_shapes_path, load_shapes, public_shapes_path
+
+    names = list(PROVIDERS) if providers is None else [p.strip() for p in providers.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown or not names:
+        raise AutofuseError(f"unknown provider(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROVIDERS)}")
+    device = _select_device()
+    default = public_shapes_path() if device == "cuda" else example_shapes_path()
+    shapes = load_shapes(shapes_path or default)
+    if _parse_tokens(tokens):
+        shapes = dataclasses.replace(shapes, tokens=_parse_tokens(tokens))
+    import triton
+
+    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "interpreter (CPU)",
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+    click.echo(", ".join(f"{k} {v}" for k, v in meta.items()))
+    unit = "ms, GPU median (L2 flushed)" if device == "cuda" else "ms, CPU under the interpreter: not GPU speed"
+    click.echo(f"{'shape':<20} {'M':>6} {'provider':<19} {'ms':>10} {'x roofline':>10} {'host us':>8} "
+               f"{'graph us':>8} {'rel.err':>8}  [{unit}]")
+    rows = []
+    for row in run_bench(shapes, names, device):
+        rows.append(row)
+        if row["status"] != "ok":
+            click.echo(f"{row['shape']:<20} {row['M']:>6} {row['provider']:<19} {row['status']}: {row['detail']}")
+            continue
+        ratio = f"{row['ms'] / row['roofline_ms']:.2f}" if row["roofline_ms"] else "-"
+        host = f"{row['host_us']:.1f}" if "host_us" in row else "-"
+        graph = f"{row['graph_us']:.1f}" if "graph_us" in row else "-"
+        click.echo(f"{row['shape']:<20} {row['M']:>6} {row['provider']:<19} {row['ms']:>10.4f} {ratio:>10} "
+                   f"{host:>8} {graph:>8} {row['rel_error']:>8.1e}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    picture = plot(rows, str(out / "bench.png")) if device == "cuda" else None
+    click.echo(f"rows: {out / 'bench.json'}" + (f", plot: {picture}" if picture else ""))
+    if any(r["status"] == "wrong" for r in rows):
+        click.echo("some providers gave wrong results (see above)", err=True)
+        sys.exit(1)
+
+
 @main.group()
 def cache():
     """Inspect, export, import or clear tuned configs."""

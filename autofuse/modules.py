@@ -72,8 +72,9 @@ class _FusedBase(nn.Module):
 
     in_features: int
 
-    def __init__(self) -> None:
+    def __init__(self, tuned: bool = True) -> None:
         super().__init__()
+        self.tuned = tuned  # False: ignore tuned caches, always use the built-in heuristic
         self._configs: dict[tuple, dict[str, Choice]] = {}
 
     def _reference_weight(self) -> torch.Tensor:
@@ -132,8 +133,8 @@ class FusedLinear(_FusedBase):
     """y = act(x @ weight.T + bias) [+ residual] in one kernel."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, activation: str,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
+                 dtype: torch.dtype, device: torch.device, tuned: bool = True) -> None:
+        super().__init__(tuned)
         self.in_features = in_features
         self.out_features = out_features
         self.activation = activation
@@ -153,7 +154,8 @@ class FusedLinear(_FusedBase):
 
     def _resolve(self, M, dtype, device, residual):
         return {"linear": resolve("linear", M, self.out_features, self.in_features, dtype, device,
-                                  activation=self.activation, bias=self.bias is not None, residual=residual)}
+                                  activation=self.activation, bias=self.bias is not None, residual=residual,
+                                  tuned=self.tuned)}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x2d = self._flatten(x, "in_features")
@@ -189,8 +191,8 @@ class FusedMLP(_FusedBase):
     down projection through the linear kernel."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
+                 dtype: torch.dtype, device: torch.device, tuned: bool = True) -> None:
+        super().__init__(tuned)
         self.in_features = d_model
         self.d_model = d_model
         self.d_ff = d_ff
@@ -209,8 +211,9 @@ class FusedMLP(_FusedBase):
         bias = self.gate_proj.bias is not None
         return {
             "gated_up": resolve("gated_up", M, self.d_ff, self.d_model, dtype, device,
-                                activation=self.activation, bias=bias),
-            "down": resolve("down", M, self.d_model, self.d_ff, dtype, device, activation="none", bias=bias),
+                                activation=self.activation, bias=bias, tuned=self.tuned),
+            "down": resolve("down", M, self.d_model, self.d_ff, dtype, device, activation="none", bias=bias,
+                            tuned=self.tuned),
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +245,9 @@ class FusedMLP(_FusedBase):
 
 
 def get_linear(in_features: int, out_features: int, *, bias: bool = True, activation: str = "none",
-               dtype: torch.dtype = torch.bfloat16, device: object = "cuda") -> FusedLinear:
-    """A fused `act(x @ W.T + b) [+ residual]` module; call it as `module(x, residual=None)`."""
+               dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True) -> FusedLinear:
+    """A fused `act(x @ W.T + b) [+ residual]` module; call it as `module(x, residual=None)`.
+    `tuned=False` ignores tuned configs and uses the built-in heuristic."""
     return FusedLinear(
         _check_size("in_features", in_features),
         _check_size("out_features", out_features),
@@ -251,12 +255,14 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
         activation=canonical_activation(activation, LINEAR_ACTIVATIONS),
         dtype=_check_dtype(dtype),
         device=_parse_device(device),
+        tuned=bool(tuned),
     )
 
 
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
-            dtype: torch.dtype = torch.bfloat16, device: object = "cuda") -> FusedMLP:
-    """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names."""
+            dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True) -> FusedMLP:
+    """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names.
+    `tuned=False` ignores tuned configs and uses the built-in heuristic."""
     return FusedMLP(
         _check_size("d_model", d_model),
         _check_size("d_ff", d_ff),
@@ -264,4 +270,5 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
         activation=canonical_activation(activation, GATED_ACTIVATIONS),
         dtype=_check_dtype(dtype),
         device=_parse_device(device),
+        tuned=bool(tuned),
     )

@@ -105,10 +105,13 @@ def invalidate() -> None:
 
 
 def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
-            bias: bool, residual: bool = False) -> Choice:
+            bias: bool, residual: bool = False, tuned: bool = True) -> Choice:
+    """The config for one op at M. `tuned=False` skips every cache: the built-in heuristic only."""
     from .key import OP_TEMPLATES, current_environment, make_key
 
     template = OP_TEMPLATES[op]
+    if not tuned:
+        return Choice(heuristic_for(template, m_bucket(M), N, K, dtype, device), "heuristic")
     env = current_environment(device)
     index = tuned_index()
     key = None

@@ -140,3 +140,8 @@ def load_shapes(path: str | Path) -> ShapeSet:
 
 def example_shapes_path() -> Path:
     return Path(__file__).parent / "examples" / "tiny.json"
+
+
+def public_shapes_path() -> Path:
+    """The model shapes autofuse is tuned and benchmarked on (t5, gemma-2b/7b, a Llama MLP, a Linear)."""
+    return Path(__file__).parent / "examples" / "public.json"

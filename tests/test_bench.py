@@ -1,0 +1,66 @@
+"""`autofuse bench`: every provider checked before timing, rows written, wrong providers flagged."""
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+import autofuse
+from autofuse import bench
+from autofuse.cli import main
+
+SHAPES = {"dtype": "float16", "tokens": [5],
+          "mlps": [{"name": "m", "d_model": 32, "d_ff": 48, "activation": "silu"}],
+          "linears": [{"name": "l", "in_features": 32, "out_features": 40, "activation": "gelu"}]}
+
+
+def _run(tmp_path, *extra):
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps(SHAPES))
+    return CliRunner().invoke(main, ["bench", "--shapes", str(shapes), "--out", str(tmp_path / "out"), *extra])
+
+
+def test_bench_checks_and_times_every_available_provider(tmp_path):
+    result = _run(tmp_path)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
+    by = {(r["shape"], r["provider"]): r for r in rows}
+    assert len(rows) == 2 * len(bench.PROVIDERS)
+    for provider in ("eager", "eager-merged", "autofuse-heuristic", "autofuse-tuned"):
+        row = by["m", provider]
+        assert row["status"] == "ok" and row["ms"] > 0 and row["rel_error"] < 4 * 2**-11
+    assert by["l", "eager-merged"]["status"] == "unavailable"
+    assert by["m", "torch.compile"]["status"] == "unavailable"  # GPU only
+    assert "interpreter" in result.output
+
+
+def test_a_wrong_provider_is_reported_and_fails_the_run(tmp_path, monkeypatch):
+    def broken(case):
+        good = bench._eager(case)
+        return lambda: good() * 1.01
+
+    monkeypatch.setitem(bench.PROVIDERS, "eager", broken)
+    result = _run(tmp_path, "--providers", "eager,autofuse-tuned")
+    assert result.exit_code == 1
+    assert "eager               wrong: relative error" in result.output
+
+
+def test_unknown_provider_is_a_one_line_error(tmp_path):
+    result = _run(tmp_path, "--providers", "eager,cublas")
+    assert result.exit_code == 2 and "unknown provider(s) cublas" in result.output
+
+
+def test_untuned_modules_ignore_the_cache(tmp_path):
+    from autofuse import resolve
+    from autofuse.configs import KernelConfig
+    from autofuse.key import current_environment, make_key
+    from autofuse.store import Store, Winner
+
+    key = make_key("linear", 40, 32, 5, torch.float16, "gelu", True, False, current_environment(torch.device("cpu")))
+    Store().put_winner(Winner(key, KernelConfig(16, 16, 16, num_stages=1), 1.0, 2.0))
+    resolve.invalidate()
+    tuned = autofuse.get_linear(32, 40, activation="gelu", dtype=torch.float16, device="cpu")
+    plain = autofuse.get_linear(32, 40, activation="gelu", dtype=torch.float16, device="cpu", tuned=False)
+    assert tuned.config_sources(5) == {"linear": "user-cache"}
+    assert plain.config_sources(5) == {"linear": "heuristic"}
+    resolve.invalidate()
