@@ -207,9 +207,13 @@ def bench(shapes_path, tokens, providers, out_dir):
     unit = "ms, GPU median (L2 flushed)" if device == "cuda" else "ms, CPU under the interpreter: not GPU speed"
     click.echo(f"{'shape':<20} {'M':>6} {'provider':<19} {'ms':>10} {'x roofline':>10} {'host us':>8} "
                f"{'graph us':>8} {'rel.err':>8}  [{unit}]")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for row in run_bench(shapes, names, device):
         rows.append(row)
+        # Rewritten after every row: a run that is cut off keeps what it measured.
+        (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         if row["status"] != "ok":
             click.echo(f"{row['shape']:<20} {row['M']:>6} {row['provider']:<19} {row['status']}: {row['detail']}")
             continue
@@ -218,9 +222,6 @@ def bench(shapes_path, tokens, providers, out_dir):
         graph = f"{row['graph_us']:.1f}" if "graph_us" in row else "-"
         click.echo(f"{row['shape']:<20} {row['M']:>6} {row['provider']:<19} {row['ms']:>10.4f} {ratio:>10} "
                    f"{host:>8} {graph:>8} {row['rel_error']:>8.1e}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     picture = plot(rows, str(out / "bench.png")) if device == "cuda" else None
     click.echo(f"rows: {out / 'bench.json'}" + (f", plot: {picture}" if picture else ""))
     if any(r["status"] == "wrong" for r in rows):
