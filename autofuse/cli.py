@@ -181,7 +181,9 @@ def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed):
                    "autofuse-tuned (default: all).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Folder for bench.json (all rows) and bench.png (when matplotlib is installed).")
-def bench(shapes_path, tokens, providers, out_dir):
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Interleaved timing rounds per case on a GPU (provider order rotated; median kept).")
+def bench(shapes_path, tokens, providers, out_dir, rounds):
     """Check and time every provider's forward for each shape and M, beside the roofline."""
     import dataclasses
     import json
@@ -210,7 +212,7 @@ def bench(shapes_path, tokens, providers, out_dir):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for row in run_bench(shapes, names, device):
+    for row in run_bench(shapes, names, device, rounds=rounds):
         rows.append(row)
         # Rewritten after every row: a run that is cut off keeps what it measured.
         (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
