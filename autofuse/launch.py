@@ -9,7 +9,6 @@ program may still switch the interpreter on after `import autofuse`.
 from __future__ import annotations
 
 import os
-import warnings
 from functools import cache
 
 import torch
@@ -82,11 +81,8 @@ def _specialization(args: tuple) -> tuple:
     return tuple(key)
 
 
-_fast_launch_broken = False  # set when this Triton's CompiledKernel rejects the direct call
-
-
 def _fast_launch_enabled() -> bool:
-    return not _fast_launch_broken and os.environ.get("AUTOFUSE_FAST_LAUNCH", "1") != "0" and not interpreting()
+    return os.environ.get("AUTOFUSE_FAST_LAUNCH", "1") != "0" and not interpreting()
 
 
 def _launch(kernel, grid: tuple[int], args: tuple, config: KernelConfig) -> None:
@@ -96,17 +92,9 @@ def _launch(kernel, grid: tuple[int], args: tuple, config: KernelConfig) -> None
     key = (kernel, config, args[0].device, _specialization(args))  # binaries are per device
     compiled = _compiled.get(key)
     if compiled is not None:
-        try:
-            # A 3-D grid; every kernel parameter in signature order, the constexprs last (the
-            # templates' order). The argument count is checked before anything is launched.
-            compiled[(grid[0], 1, 1)](*args, config.block_m, config.block_n, config.block_k, config.group_m)
-            return
-        except (TypeError, IndexError) as e:  # another Triton's API: use its own launcher from now on
-            global _fast_launch_broken
-            _fast_launch_broken = True
-            warnings.warn(f"autofuse: direct kernel launch unavailable with this Triton ({e}); "
-                          "using Triton's launcher", stacklevel=3)
-            _compiled.clear()
+        # Every kernel parameter in signature order, the constexprs last (the templates' order).
+        compiled[grid](*args, config.block_m, config.block_n, config.block_k, config.group_m)
+        return
     compiled = kernel[grid](*args, **_launch_options(config))
     if type(compiled).__name__ == "CompiledKernel" and hasattr(compiled, "__getitem__"):
         _compiled[key] = compiled
