@@ -8,7 +8,6 @@ program may still switch the interpreter on after `import autofuse`.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -62,44 +61,6 @@ def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-# Compiled kernels reused without Triton's argument binder, keyed by (JIT function, config,
-# specialization of the arguments). Triton specializes a kernel on each argument's dtype, 16-byte
-# pointer alignment, integers equal to 1 or divisible by 16, and 32- versus 64-bit integers; two
-# launches whose arguments agree on all of these run the same binary, so the binary compiled by
-# the first launch can be called directly by later ones. Saves most of Triton 3.6's per-launch
-# host time. Off under the interpreter and with AUTOFUSE_FAST_LAUNCH=0.
-_compiled: dict[tuple, object] = {}
-
-
-def _specialization(args: tuple) -> tuple:
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-    return tuple(key)
-
-
-def _fast_launch_enabled() -> bool:
-    return os.environ.get("AUTOFUSE_FAST_LAUNCH", "1") != "0" and not interpreting()
-
-
-def _launch(kernel, grid: tuple[int], args: tuple, config: KernelConfig) -> None:
-    if not _fast_launch_enabled():
-        kernel[grid](*args, **_launch_options(config))
-        return
-    key = (kernel, config, args[0].device, _specialization(args))  # binaries are per device
-    compiled = _compiled.get(key)
-    if compiled is not None:
-        # Every kernel parameter in signature order, the constexprs last (the templates' order).
-        compiled[grid](*args, config.block_m, config.block_n, config.block_k, config.group_m)
-        return
-    compiled = kernel[grid](*args, **_launch_options(config))
-    if type(compiled).__name__ == "CompiledKernel" and hasattr(compiled, "__getitem__"):
-        _compiled[key] = compiled
-
-
 def _checked_out(out: torch.Tensor, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     assert out.shape == shape and out.dtype == like.dtype and out.device == like.device, "bad out buffer"
     return out
@@ -138,7 +99,7 @@ def linear(
     if residual is not None:
         args += [residual.stride(0), residual.stride(1)]
     args += [y.stride(0), y.stride(1)]
-    _launch(kernel, _grid(M, N, config), tuple(args), config)
+    kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return y
 
 
@@ -168,5 +129,5 @@ def gated_up(
         args += [b_gate.contiguous(), b_up.contiguous()]
     args += [h, M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1)]
     args += [w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1)]
-    _launch(kernel, _grid(M, N, config), tuple(args), config)
+    kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return h
