@@ -99,3 +99,26 @@ def test_a_crashing_candidate_is_a_typed_failure(monkeypatch):
     result = tune_key(Job(_key(), 37, "t"), Store(), torch.device("cpu"), policy="random", trials=3)
     assert result.winner.config is None  # nothing worked: the eager baseline is the winner
     assert result.failures == {"error": 3}
+
+
+def test_a_compile_that_overruns_its_limit_is_a_timeout_and_the_run_goes_on(monkeypatch):
+    import threading
+    import time
+
+    release = threading.Event()
+    evaluator = Evaluator(_key(), 37, torch.device("cpu"), compile_timeout_s=0.2)
+    # Take the GPU path through _compile with a "compile" that hangs until released.
+    evaluator.interpret = False
+    monkeypatch.setattr(evaluator, "_compile_and_sync", lambda config: release.wait(30))
+    start = time.perf_counter()
+    record = evaluator.evaluate(KernelConfig(32, 64, 64, num_stages=1))
+    assert record.status == "timeout" and record.detail == "compile took over 0.2 s"
+    assert time.perf_counter() - start < 5  # the tuner stopped waiting; it did not hang
+    release.set()
+    # A later trial gets a fresh worker (the stuck one was abandoned) and completes normally.
+    assert evaluator._pool is None
+    monkeypatch.setattr(evaluator, "_compile_and_sync", lambda config: None)
+    monkeypatch.setattr(evaluator, "_time", lambda fn: 1.0)  # the GPU timer; verification still runs
+    assert evaluator.evaluate(KernelConfig(32, 64, 64, num_stages=1)).status == "ok"
+    assert evaluator._pool is not None
+    evaluator.close()

@@ -118,7 +118,7 @@ class Evaluator:
         except concurrent.futures.TimeoutError:
             self._pool.shutdown(wait=False)
             self._pool = None
-            return TrialRecord(config, "timeout", None, f"compile took over {self.compile_timeout_s:.0f} s")
+            return TrialRecord(config, "timeout", None, f"compile took over {self.compile_timeout_s:g} s")
         return None
 
     def _compile_and_sync(self, config: KernelConfig) -> None:
