@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from .activations import TORCH_ACTIVATIONS
 from .device import interpreting
 from .modules import get_linear, get_mlp
-from .reference import eager_linear, eager_mlp, linear_reference, mlp_reference
+from .reference import (
+    ERROR_BOUNDS,
+    eager_linear,
+    eager_mlp,
+    linear_reference,
+    mlp_reference,
+    relative_error,
+)
 from .shapes import LinearShape, MLPShape, ShapeSet
 from .timing import cpu_median_ms, gpu_median_ms, graph_replay_us, host_us_per_call
 
@@ -29,8 +36,6 @@ SMALL_M = 128
 # Below this do_bench median a forward can be launch-bound (host time above GPU time): then the
 # CUDA-graph replay time is measured too and stands for the GPU time.
 LAUNCH_BOUND_MS = 0.5
-# A provider passes when ||out - ref|| / ||ref|| is within a few unit roundoffs of the dtype.
-ERROR_BOUNDS = {torch.float32: 2e-3, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
 
 
 @dataclasses.dataclass
@@ -205,7 +210,7 @@ def run_bench(shapes: ShapeSet, providers: list[str], device: str, seed: int = 0
                         row.update(status="unavailable", detail=fn)
                         continue
                     out = fn()
-                    error = ((out.double() - ref).norm() / ref.norm()).item()
+                    error = relative_error(out, ref)
                 row["rel_error"] = error
                 if not (math.isfinite(error) and error <= ERROR_BOUNDS[shapes.dtype]):
                     row.update(status="wrong", detail=f"relative error {error:.3g}")

@@ -9,7 +9,7 @@ import torch
 
 from .device import interpreting
 from .modules import get_linear, get_mlp
-from .reference import eager_linear, eager_mlp, linear_reference, mlp_reference
+from .reference import eager_linear, eager_mlp, linear_reference, mlp_reference, relative_error
 from .shapes import MLPShape, ShapeSet
 from .timing import cpu_median_ms, gpu_median_ms
 
@@ -63,7 +63,7 @@ def run_demo(shapes: ShapeSet, device: str) -> Iterator[DemoRow]:
             with torch.no_grad():
                 out = module(x)
                 ref = reference(x)
-                error = ((out.double() - ref).norm() / ref.norm()).item()
+                error = relative_error(out, ref)
                 ok = bool(torch.isfinite(out).all()) and error <= ERROR_BOUNDS[dtype]
                 yield DemoRow(
                     name=shape.name, op=op, M=M,

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import launch
-from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS, canonical_activation
+from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
+from .reference import eager_gated, eager_linear
 from .resolve import Choice, m_bucket, resolve
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -175,8 +176,7 @@ class FusedLinear(_FusedBase):
 
         def run():
             if config is None:  # tuning found eager PyTorch faster for this shape
-                y = TORCH_ACTIVATIONS[self.activation](F.linear(x2d, self.weight, self.bias))
-                return y if r2d is None else y + r2d
+                return eager_linear(x2d, self.weight, self.bias, r2d, self.activation)
             return launch.linear(x2d, self.weight, self.bias, r2d, self.activation, config)
 
         return _run(run, x, self.weight, self.bias, residual).reshape(out_shape)
@@ -229,8 +229,7 @@ class FusedMLP(_FusedBase):
         def run():
             # A None config means tuning found eager PyTorch faster for that op at this shape.
             if up_config is None:
-                act = TORCH_ACTIVATIONS[self.activation]
-                h = act(F.linear(x2d, gate.weight, gate.bias)) * F.linear(x2d, up.weight, up.bias)
+                h = eager_gated(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation)
             else:
                 h = launch.gated_up(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation, up_config)
             if down_config is None:

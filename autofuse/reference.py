@@ -42,7 +42,21 @@ def eager_linear(x, weight, bias=None, residual=None, activation="none") -> torc
     return y if residual is None else y + residual
 
 
+def eager_gated(x, w_gate, w_up, b_gate=None, b_up=None, activation="gelu_tanh") -> torch.Tensor:
+    """Two nn.Linear calls and the pointwise gate, in the inputs' dtype."""
+    return TORCH_ACTIVATIONS[activation](F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
+
+
 def eager_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="gelu_tanh"):
     """Three nn.Linear calls plus the pointwise gate: what a Hugging Face MLP does."""
-    h = TORCH_ACTIVATIONS[activation](F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up)
-    return F.linear(h, w_down, b_down)
+    return F.linear(eager_gated(x, w_gate, w_up, b_gate, b_up, activation), w_down, b_down)
+
+
+# When a result computed in a dtype counts as correct: ||out - ref|| / ||ref|| within a few unit
+# roundoffs of the dtype (one rounding of the output; float32 allows for tf32 when PyTorch enables it).
+ERROR_BOUNDS = {torch.float32: 2e-3, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, computed in float64 (NaN if out holds NaN)."""
+    return ((out.double() - ref).norm() / ref.norm()).item()

@@ -10,21 +10,24 @@ import concurrent.futures
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .. import launch
-from ..activations import TORCH_ACTIVATIONS
 from ..configs import KernelConfig
 from ..device import interpreting
 from ..key import TuningKey
-from ..reference import gated_reference, linear_reference
+from ..reference import (
+    ERROR_BOUNDS,
+    eager_gated,
+    eager_linear,
+    gated_reference,
+    linear_reference,
+    relative_error,
+)
 from ..store import TrialRecord
 from ..timing import cpu_median_ms, gpu_median_ms
 
-# A candidate is correct when ||out - ref|| / ||ref|| stays within a few unit roundoffs of the
-# dtype (one rounding of the output; fp32 allows for tf32 when PyTorch enables it), and every
+# A candidate is correct when its relative error is within reference.ERROR_BOUNDS and every
 # element is finite (outputs are poisoned with NaN before the run).
-ERROR_BOUNDS = {torch.float32: 2e-3, torch.float16: 4 * 2**-11, torch.bfloat16: 4 * 2**-8}
 
 
 def _status_of(error: BaseException) -> str:
@@ -68,11 +71,9 @@ class Evaluator:
 
     def baseline(self, x: torch.Tensor) -> torch.Tensor:
         """What eager PyTorch runs for this op: cuBLAS GEMM(s) + pointwise."""
-        act = TORCH_ACTIVATIONS[self.key.activation]
         if self.key.op == "gated_up":
-            return act(F.linear(x, self.weights[0], self.biases[0])) * F.linear(x, self.weights[1], self.biases[1])
-        y = act(F.linear(x, self.weights[0], self.biases[0]))
-        return y if self.residual is None else y + self.residual
+            return eager_gated(x, *self.weights, *self.biases, self.key.activation)
+        return eager_linear(x, self.weights[0], self.biases[0], self.residual, self.key.activation)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         if self.key.op == "gated_up":
@@ -134,7 +135,7 @@ class Evaluator:
         if not torch.isfinite(out).all():
             return f"{(~torch.isfinite(out)).sum().item()} non-finite or unwritten elements"
         ref = self._reference(x)
-        error = ((out.double() - ref).norm() / ref.norm()).item()
+        error = relative_error(out, ref)
         if not error <= ERROR_BOUNDS[self.dtype]:
             return f"relative error {error:.3g} > {ERROR_BOUNDS[self.dtype]:.3g}"
         return None
