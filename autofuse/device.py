@@ -55,6 +55,11 @@ def check_interpreter_consistency() -> None:
         )
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device; `cuda` without one means the current device, as in PyTorch."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @cache
 def _device_properties(device_index: int) -> dict:
     try:

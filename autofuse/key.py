@@ -44,11 +44,11 @@ def _environment(device_index: int | None, interpret: bool) -> Environment:
 
 
 def current_environment(device: torch.device) -> Environment:
-    from .device import interpreting
+    from .device import cuda_index, interpreting
 
     if interpreting() or device.type != "cuda":
         return _environment(None, True)
-    return _environment(device.index if device.index is not None else torch.cuda.current_device(), False)
+    return _environment(cuda_index(device), False)
 
 
 @dataclasses.dataclass(frozen=True)

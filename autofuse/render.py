@@ -22,7 +22,7 @@ import jinja2
 
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from .device import check_interpreter_consistency, interpreting
-from .resources import templates_dir
+from .resources import templates_dir, user_cache_dir
 
 TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS}
 
@@ -94,11 +94,8 @@ def hash_template_files(folder: Path, template: str) -> str:
 
 
 def generated_dir() -> Path:
-    """Folder for rendered kernel files: <AUTOFUSE_CACHE_DIR or ~/.cache/autofuse>/kernels."""
-    root = os.environ.get("AUTOFUSE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "autofuse"
-    )
-    return Path(root) / "kernels"
+    """Folder for rendered kernel files: the user's autofuse folder / kernels."""
+    return user_cache_dir() / "kernels"
 
 
 _loaded: dict[str, object] = {}

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .configs import KernelConfig, clamp_to_problem, heuristic_config, next_power_of_2
-from .device import interpreting, multiprocessor_count, shared_memory_limit
+from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit
 
 M_BUCKET_RULE = "pow2+tokens"  # M -> a tuned bucket equal to M, else the next power of two
 MAX_M_BUCKET = 16384
@@ -42,7 +42,7 @@ class Choice:
 def heuristic_for(template: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
     if interpreting() or device.type != "cuda":
         return heuristic_config(template, M, N, K, dtype, interpret=True, shared_memory_limit=0)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     return heuristic_config(template, M, N, K, dtype, interpret=False,
                             shared_memory_limit=shared_memory_limit(index), multiprocessors=multiprocessor_count(index))
 

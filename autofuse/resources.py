@@ -8,6 +8,7 @@ first, then beside it, so both an installed wheel and an editable checkout find 
 from __future__ import annotations
 
 import importlib.resources
+import os
 from pathlib import Path
 
 
@@ -27,3 +28,12 @@ def templates_dir() -> Path:
 
 def shipped_cache_dir() -> Path:
     return _data_dir("cache")
+
+
+def user_cache_dir() -> Path:
+    """The user's autofuse folder (tuned configs, generated kernels): AUTOFUSE_CACHE_DIR, else
+    $XDG_CACHE_HOME/autofuse, else ~/.cache/autofuse. Read on every call, so tests may change it."""
+    root = os.environ.get("AUTOFUSE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "autofuse"
+    )
+    return Path(root)

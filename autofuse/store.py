@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -20,16 +19,15 @@ from typing import Any
 
 from .configs import KernelConfig
 from .key import TuningKey
+from .resources import user_cache_dir
 
 BASELINE = "baseline"  # a key whose winner is eager PyTorch (no candidate beat it)
 TRIAL_STATUSES = ("ok", "infeasible", "compile_error", "out_of_resources", "wrong_result", "timeout", "error")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("AUTOFUSE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "autofuse"
-    )
-    return Path(root)
+    """Where the tuning cache lives: the user's autofuse folder."""
+    return user_cache_dir()
 
 
 @dataclasses.dataclass(frozen=True)

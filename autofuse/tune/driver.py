@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..configs import KernelConfig
-from ..device import interpreting, shared_memory_limit
+from ..device import cuda_index, interpreting, shared_memory_limit
 from ..key import TuningKey, current_environment, make_key
 from ..resolve import heuristic_for
 from ..shapes import ShapeSet
@@ -75,7 +75,7 @@ def make_policy(name: str, problem: Problem, device: torch.device, seed: int,
                 space: SearchSpace | None = None) -> Policy:
     interpret = interpreting()
     space = space or (INTERPRETER_SPACE if interpret else SearchSpace())
-    limit = 0 if interpret else shared_memory_limit(_index(device))
+    limit = 0 if interpret else shared_memory_limit(cuda_index(device))
     if name == "optuna":
         return OptunaPolicy(space, problem, limit, interpret, seed=seed)
     found = candidates(space, problem, limit, interpret)
@@ -84,10 +84,6 @@ def make_policy(name: str, problem: Problem, device: torch.device, seed: int,
     if name == "random":
         return RandomPolicy(found, seed=seed)
     raise ValueError(f"unknown policy {name!r}")
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
