@@ -95,8 +95,8 @@ def _parse_tokens(text: str | None) -> tuple[int, ...] | None:
 class _ProgressLine:
     """One status line per key: rewritten in place on a terminal, printed every few trials otherwise."""
 
-    def __init__(self, position: str, interpret: bool) -> None:
-        self.position, self.interpret = position, interpret
+    def __init__(self, position: str) -> None:
+        self.position = position
         self.tty = sys.stderr.isatty()
         self.last = ""
 
@@ -153,7 +153,7 @@ def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed):
                f"{f' or {time_budget:g} s' if time_budget else ''} each, cache {store.directory}", err=True)
     results = []
     for i, job in enumerate(jobs, 1):
-        line = _ProgressLine(f"[{i}/{len(jobs)}]", interpret)
+        line = _ProgressLine(f"[{i}/{len(jobs)}]")
         result = tune_key(job, store, torch.device(device), policy=policy, trials=trials, time_budget_s=time_budget,
                           resume=resume, seed=seed, progress=line)
         line.finish()

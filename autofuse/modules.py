@@ -19,7 +19,7 @@ from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
 from .reference import eager_gated, eager_linear
-from .resolve import Choice, m_bucket, resolve
+from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -104,7 +104,7 @@ class _FusedBase(nn.Module):
         M itself is part of the table key because a user may have tuned that exact token count."""
         weight = self._reference_weight()
         M = max(M, 1)  # an empty batch launches nothing; any config will do
-        key = (M if M <= 16384 else m_bucket(M), weight.dtype, weight.device, residual)
+        key = (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device, residual)
         table = self._configs.get(key)
         if table is None:
             _check_dtype(weight.dtype)
