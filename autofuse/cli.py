@@ -72,12 +72,14 @@ def demo(shapes_path):
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="bfloat16")
 @click.option("--ragged-k", is_flag=True, help="Show the masked K loop used when K is not a multiple of BLOCK_K.")
 @click.option("--interpret", is_flag=True, help="Show the interpreter variant (float32 operand upcasts).")
-def show_kernel_command(op, activation, bias, residual, dtype, ragged_k, interpret):
+@click.option("--split-k", is_flag=True, help="Show the split-K variant (programs share a tile through a workspace).")
+def show_kernel_command(op, activation, bias, residual, dtype, ragged_k, interpret, split_k):
     """Print the Triton source autofuse generates for OP."""
     from .kernels import show_kernel
 
     click.echo(show_kernel(op, activation=activation, bias=bias, residual=residual,
-                           dtype=getattr(torch, dtype), even_k=not ragged_k, interpret=interpret), nl=False)
+                           dtype=getattr(torch, dtype), even_k=not ragged_k, interpret=interpret, split_k=split_k),
+               nl=False)
 
 
 def _parse_tokens(text: str | None) -> tuple[int, ...] | None:
@@ -327,7 +329,7 @@ def kernel_command(key):
     click.echo(f"# key {k.id()}\n# config {winner.config.short()}")
     click.echo(show_kernel(k.template, activation=k.activation, bias=k.bias, residual=k.residual,
                            dtype=k.torch_dtype, even_k=k.k % winner.config.block_k == 0,
-                           interpret=k.gpu == "interpreter"), nl=False)
+                           interpret=k.gpu == "interpreter", split_k=winner.config.split_k > 1), nl=False)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # Programs that share one output tile, each over 1/split_k of K; partial sums meet in a float32
+    # workspace (launch.py). Lets small-M problems with few output tiles keep every SM streaming.
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -40,6 +43,8 @@ class KernelConfig:
             raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps!r}")
         if type(self.num_stages) is not int or not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be an int in 1..8, got {self.num_stages!r}")
+        if type(self.split_k) is not int or not 1 <= self.split_k <= 64:
+            raise ValueError(f"split_k must be an int in 1..64, got {self.split_k!r}")
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -59,8 +64,9 @@ class KernelConfig:
         return cls(**data)
 
     def short(self) -> str:
+        split = f" k{self.split_k}" if self.split_k > 1 else ""
         return (
-            f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}"
+            f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}{split}"
         )
 
 
@@ -113,14 +119,25 @@ def heuristic_config(
     wide = dtype.itemsize <= 2  # 16-bit operands: twice the K per byte of shared memory
     gated = template == "gated_up"
     if M <= 64:
-        # Small M streams the weights: every SM needs a program, so narrow BLOCK_N until the
-        # N tiles alone cover the SMs (a narrow output, e.g. a down projection, needs 16).
-        block_n = next((bn for bn in (64, 32) if -(-N // bn) >= multiprocessors), 16)
+        # Small M streams the weights: narrow M tiles, long K tiles, deep pipelines.
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-        config = KernelConfig(block_m, block_n, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
+        config = KernelConfig(block_m, 64, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
     elif M <= 256:
         config = KernelConfig(64, 64 if gated else 128, 64 if wide else 32, group_m=8, num_warps=4, num_stages=4)
     else:
         config = KernelConfig(128, 128, 64 if wide else 32, group_m=8, num_warps=8, num_stages=3 if gated else 4)
     config = clamp_to_problem(config, M, N, K)
+    if M <= 256:
+        config = _split_to_fill(config, M, N, K, multiprocessors)
     return fit_shared_memory(config, template, dtype, shared_memory_limit)
+
+
+def _split_to_fill(config: KernelConfig, M: int, N: int, K: int, multiprocessors: int) -> KernelConfig:
+    """Split K until the programs cover the SMs (a narrow output, e.g. a down projection at small M,
+    has fewer tiles than SMs), keeping at least two K blocks per program."""
+    tiles = -(-M // config.block_m) * -(-N // config.block_n)
+    k_blocks = -(-K // config.block_k)
+    split_k = 1
+    while tiles * split_k < multiprocessors and split_k < 16 and k_blocks >= 4 * split_k:
+        split_k *= 2
+    return dataclasses.replace(config, split_k=split_k)

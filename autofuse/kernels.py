@@ -13,11 +13,13 @@ OPS = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS}
 
 
 def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, residual: bool = False,
-                dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None) -> str:
+                dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None,
+                split_k: bool = False) -> str:
     """Rendered Triton source of the kernel autofuse builds for `op` ("linear" or "gated_up").
 
     `even_k` picks the unmasked K loop (K divisible by BLOCK_K); `interpret` defaults to whether
-    TRITON_INTERPRET=1 is set now, since interpreted kernels upcast their operands.
+    TRITON_INTERPRET=1 is set now, since interpreted kernels upcast their operands; `split_k`
+    the variant whose programs split K and meet in a float32 workspace.
     """
     if op not in OPS:
         raise AutofuseError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
@@ -33,5 +35,6 @@ def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, r
         even_k=bool(even_k),
         input_precision=fp32_input_precision() if dtype == torch.float32 else None,
         upcast_operands=interpreting() if interpret is None else bool(interpret),
+        split_k=bool(split_k),
     )
     return render(spec)

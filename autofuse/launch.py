@@ -19,7 +19,7 @@ from .render import KernelSpec, load_kernel
 
 @cache
 def _kernel(template: str, activation: str, has_bias: bool, has_residual: bool, even_k: bool,
-            input_precision: str | None, interpret: bool):
+            input_precision: str | None, interpret: bool, split_k: bool):
     """The JIT function for one source variant. Memoised: rendering costs ~100 us, a launch must not pay it."""
     return load_kernel(KernelSpec(
         template=template,
@@ -30,17 +30,63 @@ def _kernel(template: str, activation: str, has_bias: bool, has_residual: bool, 
         input_precision=input_precision,
         # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
         upcast_operands=interpret,
+        split_k=split_k,
     ))
 
 
 def _kernel_for(template: str, activation: str, K: int, dtype: torch.dtype, config: KernelConfig,
                 has_bias: bool, has_residual: bool = False):
     precision = fp32_input_precision() if dtype == torch.float32 else None
-    return _kernel(template, activation, has_bias, has_residual, K % config.block_k == 0, precision, interpreting())
+    return _kernel(template, activation, has_bias, has_residual, K % config.block_k == 0, precision, interpreting(),
+                   config.split_k > 1)
+
+
+def _tiles(M: int, N: int, config: KernelConfig) -> int:
+    return -(-M // config.block_m) * -(-N // config.block_n)  # ceil-divisions
 
 
 def _grid(M: int, N: int, config: KernelConfig) -> tuple[int]:
-    return (-(-M // config.block_m) * -(-N // config.block_n),)  # ceil-divisions
+    return (_tiles(M, N, config) * config.split_k,)
+
+
+# Split-K workspaces: float32 partial sums and int32 arrival counters, per (device, stream). The
+# kernels leave both all zero when they finish, so one zeroing at allocation serves every later
+# launch in stream order; a stream of its own keeps concurrent streams from sharing one. Buffers
+# are grown but never freed: a captured CUDA graph keeps the pointers it was captured with.
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, _stream_id(device))
+    found = _workspaces.get(key)
+    if found is None or found[0].numel() < sums or found[1].numel() < counters:
+        if found is not None:
+            _retired.append(found)
+            sums, counters = max(sums, found[0].numel()), max(counters, found[1].numel())
+        found = _workspaces[key] = (
+            torch.zeros(sums, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device),
+        )
+    return found
+
+
+def reset_workspaces() -> None:
+    """Zero every split-K workspace again: needed only after a kernel was interrupted or broken
+    (the tuner calls it after a candidate fails), since a finished launch leaves them zero."""
+    for sums, counters in [*_workspaces.values(), *_retired]:
+        sums.zero_()
+        counters.zero_()
+
+
+def _split_k_args(M: int, N: int, accumulators: int, config: KernelConfig, device: torch.device) -> list:
+    if config.split_k == 1:
+        return []
+    return list(_workspace(device, M * accumulators * N, _tiles(M, N, config)))
 
 
 @cache
@@ -51,6 +97,7 @@ def _launch_options(config: KernelConfig) -> dict[str, int]:
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        **({"SPLIT_K": config.split_k} if config.split_k > 1 else {}),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -99,6 +146,7 @@ def linear(
     if residual is not None:
         args += [residual.stride(0), residual.stride(1)]
     args += [y.stride(0), y.stride(1)]
+    args += _split_k_args(M, N, 1, config, x.device)
     kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return y
 
@@ -129,5 +177,6 @@ def gated_up(
         args += [b_gate.contiguous(), b_up.contiguous()]
     args += [h, M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1)]
     args += [w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1)]
+    args += _split_k_args(M, N, 2, config, x.device)
     kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return h

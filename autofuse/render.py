@@ -38,6 +38,7 @@ class KernelSpec:
     even_k: bool = False  # K % BLOCK_K == 0: the K loop needs no mask
     input_precision: str | None = None  # for float32 operands: "ieee" or "tf32"; None for 16-bit
     upcast_operands: bool = False  # under the interpreter, bf16 arithmetic is wrong: dot in float32
+    split_k: bool = False  # SPLIT_K programs per output tile, meeting in a float32 workspace
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -57,6 +58,8 @@ class KernelSpec:
             parts.append("bias")
         if self.has_residual:
             parts.append("res")
+        if self.split_k:
+            parts.append("splitk")
         return "_".join(parts)
 
 

@@ -64,10 +64,33 @@ def test_m_buckets():
     assert [m_bucket(m) for m in (1, 2, 3, 16, 17, 1000, 16384, 100000)] == [1, 2, 4, 16, 32, 1024, 16384, 16384]
 
 
-def test_small_m_heuristic_gives_every_sm_a_program():
-    down = heuristic_config("linear", 1, 2048, 16384, torch.bfloat16, interpret=False,
+def _programs(config, M, N):
+    return -(-M // config.block_m) * -(-N // config.block_n) * config.split_k
+
+
+@pytest.mark.parametrize("M", [1, 16, 128])
+def test_small_m_heuristic_gives_every_sm_a_program(M):
+    # The down projection (N=2048, K=16384) has 32 tiles of 64 columns: split-K must fill 132 SMs.
+    down = heuristic_config("linear", M, 2048, 16384, torch.bfloat16, interpret=False,
                             shared_memory_limit=227 * 1024, multiprocessors=132)
-    assert down.block_n == 16 and 2048 // down.block_n >= 128
-    up = heuristic_config("gated_up", 1, 16384, 2048, torch.bfloat16, interpret=False,
+    assert down.split_k > 1 and _programs(down, M, 2048) >= 132
+    assert -(-16384 // down.block_k) >= 2 * down.split_k  # every slice keeps two K blocks or more
+    # The gated up-projection (N=16384) has tiles enough without splitting.
+    up = heuristic_config("gated_up", M, 16384, 2048, torch.bfloat16, interpret=False,
                           shared_memory_limit=227 * 1024, multiprocessors=132)
-    assert up.block_n == 64
+    assert up.split_k == 1 and _programs(up, M, 16384) >= 132
+
+
+def test_large_m_heuristic_never_splits():
+    config = heuristic_config("linear", 4096, 2048, 16384, torch.bfloat16, interpret=False,
+                              shared_memory_limit=227 * 1024, multiprocessors=132)
+    assert config.split_k == 1
+
+
+def test_split_k_validated():
+    with pytest.raises(ValueError, match="split_k"):
+        KernelConfig(16, 16, 16, split_k=0)
+    with pytest.raises(ValueError, match="split_k"):
+        KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": "4"})
+    # Configs stored before split-K existed load as split_k=1.
+    assert KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16}).split_k == 1

@@ -27,6 +27,7 @@ class SearchSpace:
     group_m: tuple[int, ...] = (1, 8, 16)
     num_warps: tuple[int, ...] = (2, 4, 8)
     num_stages: tuple[int, ...] = (2, 3, 4, 5)
+    split_k: tuple[int, ...] = (1, 2, 4, 8, 16)
 
     def dimensions(self) -> dict[str, tuple[int, ...]]:
         return dataclasses.asdict(self)
@@ -45,7 +46,11 @@ class SearchSpace:
 
 # Under the interpreter every program costs milliseconds: a tiny space of large tiles.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
-                                num_warps=(4,), num_stages=(1, 2))
+                                num_warps=(4,), num_stages=(1, 2), split_k=(1, 2))
+
+# Split-K pays where few output tiles leave SMs idle: small M. Above this M its float32 workspace
+# traffic (split_k x M x N x 4 bytes each way) outweighs what it gains, so it is not searched.
+SPLIT_K_MAX_M = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,8 @@ def accumulator_registers(config: KernelConfig, template: str) -> int:
 def feasible(config: KernelConfig, problem: Problem, shared_memory_limit: int, interpret: bool) -> KernelConfig | None:
     """The config clamped to the problem, or None when it cannot run on this device."""
     config = clamp_to_problem(config, problem.M, problem.N, problem.K)
+    if config.split_k > 1 and (problem.M > SPLIT_K_MAX_M or config.split_k > -(-problem.K // config.block_k)):
+        return None  # large M, or more K slices than K blocks
     if interpret:
         return config
     if shared_memory_bytes(config, problem.template, problem.dtype) > shared_memory_limit:
