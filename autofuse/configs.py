@@ -30,6 +30,9 @@ class KernelConfig:
     # Programs that share one output tile, each over 1/split_k of K; partial sums meet in a float32
     # workspace (launch.py). Lets small-M problems with few output tiles keep every SM streaming.
     split_k: int = 1
+    # Persistent kernel fed by TMA tensor descriptors (Hopper and newer; launch.py falls back to the
+    # one-tile-per-program kernel where TMA cannot run). Never combined with split_k.
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -45,8 +48,12 @@ class KernelConfig:
             raise ValueError(f"num_stages must be an int in 1..8, got {self.num_stages!r}")
         if type(self.split_k) is not int or not 1 <= self.split_k <= 64:
             raise ValueError(f"split_k must be an int in 1..64, got {self.split_k!r}")
+        if type(self.tma) is not bool:
+            raise ValueError(f"tma must be true or false, got {self.tma!r}")
+        if self.tma and self.split_k > 1:
+            raise ValueError("tma and split_k > 1 do not combine")
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
 
     @classmethod
@@ -64,10 +71,9 @@ class KernelConfig:
         return cls(**data)
 
     def short(self) -> str:
-        split = f" k{self.split_k}" if self.split_k > 1 else ""
-        return (
-            f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} s{self.num_stages}{split}"
-        )
+        variant = f" k{self.split_k}" if self.split_k > 1 else " tma" if self.tma else ""
+        tiles = f"{self.block_m}x{self.block_n}x{self.block_k}"
+        return f"{tiles} g{self.group_m} w{self.num_warps} s{self.num_stages}{variant}"
 
 
 def shared_memory_bytes(config: KernelConfig, template: str, dtype: torch.dtype) -> int:

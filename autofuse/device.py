@@ -80,6 +80,24 @@ def multiprocessor_count(device_index: int) -> int:
     return int(_device_properties(device_index).get("multiprocessor_count", 108))
 
 
+# Under the interpreter the persistent kernels run with this many programs, so that each walks
+# several tiles and the tile loop is exercised.
+INTERPRETER_PROGRAMS = 3
+
+
+@cache
+def supports_tma(device: torch.device) -> bool:
+    """Whether TMA tensor descriptors work here: Hopper (sm_90) and newer, or the interpreter."""
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM."""
+    return multiprocessor_count(cuda_index(device)) if device.type == "cuda" else INTERPRETER_PROGRAMS
+
+
 def fp32_input_precision() -> str:
     """Follow PyTorch's own switch for float32 matmuls: tf32 only when the user allowed it."""
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"

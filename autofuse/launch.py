@@ -8,18 +8,19 @@ program may still switch the interpreter on after `import autofuse`.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
 import torch
 
 from .configs import KernelConfig
-from .device import fp32_input_precision, interpreting
+from .device import fp32_input_precision, interpreting, persistent_programs, supports_tma
 from .render import KernelSpec, load_kernel
 
 
 @cache
 def _kernel(template: str, activation: str, has_bias: bool, has_residual: bool, even_k: bool,
-            input_precision: str | None, interpret: bool, split_k: bool):
+            input_precision: str | None, interpret: bool, split_k: bool, tma: bool):
     """The JIT function for one source variant. Memoised: rendering costs ~100 us, a launch must not pay it."""
     return load_kernel(KernelSpec(
         template=template,
@@ -31,6 +32,7 @@ def _kernel(template: str, activation: str, has_bias: bool, has_residual: bool, 
         # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
         upcast_operands=interpret,
         split_k=split_k,
+        tma=tma,
     ))
 
 
@@ -38,7 +40,7 @@ def _kernel_for(template: str, activation: str, K: int, dtype: torch.dtype, conf
                 has_bias: bool, has_residual: bool = False):
     precision = fp32_input_precision() if dtype == torch.float32 else None
     return _kernel(template, activation, has_bias, has_residual, K % config.block_k == 0, precision, interpreting(),
-                   config.split_k > 1)
+                   config.split_k > 1, config.tma)
 
 
 def _tiles(M: int, N: int, config: KernelConfig) -> int:
@@ -103,6 +105,36 @@ def _launch_options(config: KernelConfig) -> dict[str, int]:
     )
 
 
+def _tma_config(config: KernelConfig, *operands: torch.Tensor) -> KernelConfig:
+    """`config`, or its one-tile-per-program twin where TMA cannot read these operands: descriptors
+    need sm_90+, a contiguous last dimension and 16-byte aligned bases and row strides."""
+    if not config.tma:
+        return config
+    for t in operands:
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return _without_tma(config)
+    return config if supports_tma(operands[0].device) else _without_tma(config)
+
+
+@cache
+def _without_tma(config: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(config, tma=False)
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_k])
+
+
+def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: torch.device, args: list) -> None:
+    programs = persistent_programs(device)
+    grid = (min(programs, _tiles(M, N, config)),)
+    # FLATTEN: one software pipeline across the tile and K loops, so the next tile's loads are
+    # already in flight during this tile's epilogue.
+    kernel[grid](*args, NUM_SMS=programs, FLATTEN=True, **_launch_options(config))
+
+
 def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     """Output buffer; uninitialised, since the kernels write every element (tests poison it)."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -140,7 +172,15 @@ def linear(
     y = _allocate((M, N), x) if out is None else _checked_out(out, (M, N), x)
     if M == 0:
         return y
+    config = _tma_config(config, x, weight)
     kernel = _kernel_for("linear", activation, K, x.dtype, config, bias is not None, residual is not None)
+    if config.tma:
+        args = [_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k)]
+        args += [t for t in (bias, residual) if t is not None] + [y, M, N, K]
+        if residual is not None:
+            args += [residual.stride(0), residual.stride(1)]
+        _persistent_launch(kernel, M, N, config, x.device, args + [y.stride(0), y.stride(1)])
+        return y
     args = [x, weight] + [t for t in (bias, residual) if t is not None] + [y, M, N, K]
     args += [x.stride(0), x.stride(1), weight.stride(0), weight.stride(1)]
     if residual is not None:
@@ -171,10 +211,15 @@ def gated_up(
     h = _allocate((M, N), x) if out is None else _checked_out(out, (M, N), x)
     if M == 0:
         return h
+    config = _tma_config(config, x, w_gate, w_up)
     kernel = _kernel_for("gated_up", activation, K, x.dtype, config, b_gate is not None)
-    args = [x, w_gate, w_up]
-    if b_gate is not None:
-        args += [b_gate.contiguous(), b_up.contiguous()]
+    biases = [b_gate.contiguous(), b_up.contiguous()] if b_gate is not None else []
+    if config.tma:
+        args = [_descriptor(x, config.block_m, config.block_k)]
+        args += [_descriptor(w, config.block_n, config.block_k) for w in (w_gate, w_up)]
+        _persistent_launch(kernel, M, N, config, x.device, args + biases + [h, M, N, K, h.stride(0), h.stride(1)])
+        return h
+    args = [x, w_gate, w_up] + biases
     args += [h, M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1)]
     args += [w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1)]
     args += _split_k_args(M, N, 2, config, x.device)

@@ -39,6 +39,7 @@ class KernelSpec:
     input_precision: str | None = None  # for float32 operands: "ieee" or "tf32"; None for 16-bit
     upcast_operands: bool = False  # under the interpreter, bf16 arithmetic is wrong: dot in float32
     split_k: bool = False  # SPLIT_K programs per output tile, meeting in a float32 workspace
+    tma: bool = False  # persistent kernel over TMA tensor descriptors (templates/<template>_tma.py.jinja)
 
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
@@ -47,6 +48,8 @@ class KernelSpec:
             raise ValueError(f"template {self.template!r} has no activation {self.activation!r}")
         if self.has_residual and self.template != "linear":
             raise ValueError("only the linear template takes a residual")
+        if self.tma and self.split_k:
+            raise ValueError("the TMA kernels have no split-K variant")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 
@@ -60,6 +63,8 @@ class KernelSpec:
             parts.append("res")
         if self.split_k:
             parts.append("splitk")
+        if self.tma:
+            parts.append("tma")
         return "_".join(parts)
 
 
@@ -77,9 +82,10 @@ def _environment() -> jinja2.Environment:
 
 def render(spec: KernelSpec) -> str:
     """The Python source of the kernel described by `spec`."""
-    template = _environment().get_template(f"{spec.template}.py.jinja")
+    template = _environment().get_template(f"{spec.template}{'_tma' if spec.tma else ''}.py.jinja")
     fields = dataclasses.asdict(spec)
     fields.pop("template")
+    fields.pop("tma")
     return template.render(kernel_name=spec.kernel_name, **fields)
 
 
@@ -91,7 +97,7 @@ def template_hash(template: str) -> str:
 
 def hash_template_files(folder: Path, template: str) -> str:
     digest = hashlib.sha256()
-    for name in (f"{template}.py.jinja", "_common.py.jinja"):
+    for name in (f"{template}.py.jinja", f"{template}_tma.py.jinja", "_common.py.jinja"):
         digest.update((folder / name).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -89,8 +89,8 @@ def _positive_number(value: Any, allow_zero: bool = False) -> bool:
 
 
 def config_id(config: KernelConfig) -> str:
-    c = config
-    return f"{c.block_m}-{c.block_n}-{c.block_k}-{c.group_m}-{c.num_warps}-{c.num_stages}"
+    """A trial's name within its key: every field, so configs that differ anywhere never collide."""
+    return "-".join(str(int(v)) for v in config.to_dict().values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,4 +54,8 @@ BLOCK_CONFIGS = [
     # program's slice may be shorter or, for small K, empty).
     KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=3),
     KernelConfig(32, 16, 32, group_m=4, num_warps=2, num_stages=2, split_k=2),
+    # Persistent TMA kernels: under the interpreter 3 programs walk every tile, so each runs several;
+    # ragged K and the M/N edges rely on the descriptors' zero fill.
+    KernelConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=3, tma=True),
+    KernelConfig(32, 16, 32, group_m=8, num_warps=8, num_stages=4, tma=True),
 ]

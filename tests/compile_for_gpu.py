@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from autofuse.render import KernelSpec, load_kernel  # noqa: E402
 
-_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K")
+_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "NUM_SMS", "FLATTEN")
 _TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -27,6 +27,9 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
     for name in fn.arg_names:
         if name in _CONSTEXPRS:
             signature[name] = "constexpr"
+        elif name.endswith("_desc"):  # TMA descriptor: X tiles are [BLOCK_M, BLOCK_K], weight tiles [BLOCK_N, BLOCK_K]
+            rows = block[0] if name == "x_desc" else block[1]
+            signature[name] = f"tensordesc<{_TRITON_DTYPES[dtype]}[{rows}, {block[2]}]>"
         elif name == "ws_ptr":
             signature[name] = "*fp32"
         elif name == "count_ptr":
@@ -38,12 +41,15 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
     constexprs = dict(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8)
     if spec.split_k:
         constexprs["SPLIT_K"] = split_k
+    if spec.tma:
+        constexprs.update(NUM_SMS=132, FLATTEN=True)
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
     return dict(kernel=spec.kernel_name, dtype=dtype, capability=capability, block=list(block),
                 shared=compiled.metadata.shared, wgmma="wgmma" in ptx, mma="mma.sync" in ptx,
+                tma_loads="cp.async.bulk.tensor" in ptx,
                 cubin_bytes=len(compiled.asm["cubin"]))
 
 

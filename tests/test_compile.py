@@ -11,9 +11,10 @@ import pytest
 _HERE = Path(__file__).parent
 
 
-def _spec(template, activation, bias=False, residual=False, even_k=True, split_k=False, input_precision=None):
+def _spec(template, activation, bias=False, residual=False, even_k=True, split_k=False, tma=False,
+          input_precision=None):
     return dict(template=template, activation=activation, has_bias=bias, has_residual=residual, even_k=even_k,
-                split_k=split_k, input_precision=input_precision)
+                split_k=split_k, tma=tma, input_precision=input_precision)
 
 
 # One case per structural switch of each template (activation, bias, residual, ragged K, split-K,
@@ -29,6 +30,12 @@ CASES = [
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("gated_up", "silu", bias=True, even_k=False, split_k=True), dtype="float16", capability=90,
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
+    dict(spec=_spec("linear", "gelu", bias=True, residual=True, tma=True), dtype="bfloat16", capability=90,
+         block=(128, 256, 64), split_k=1, num_warps=8, num_stages=4),
+    dict(spec=_spec("gated_up", "gelu_tanh", tma=True), dtype="bfloat16", capability=90,
+         block=(128, 128, 64), split_k=1, num_warps=8, num_stages=3),
+    dict(spec=_spec("gated_up", "silu", bias=True, tma=True, input_precision="tf32"), dtype="float32",
+         capability=90, block=(64, 64, 32), split_k=1, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_up", "gelu", split_k=True), dtype="bfloat16", capability=80,
          block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
 ]
@@ -50,8 +57,8 @@ def test_every_case_compiles_to_a_cubin(compiled):
 
 
 def test_large_tiles_use_hopper_tensor_cores(compiled):
-    # 16-bit 128x128 tiles on sm_90 must lower to wgmma (the Hopper path), not mma.sync.
-    big = [c for c in compiled if c["capability"] == 90 and c["block"][0] == 128]
+    # 16-bit 128-row tiles on sm_90 must lower to wgmma (the Hopper path), not mma.sync.
+    big = [c for c in compiled if c["capability"] == 90 and c["block"][0] == 128 and c["dtype"] != "float32"]
     assert big and all(c["wgmma"] for c in big), big
     ampere = [c for c in compiled if c["capability"] == 80]
     assert ampere and all(c["mma"] and not c["wgmma"] for c in ampere), ampere
@@ -60,3 +67,9 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
 def test_split_k_kernels_are_named_for_profilers(compiled):
     assert {c["kernel"] for c in compiled if "splitk" in c["kernel"]} == {
         "autofuse_linear_none_splitk", "autofuse_gated_up_silu_bias_splitk", "autofuse_gated_up_gelu_splitk"}
+
+
+def test_tma_kernels_use_the_tensor_copy_engine(compiled):
+    tma = [c for c in compiled if c["kernel"].endswith("_tma")]
+    assert len(tma) == 3 and all(c["tma_loads"] for c in tma), tma
+    assert not any(c["tma_loads"] for c in compiled if not c["kernel"].endswith("_tma"))

@@ -94,3 +94,12 @@ def test_split_k_validated():
         KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": "4"})
     # Configs stored before split-K existed load as split_k=1.
     assert KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16}).split_k == 1
+
+
+def test_trial_names_tell_every_field_apart():
+    from autofuse.store import config_id
+
+    plain = KernelConfig(64, 64, 64)
+    variants = [plain, KernelConfig(64, 64, 64, tma=True), KernelConfig(64, 64, 64, split_k=2),
+                KernelConfig(64, 64, 64, split_k=4), KernelConfig(64, 64, 64, num_stages=4)]
+    assert len({config_id(c) for c in variants}) == len(variants)

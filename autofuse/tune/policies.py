@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..configs import KernelConfig
 from ..store import TrialRecord
-from .space import Problem, SearchSpace, feasible
+from .space import Problem, SearchSpace, config_from, feasible
 
 # evaluate(config) -> the trial's record; budget() -> False once trials or time are spent.
 Evaluate = Callable[[KernelConfig], TrialRecord]
@@ -81,7 +81,9 @@ class OptunaPolicy:
         while budget() and samples < limit:
             samples += 1
             trial = study.ask(distributions)
-            config = feasible(KernelConfig(**trial.params), self.problem, self.shared_memory_limit, self.interpret)
+            config = config_from(trial.params)
+            if config is not None:
+                config = feasible(config, self.problem, self.shared_memory_limit, self.interpret)
             if config is None:  # filtered out before compiling
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 continue

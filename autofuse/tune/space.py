@@ -28,6 +28,7 @@ class SearchSpace:
     num_warps: tuple[int, ...] = (2, 4, 8)
     num_stages: tuple[int, ...] = (2, 3, 4, 5)
     split_k: tuple[int, ...] = (1, 2, 4, 8, 16)
+    tma: tuple[bool, ...] = (False, True)
 
     def dimensions(self) -> dict[str, tuple[int, ...]]:
         return dataclasses.asdict(self)
@@ -35,7 +36,9 @@ class SearchSpace:
     def points(self):
         dims = self.dimensions()
         for values in itertools.product(*dims.values()):
-            yield KernelConfig(**dict(zip(dims, values)))
+            config = config_from(dict(zip(dims, values)))
+            if config is not None:
+                yield config
 
     def size(self) -> int:
         n = 1
@@ -46,11 +49,19 @@ class SearchSpace:
 
 # Under the interpreter every program costs milliseconds: a tiny space of large tiles.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
-                                num_warps=(4,), num_stages=(1, 2), split_k=(1, 2))
+                                num_warps=(4,), num_stages=(1, 2), split_k=(1, 2), tma=(False, True))
 
 # Split-K pays where few output tiles leave SMs idle: small M. Above this M its float32 workspace
 # traffic (split_k x M x N x 4 bytes each way) outweighs what it gains, so it is not searched.
 SPLIT_K_MAX_M = 256
+
+
+def config_from(params: dict) -> KernelConfig | None:
+    """The config of a point in the space, or None for a combination no kernel has (TMA + split-K)."""
+    try:
+        return KernelConfig(**params)
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,12 @@ class Problem:
     N: int
     K: int
     dtype: torch.dtype
+    tma: bool = False  # whether TMA kernels can run: sm_90+ (or the interpreter) and 16-byte aligned rows
+
+    @staticmethod
+    def tma_possible(device_has_tma: bool, K: int, dtype: torch.dtype) -> bool:
+        # Descriptor row strides (K elements for X and the weights) must be multiples of 16 bytes.
+        return device_has_tma and (K * dtype.itemsize) % 16 == 0
 
 
 def accumulator_registers(config: KernelConfig, template: str) -> int:
@@ -70,6 +87,8 @@ def accumulator_registers(config: KernelConfig, template: str) -> int:
 def feasible(config: KernelConfig, problem: Problem, shared_memory_limit: int, interpret: bool) -> KernelConfig | None:
     """The config clamped to the problem, or None when it cannot run on this device."""
     config = clamp_to_problem(config, problem.M, problem.N, problem.K)
+    if config.tma and not problem.tma:
+        return None
     if config.split_k > 1 and (problem.M > SPLIT_K_MAX_M or config.split_k > -(-problem.K // config.block_k)):
         return None  # large M, or more K slices than K blocks
     if interpret:
