@@ -225,3 +225,41 @@ def gated_up(
     args += _split_k_args(M, N, 2, config, x.device)
     kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return h
+
+
+def mlp_decode(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    b_down: torch.Tensor | None,
+    activation: str,
+    config: KernelConfig,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down in one launch,
+    x: [M, D], w_gate/w_up: [F, D], w_down: [D, F]. config: block_m rows, block_n columns of H
+    (BLOCK_F) per program, block_k the step over D in both products (BLOCK_D)."""
+    _check_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    M, D = x.shape
+    F = w_gate.shape[0]
+    assert w_gate.shape == w_up.shape == (F, D) and w_down.shape == (D, F)
+    assert (b_gate is None) == (b_up is None) == (b_down is None), "the three biases come together"
+    assert config.split_k == 1 and not config.tma, "the decode MLP kernel has no split-K or TMA variant"
+    y = _allocate((M, D), x) if out is None else _checked_out(out, (M, D), x)
+    if M == 0:
+        return y
+    kernel = _kernel_for("mlp_decode", activation, D, x.dtype, config, b_gate is not None)
+    args = [x, w_gate, w_up, w_down]
+    if b_gate is not None:
+        args += [b_gate.contiguous(), b_up.contiguous(), b_down.contiguous()]
+    args += [y, M, D, F, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1)]
+    args += [w_down.stride(0), w_down.stride(1), y.stride(0), y.stride(1)]
+    row_blocks = -(-M // config.block_m)
+    args += list(_workspace(x.device, M * D, row_blocks))
+    kernel[(-(-F // config.block_n), row_blocks)](
+        *args, BLOCK_M=config.block_m, BLOCK_F=config.block_n, BLOCK_D=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return y

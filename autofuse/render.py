@@ -24,14 +24,14 @@ from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from .device import check_interpreter_consistency, interpreting
 from .resources import templates_dir, user_cache_dir
 
-TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS}
+TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS, "mlp_decode": GATED_ACTIVATIONS}
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Everything that changes a kernel's source. Numbers that only change its speed live in KernelConfig."""
 
-    template: str  # "linear" or "gated_up"
+    template: str  # "linear", "gated_up" or "mlp_decode"
     activation: str
     has_bias: bool = False
     has_residual: bool = False  # linear only
@@ -50,6 +50,8 @@ class KernelSpec:
             raise ValueError("only the linear template takes a residual")
         if self.tma and self.split_k:
             raise ValueError("the TMA kernels have no split-K variant")
+        if self.template == "mlp_decode" and (self.tma or self.split_k):
+            raise ValueError("the decode MLP kernel has no TMA or split-K variant")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 
@@ -98,7 +100,8 @@ def template_hash(template: str) -> str:
 def hash_template_files(folder: Path, template: str) -> str:
     digest = hashlib.sha256()
     for name in (f"{template}.py.jinja", f"{template}_tma.py.jinja", "_common.py.jinja"):
-        digest.update((folder / name).read_bytes())
+        if (folder / name).is_file():  # not every family has a TMA variant
+            digest.update(name.encode() + (folder / name).read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from autofuse.render import KernelSpec, load_kernel  # noqa: E402
 
-_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "NUM_SMS", "FLATTEN")
+_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "NUM_SMS", "FLATTEN", "BLOCK_F", "BLOCK_D")
 _TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -38,7 +38,10 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
             signature[name] = "*" + _TRITON_DTYPES[dtype]
         else:
             signature[name] = "i32"
-    constexprs = dict(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8)
+    if spec.template == "mlp_decode":
+        constexprs = dict(BLOCK_M=block[0], BLOCK_F=block[1], BLOCK_D=block[2])
+    else:
+        constexprs = dict(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8)
     if spec.split_k:
         constexprs["SPLIT_K"] = split_k
     if spec.tma:

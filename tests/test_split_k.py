@@ -82,3 +82,40 @@ def test_reset_workspaces_clears_a_dirty_workspace(device):
     assert _workspaces_are_zero()
     out = launch.linear(x, w, None, None, "none", SPLIT)
     assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))
+
+
+DECODE_CONFIGS = [
+    KernelConfig(16, 32, 16, num_warps=4, num_stages=2),
+    KernelConfig(16, 16, 32, num_warps=2, num_stages=1),  # D=48 is ragged for BLOCK_D=32
+    KernelConfig(32, 64, 16, num_warps=4, num_stages=3),
+]
+
+
+def _mlp_reference(x, wg, wu, wd, bg, bu, bd, activation):
+    from autofuse.reference import linear_reference
+
+    h = gated_reference(x, wg, wu, bg, bu, activation)
+    return linear_reference(h, wd, bd, None, "none")
+
+
+def _mlp_eager(x, wg, wu, wd, bg, bu, bd, activation):
+    return eager_linear(eager_gated(x, wg, wu, bg, bu, activation), wd, bd, None, "none")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", DECODE_CONFIGS, ids=KernelConfig.short)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, device):
+    # M=5 rows, D=48 (ragged for BLOCK_D 32), F=72 (ragged for every BLOCK_F): several programs
+    # add into each output row. Two launches: the second must not see the first's sums.
+    M, D, F = 5, 48, 72
+    wg, wu = (torch.randn(F, D, dtype=dtype, device=device) / D**0.5 for _ in range(2))
+    wd = torch.randn(D, F, dtype=dtype, device=device) / F**0.5
+    biases = [torch.randn(n, dtype=dtype, device=device) for n in (F, F, D)] if bias else [None] * 3
+    for _ in range(2):
+        x = torch.randn(M, D, dtype=dtype, device=device)
+        out = torch.full((M, D), float("nan"), dtype=dtype, device=device)
+        launch.mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config, out=out)
+        args = (x, wg, wu, wd, *biases, "gelu_tanh")
+        assert_matches_reference(out, _mlp_reference(*args), _mlp_eager(*args))
+        assert _workspaces_are_zero()
