@@ -263,3 +263,4 @@ def mlp_decode(
         *args, BLOCK_M=config.block_m, BLOCK_F=config.block_n, BLOCK_D=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
+

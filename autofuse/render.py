@@ -50,7 +50,7 @@ class KernelSpec:
             raise ValueError("only the linear template takes a residual")
         if self.tma and self.split_k:
             raise ValueError("the TMA kernels have no split-K variant")
-        if self.template == "mlp_decode" and (self.tma or self.split_k):
+        if self.template.startswith("mlp_") and (self.tma or self.split_k):
             raise ValueError("the decode MLP kernel has no TMA or split-K variant")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")

@@ -81,14 +81,14 @@ FUSED = [
 ]
 
 
-def explore_fused() -> list[dict]:
+def explore_fused(shapes) -> list[dict]:
     from autofuse import launch
     from autofuse.reference import ERROR_BOUNDS, eager_gated, gated_reference, linear_reference, relative_error
     from autofuse.timing import gpu_median_ms, graph_replay_us
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for label, d, f, act, M, configs in FUSED:
+    for label, d, f, act, M, configs in shapes:
         def rnd(*shape, scale=1.0):
             return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
 
@@ -216,7 +216,7 @@ def main() -> None:
             result["rows"] += explore(keys)
             out.write_text(json.dumps(result, indent=1))
     if "fused" in parts:
-        result["rows"] += explore_fused()
+        result["rows"] += explore_fused(FUSED)
     out.write_text(json.dumps(result, indent=1))
 
 

@@ -105,10 +105,11 @@ def _mlp_eager(x, wg, wu, wd, bg, bu, bd, activation):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", DECODE_CONFIGS, ids=KernelConfig.short)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, device):
-    # M=5 rows, D=48 (ragged for BLOCK_D 32), F=72 (ragged for every BLOCK_F): several programs
-    # add into each output row. Two launches: the second must not see the first's sums.
-    M, D, F = 5, 48, 72
+@pytest.mark.parametrize("M", [1, 5])
+def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, M, device):
+    # D=48 (ragged for BLOCK_D 32), F=72 (ragged for every BLOCK_F): several programs add into each
+    # output row. Two launches: the second must not see the first's sums.
+    D, F = 48, 72
     wg, wu = (torch.randn(F, D, dtype=dtype, device=device) / D**0.5 for _ in range(2))
     wd = torch.randn(D, F, dtype=dtype, device=device) / F**0.5
     biases = [torch.randn(n, dtype=dtype, device=device) for n in (F, F, D)] if bias else [None] * 3
