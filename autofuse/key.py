@@ -17,8 +17,9 @@ import torch
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 
 # op -> the template that implements it. "down" is the MLP's down projection: the linear template
-# with no activation, keyed apart so a shapes file's MLP and Linear entries never collide.
-OP_TEMPLATES = {"linear": "linear", "gated_up": "gated_up", "down": "linear"}
+# with no activation, keyed apart so a shapes file's MLP and Linear entries never collide. "mlp" is
+# the whole gated MLP in one launch (small M), keyed by n = d_ff, k = d_model.
+OP_TEMPLATES = {"linear": "linear", "gated_up": "gated_up", "down": "linear", "mlp": "mlp_decode"}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -53,7 +54,7 @@ def current_environment(device: torch.device) -> Environment:
 
 @dataclasses.dataclass(frozen=True)
 class TuningKey:
-    op: str  # "linear" | "gated_up" | "down"
+    op: str  # "linear" | "gated_up" | "down" | "mlp"
     template_hash: str
     n: int
     k: int
@@ -70,7 +71,8 @@ class TuningKey:
     def __post_init__(self) -> None:
         if self.op not in OP_TEMPLATES:
             raise ValueError(f"op must be one of {', '.join(OP_TEMPLATES)}, got {self.op!r}")
-        allowed = GATED_ACTIVATIONS if self.op == "gated_up" else ("none",) if self.op == "down" else LINEAR_ACTIVATIONS
+        allowed = (GATED_ACTIVATIONS if self.op in ("gated_up", "mlp") else ("none",) if self.op == "down"
+                   else LINEAR_ACTIVATIONS)
         if self.activation not in allowed:
             raise ValueError(f"activation {self.activation!r} is not valid for op {self.op!r}")
         if self.dtype not in DTYPE_NAMES.values():

@@ -19,7 +19,8 @@ from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
 from .reference import eager_gated, eager_linear
-from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve
+from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve, resolve_tuned
+from .tune.space import MLP_MAX_M
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -188,7 +189,8 @@ class FusedLinear(_FusedBase):
 
 class FusedMLP(_FusedBase):
     """down_proj(act(gate_proj(x)) * up_proj(x)): the gated up-projection in one kernel, then the
-    down projection through the linear kernel."""
+    down projection through the linear kernel; at small M, where tuning found it faster, the whole
+    MLP in one launch (config_for then names the single op "mlp")."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
                  dtype: torch.dtype, device: torch.device, tuned: bool = True) -> None:
@@ -209,12 +211,24 @@ class FusedMLP(_FusedBase):
 
     def _resolve(self, M, dtype, device, residual):
         bias = self.gate_proj.bias is not None
-        return {
+        pair = {
             "gated_up": resolve("gated_up", M, self.d_ff, self.d_model, dtype, device,
                                 activation=self.activation, bias=bias, tuned=self.tuned),
             "down": resolve("down", M, self.d_model, self.d_ff, dtype, device, activation="none", bias=bias,
                             tuned=self.tuned),
         }
+        if not self.tuned or M > MLP_MAX_M:
+            return pair
+        # The one-launch kernel runs only where tuning found it faster than eager, and faster than
+        # the two tuned ops together when both were tuned.
+        fused = resolve_tuned("mlp", M, self.d_ff, self.d_model, dtype, device, activation=self.activation,
+                              bias=bias)
+        if fused is None or fused.config is None:
+            return pair
+        pair_ms = [c.time_ms for c in pair.values()]
+        if None not in pair_ms and sum(pair_ms) <= fused.time_ms:
+            return pair
+        return {"mlp": fused}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = self._flatten(x, "d_model")
@@ -224,6 +238,12 @@ class FusedMLP(_FusedBase):
             if layer.weight.dtype != gate.weight.dtype or layer.weight.device != gate.weight.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
 
+        params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+        if "mlp" in configs:
+            fused = configs["mlp"].config
+            return _run(lambda: launch.mlp_decode(x2d, gate.weight, up.weight, down.weight, gate.bias, up.bias,
+                                                  down.bias, self.activation, fused),
+                        x, *params).reshape(*x.shape[:-1], self.d_model)
         up_config, down_config = configs["gated_up"].config, configs["down"].config
 
         def run():
@@ -236,7 +256,6 @@ class FusedMLP(_FusedBase):
                 return F.linear(h, down.weight, down.bias)
             return launch.linear(h, down.weight, down.bias, None, "none", down_config)
 
-        params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
         return _run(run, x, *params).reshape(*x.shape[:-1], self.d_model)
 
     def extra_repr(self) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .configs import KernelConfig, clamp_to_problem, heuristic_config, next_power_of_2
-from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit
+from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit, supports_tma
 
 M_BUCKET_RULE = "pow2+tokens"  # M -> a tuned bucket equal to M, else the next power of two
 MAX_M_BUCKET = 16384
@@ -37,14 +37,16 @@ class Choice:
 
     config: KernelConfig | None
     source: str  # "user-cache", "shipped:<file>", "nearest:<key id>", "heuristic"
+    time_ms: float | None = None  # the tuned winner's time, where the choice is one
 
 
 def heuristic_for(template: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
     if interpreting() or device.type != "cuda":
         return heuristic_config(template, M, N, K, dtype, interpret=True, shared_memory_limit=0)
     index = cuda_index(device)
-    return heuristic_config(template, M, N, K, dtype, interpret=False,
-                            shared_memory_limit=shared_memory_limit(index), multiprocessors=multiprocessor_count(index))
+    tma = supports_tma(device) and (K * dtype.itemsize) % 16 == 0  # descriptor rows: 16-byte multiples
+    return heuristic_config(template, M, N, K, dtype, interpret=False, shared_memory_limit=shared_memory_limit(index),
+                            multiprocessors=multiprocessor_count(index), tma=tma)
 
 
 class TunedIndex:
@@ -104,6 +106,24 @@ def invalidate() -> None:
     _read_shipped.cache_clear()
 
 
+def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
+                  bias: bool, residual: bool = False) -> Choice | None:
+    """The tuned winner for op at M (the user's cache, then shipped files; M, then its bucket), or None."""
+    from .key import current_environment, make_key
+
+    env = current_environment(device)
+    index = tuned_index()
+    for bucket in dict.fromkeys((M, m_bucket(M))):
+        key = make_key(op, N, K, bucket, dtype, activation, bias, residual, env)
+        found = index.user.get(key.id())
+        if found is not None:
+            return Choice(found.config, "user-cache", found.time_ms)
+        shipped = index.shipped.get(key.id())
+        if shipped is not None:
+            return Choice(shipped[0].config, f"shipped:{shipped[1]}", shipped[0].time_ms)
+    return None
+
+
 def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
             bias: bool, residual: bool = False, tuned: bool = True) -> Choice:
     """The config for one op at M. `tuned=False` skips every cache: the built-in heuristic only."""
@@ -112,17 +132,11 @@ def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.d
     template = OP_TEMPLATES[op]
     if not tuned:
         return Choice(heuristic_for(template, m_bucket(M), N, K, dtype, device), "heuristic")
-    env = current_environment(device)
+    found = resolve_tuned(op, M, N, K, dtype, device, activation=activation, bias=bias, residual=residual)
+    if found is not None:
+        return found
+    key = make_key(op, N, K, m_bucket(M), dtype, activation, bias, residual, current_environment(device))
     index = tuned_index()
-    key = None
-    for bucket in dict.fromkeys((M, m_bucket(M))):
-        key = make_key(op, N, K, bucket, dtype, activation, bias, residual, env)
-        found = index.user.get(key.id())
-        if found is not None:
-            return Choice(found.config, "user-cache")
-        shipped = index.shipped.get(key.id())
-        if shipped is not None:
-            return Choice(shipped[0].config, f"shipped:{shipped[1]}")
     neighbours = index.by_problem.get(key.problem(), [])
     if neighbours:
         def distance(w):

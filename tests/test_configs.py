@@ -103,3 +103,13 @@ def test_trial_names_tell_every_field_apart():
     variants = [plain, KernelConfig(64, 64, 64, tma=True), KernelConfig(64, 64, 64, split_k=2),
                 KernelConfig(64, 64, 64, split_k=4), KernelConfig(64, 64, 64, num_stages=4)]
     assert len({config_id(c) for c in variants}) == len(variants)
+
+
+def test_large_m_heuristic_takes_tma_where_the_gpu_has_it():
+    for template in ("linear", "gated_up"):
+        hopper = heuristic_config(template, 4096, 16384, 4096, torch.bfloat16, interpret=False,
+                                  shared_memory_limit=227 * 1024, multiprocessors=132, tma=True)
+        ampere = heuristic_config(template, 4096, 16384, 4096, torch.bfloat16, interpret=False,
+                                  shared_memory_limit=163 * 1024, multiprocessors=108, tma=False)
+        assert hopper.tma and not ampere.tma
+        assert shared_memory_bytes(hopper, template, torch.bfloat16) <= 227 * 1024

@@ -45,21 +45,51 @@ def _tune(args):
 def test_tune_end_to_end_and_modules_use_the_winners(tmp_path):
     shapes = _write(tmp_path, "s.json", TINY)
     out = _tune(["--shapes", str(shapes), "--trials", "3"])
-    assert "tuning 6 keys with optuna" in out
+    # Per M: gated_up, down, the one-launch mlp (M <= 64 for both token counts) and the Linear.
+    assert "tuning 8 keys with optuna" in out
     table = [line for line in out.splitlines() if line.startswith(("tiny ", "lin "))]
-    assert len(table) == 6, out
+    assert len(table) == 8, out
     store = Store()
     winners = {(w.key.op, w.key.m_bucket): w for w in store.winners()}
-    assert set(winners) == {(op, m) for op in ("gated_up", "down", "linear") for m in (3, 37)}
+    assert set(winners) == {(op, m) for op in ("gated_up", "down", "mlp", "linear") for m in (3, 37)}
     assert all(w.trials == 3 and w.config is not None for w in winners.values())
 
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
-    assert mlp.config_sources(37) == {"gated_up": "user-cache", "down": "user-cache"}
-    assert mlp.config_for(37) == {"gated_up": winners["gated_up", 37].config, "down": winners["down", 37].config}
+    pair_ms = winners["gated_up", 37].time_ms + winners["down", 37].time_ms
+    if winners["mlp", 37].time_ms < pair_ms:  # the module takes whichever tuning timed faster
+        assert mlp.config_sources(37) == {"mlp": "user-cache"}
+        assert mlp.config_for(37) == {"mlp": winners["mlp", 37].config}
+    else:
+        assert mlp.config_sources(37) == {"gated_up": "user-cache", "down": "user-cache"}
+        assert mlp.config_for(37) == {"gated_up": winners["gated_up", 37].config, "down": winners["down", 37].config}
     lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
     assert lin.config_for(3) == {"linear": winners["linear", 3].config}
     # M=20 was not tuned: its pow2 bucket 32 neither, so the nearest tuned bucket (37) serves it.
     assert lin.config_sources(20)["linear"].startswith("nearest:") and "m_bucket=37" in lin.config_sources(20)["linear"]
+
+
+@pytest.mark.parametrize("fused_faster", [True, False])
+def test_mlp_takes_the_one_launch_kernel_only_where_it_was_timed_faster(fused_faster):
+    env = current_environment(torch.device("cpu"))
+    store = Store()
+    pair = KernelConfig(16, 16, 16, num_stages=1)
+    fused = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
+    store.put_winner(Winner(make_key("gated_up", 72, 40, 4, torch.float32, "silu", False, False, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(make_key("down", 40, 72, 4, torch.float32, "none", False, False, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(make_key("mlp", 72, 40, 4, torch.float32, "silu", False, False, env), fused,
+                            1.5 if fused_faster else 2.5, 4.0))
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
+    expected = {"mlp": fused} if fused_faster else {"gated_up": pair, "down": pair}
+    assert mlp.config_for(4) == expected
+    assert mlp.config_for(128) != {"mlp": fused}  # above MLP_MAX_M the one-launch kernel never runs
+    x = torch.randn(4, 40)
+    with torch.no_grad():
+        out = mlp(x)
+    args = (x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    from autofuse.reference import eager_mlp, mlp_reference, relative_error
+
+    ref = mlp_reference(*args, activation="silu")
+    assert relative_error(out, ref) <= 1.25 * relative_error(eager_mlp(*args, activation="silu"), ref) + 1e-6
 
 
 def test_bad_shapes_and_tokens_are_one_line_errors(tmp_path):
@@ -75,18 +105,18 @@ def test_export_import_round_trip_into_a_fresh_cache(tmp_path, monkeypatch):
     _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "37"])
     exported = tmp_path / "h.json"
     result = CliRunner().invoke(main, ["cache", "export", "-o", str(exported)])
-    assert result.exit_code == 0 and "exported 3 configs" in result.output
+    assert result.exit_code == 0 and "exported 4 configs" in result.output
     tuned = {w.key.id(): w for w in Store().winners()}
 
     monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "fresh"))
     resolve.invalidate()
     result = CliRunner().invoke(main, ["cache", "import", str(exported)])
-    assert result.exit_code == 0 and "imported 3 configs" in result.output
+    assert result.exit_code == 0 and "imported 4 configs" in result.output
     assert {w.key.id(): w for w in Store().winners()} == tuned
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
-    assert mlp.config_sources(37) == {"gated_up": "user-cache", "down": "user-cache"}
-    gated = next(w for w in tuned.values() if w.key.op == "gated_up")
-    assert mlp.config_for(37)["gated_up"] == gated.config
+    assert set(mlp.config_sources(37).values()) == {"user-cache"}
+    chosen = mlp.config_for(37)  # the one-launch kernel or the pair, whichever was timed faster
+    assert chosen == {op: next(w.config for w in tuned.values() if w.key.op == op) for op in chosen}
     x = torch.randn(37, 40, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.isfinite(mlp(x)).all()
@@ -205,6 +235,7 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
         assert p.returncode == 0, err
     winners = list(Store(cache).winners())
     expected = {("gated_up", 48, 16 + 8 * i) for i in range(4)} | {("down", 16 + 8 * i, 48) for i in range(4)}
+    expected |= {("mlp", 48, 16 + 8 * i) for i in range(4)}
     expected |= {("linear", 40, 24)}
     assert {(w.key.op, w.key.n, w.key.k) for w in winners} == expected
     assert all(len(Store(cache).trials(w.key)) >= 3 for w in winners)
@@ -225,12 +256,12 @@ def test_a_killed_run_resumes_without_repeating_work(tmp_path):
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it slower"
     before = key_trials()
-    assert 2 <= before < 12 and len(list(Store(cache).winners())) < 2  # trials kept, the run unfinished
+    assert 2 <= before < 18 and len(list(Store(cache).winners())) < 2  # trials kept, the run unfinished
 
     resumed = _tune_process(shapes, cache, "--trials", "6", "--policy", "random", "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert key_trials() == 12  # 6 per key (gated_up, down), the killed run's included
+    assert key_trials() == 18  # 6 per key (gated_up, down, mlp), the killed run's included
     rows = [line.split() for line in out.splitlines() if line.startswith("mlp0 ")]
     resumed_counts = [int(row[-2]) for row in rows]
     assert sum(resumed_counts) == before, out  # every trial of the killed run was reused, none re-run
@@ -246,7 +277,7 @@ def _keys(cache, shapes_path):
 def test_cache_show_clear_and_kernel(tmp_path):
     _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "3"])
     ls = CliRunner().invoke(main, ["cache", "ls"])
-    assert ls.exit_code == 0 and "3 tuned keys" in ls.output
+    assert ls.exit_code == 0 and "4 tuned keys" in ls.output
     key_id = next(line.strip() for line in ls.output.splitlines() if line.strip().startswith("op=gated_up"))
     show = CliRunner().invoke(main, ["cache", "show", key_id])
     assert show.exit_code == 0 and json.loads(show.output)["key"]["op"] == "gated_up"
@@ -254,7 +285,7 @@ def test_cache_show_clear_and_kernel(tmp_path):
     assert kernel.exit_code == 0 and "def autofuse_gated_up_silu(" in kernel.output
     assert CliRunner().invoke(main, ["cache", "show", "op=nonsense"]).exit_code == 2
     clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
-    assert clear.exit_code == 0 and "removed 3 tuned configs" in clear.output
+    assert clear.exit_code == 0 and "removed 4 tuned configs" in clear.output
     assert list(Store().winners()) == []
 
 

@@ -22,7 +22,7 @@ from ..shapes import ShapeSet
 from ..store import Store, TrialRecord, Winner
 from .objective import Evaluator
 from .policies import ExhaustivePolicy, OptunaPolicy, Policy, RandomPolicy
-from .space import INTERPRETER_SPACE, Problem, SearchSpace, candidates
+from .space import MLP_MAX_M, Problem, SearchSpace, candidates, default_space
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,9 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device) -> list[Job]:
                                      False, env), M, f"{mlp.name} gated_up"))
             jobs.append(Job(make_key("down", mlp.d_model, mlp.d_ff, M, shapes.dtype, "none", mlp.bias, False, env),
                             M, f"{mlp.name} down"))
+            if M <= MLP_MAX_M:  # the whole MLP in one launch competes with the two kernels above
+                jobs.append(Job(make_key("mlp", mlp.d_ff, mlp.d_model, M, shapes.dtype, mlp.activation, mlp.bias,
+                                         False, env), M, f"{mlp.name} mlp"))
         for lin in shapes.linears:
             jobs.append(Job(make_key("linear", lin.out_features, lin.in_features, M, shapes.dtype, lin.activation,
                                      lin.bias, False, env), M, f"{lin.name} linear"))
@@ -74,7 +77,7 @@ class KeyResult:
 def make_policy(name: str, problem: Problem, device: torch.device, seed: int,
                 space: SearchSpace | None = None) -> Policy:
     interpret = interpreting()
-    space = space or (INTERPRETER_SPACE if interpret else SearchSpace())
+    space = space or default_space(problem.template, interpret)
     limit = 0 if interpret else shared_memory_limit(cuda_index(device))
     if name == "optuna":
         return OptunaPolicy(space, problem, limit, interpret, seed=seed)

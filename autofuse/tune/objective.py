@@ -19,8 +19,10 @@ from ..reference import (
     ERROR_BOUNDS,
     eager_gated,
     eager_linear,
+    eager_mlp,
     gated_reference,
     linear_reference,
+    mlp_reference,
     relative_error,
 )
 from ..store import TrialRecord
@@ -53,10 +55,13 @@ class Evaluator:
         n, k = key.n, key.k
         scale = k**-0.5  # like nn.Linear's init: outputs of order one
         self.weights = [self._random(n, k) * scale]
-        if key.op == "gated_up":
+        if key.op in ("gated_up", "mlp"):
             self.weights.append(self._random(n, k) * scale)
-        self.biases = [self._random(n) for _ in self.weights] if key.bias else [None] * len(self.weights)
+        if key.op == "mlp":  # the down projection: [d_model, d_ff]
+            self.weights.append(self._random(k, n) * n**-0.5)
+        self.biases = [self._random(w.shape[0]) for w in self.weights] if key.bias else [None] * len(self.weights)
         self.residual = self._random(M, n) if key.residual else None
+        self.out_features = k if key.op == "mlp" else n
         self.x = self._random(M, k)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -65,17 +70,23 @@ class Evaluator:
 
     # the op, three ways
     def _launch(self, config: KernelConfig, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.key.op == "mlp":
+            return launch.mlp_decode(x, *self.weights, *self.biases, self.key.activation, config, out=out)
         if self.key.op == "gated_up":
             return launch.gated_up(x, *self.weights, *self.biases, self.key.activation, config, out=out)
         return launch.linear(x, self.weights[0], self.biases[0], self.residual, self.key.activation, config, out=out)
 
     def baseline(self, x: torch.Tensor) -> torch.Tensor:
         """What eager PyTorch runs for this op: cuBLAS GEMM(s) + pointwise."""
+        if self.key.op == "mlp":
+            return eager_mlp(x, *self.weights, *self.biases, self.key.activation)
         if self.key.op == "gated_up":
             return eager_gated(x, *self.weights, *self.biases, self.key.activation)
         return eager_linear(x, self.weights[0], self.biases[0], self.residual, self.key.activation)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.key.op == "mlp":  # H rounded to the dtype, as the kernel and eager store it
+            return mlp_reference(x, *self.weights, *self.biases, self.key.activation, hidden_dtype=self.dtype)
         if self.key.op == "gated_up":
             return gated_reference(x, *self.weights, *self.biases, self.key.activation)
         return linear_reference(x, self.weights[0], self.biases[0], self.residual, self.key.activation)
@@ -106,10 +117,10 @@ class Evaluator:
             self._clean_up(config)
             return TrialRecord(config, _status_of(e), None, f"{type(e).__name__}: {e}")
 
-    @staticmethod
-    def _clean_up(config: KernelConfig) -> None:
-        # A broken split-K candidate may leave partial sums behind; the next trial must not see them.
-        if config.split_k > 1:
+    def _clean_up(self, config: KernelConfig) -> None:
+        # A broken split-K or one-launch MLP candidate may leave partial sums behind in the shared
+        # workspace; the next trial must not see them.
+        if config.split_k > 1 or self.key.op == "mlp":
             try:
                 launch.reset_workspaces()
             except Exception:  # noqa: BLE001 - a dead CUDA context fails the next trial on its own
@@ -141,7 +152,7 @@ class Evaluator:
     def _verify(self, config: KernelConfig) -> str | None:
         """None when correct on fresh inputs; otherwise what was wrong."""
         x = self._random(self.M, self.key.k)
-        out = torch.full((self.M, self.key.n), float("nan"), dtype=self.dtype, device=self.device)
+        out = torch.full((self.M, self.out_features), float("nan"), dtype=self.dtype, device=self.device)
         self._launch(config, x, out=out)
         if not torch.isfinite(out).all():
             return f"{(~torch.isfinite(out)).sum().item()} non-finite or unwritten elements"

@@ -51,6 +51,23 @@ class SearchSpace:
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
                                 num_warps=(4,), num_stages=(1, 2), split_k=(1, 2), tma=(False, True))
 
+# The one-launch MLP (op "mlp"): block_m rows, block_n = BLOCK_F columns of H per program, block_k
+# = BLOCK_D. It has no GROUP_M, split-K or TMA, and its atomics grow with M: small tiles only.
+MLP_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256), group_m=(1,),
+                        num_warps=(2, 4, 8), num_stages=(2, 3, 4, 5), split_k=(1,), tma=(False,))
+MLP_INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32, 64), block_k=(32, 64), group_m=(1,),
+                                    num_warps=(4,), num_stages=(1, 2), split_k=(1,), tma=(False,))
+# Largest M the one-launch MLP is tuned for: its float32 atomics (d_ff / BLOCK_F x M x d_model)
+# outgrow the weight traffic beyond this (H200: 202 us against eager's 78 at gemma-2b M=128).
+MLP_MAX_M = 64
+
+
+def default_space(template: str, interpret: bool) -> SearchSpace:
+    if template == "mlp_decode":
+        return MLP_INTERPRETER_SPACE if interpret else MLP_SPACE
+    return INTERPRETER_SPACE if interpret else SearchSpace()
+
+
 # Split-K pays where few output tiles leave SMs idle: small M. Above this M its float32 workspace
 # traffic (split_k x M x N x 4 bytes each way) outweighs what it gains, so it is not searched.
 SPLIT_K_MAX_M = 256
@@ -80,7 +97,7 @@ class Problem:
 
 
 def accumulator_registers(config: KernelConfig, template: str) -> int:
-    accumulators = 2 if template == "gated_up" else 1
+    accumulators = 2 if template in ("gated_up", "mlp_decode") else 1
     return accumulators * config.block_m * config.block_n // (32 * config.num_warps)
 
 
