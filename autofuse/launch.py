@@ -128,6 +128,12 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
 
 
 def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: torch.device, args: list) -> None:
+    if device.type == "cuda":
+        # Triton builds the TMA descriptors with the driver API, which needs this thread to have a
+        # current CUDA context; a thread that got its tensors from PyTorch's cache may have none
+        # ("Failed to create tensor map descriptor: invalid device context", seen in the tuner's
+        # compile thread). set_device makes the device's primary context current.
+        torch.cuda.set_device(device)
     programs = persistent_programs(device)
     grid = (min(programs, _tiles(M, N, config)),)
     # FLATTEN: one software pipeline across the tile and K loops, so the next tile's loads are

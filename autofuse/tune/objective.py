@@ -145,6 +145,7 @@ class Evaluator:
         return None
 
     def _compile_and_sync(self, config: KernelConfig) -> None:
+        torch.cuda.set_device(self.device)  # this worker thread needs the device's context current
         with torch.no_grad():
             self._launch(config, self.x)
         torch.cuda.synchronize(self.device)
