@@ -64,3 +64,58 @@ def test_forward_is_capturable_in_a_cuda_graph():
         graph.replay()
         torch.testing.assert_close(out, module(x))
         assert not torch.equal(out, expected)
+
+
+def _graph_matches_eager(run, x):
+    """Capture run(x) in a CUDA graph, replay on new data, compare with an eager call."""
+    with torch.no_grad():
+        run(x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(x)
+        for _ in range(3):  # several replays: the workspaces must come back to zero each time
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.testing.assert_close(out, run(x), rtol=2e-2, atol=2e-2)
+
+
+def test_split_k_and_one_launch_mlp_are_capturable_in_a_cuda_graph():
+    from autofuse import launch
+    from autofuse.configs import KernelConfig
+
+    w = torch.randn(2048, 16384, dtype=torch.bfloat16, device="cuda") / 128
+    split = KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=8)
+    _graph_matches_eager(lambda x: launch.linear(x, w, None, None, "none", split),
+                         torch.randn(4, 16384, dtype=torch.bfloat16, device="cuda"))
+    wg, wu = (torch.randn(2048, 768, dtype=torch.bfloat16, device="cuda") / 28 for _ in range(2))
+    wd = torch.randn(768, 2048, dtype=torch.bfloat16, device="cuda") / 45
+    fused = KernelConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=3)
+    _graph_matches_eager(lambda x: launch.mlp_decode(x, wg, wu, wd, None, None, None, "gelu_tanh", fused),
+                         torch.randn(1, 768, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
+    # Triton creates TMA descriptors through the driver, which needs a current context in the
+    # launching thread; the tuner compiles in a worker thread, and so may a user's server.
+    import threading
+
+    from autofuse import launch
+    from autofuse.configs import KernelConfig
+
+    x = torch.randn(1024, 2048, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(4096, 2048, dtype=torch.bfloat16, device="cuda") / 45
+    config = KernelConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True)
+    result = {}
+
+    def work():
+        try:
+            result["y"] = launch.linear(x, w, None, None, "gelu", config)
+            torch.cuda.synchronize()
+        except Exception as e:  # reported below, in the test's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    assert_matches_reference(result["y"], linear_reference(x, w, None, None, "gelu"), eager_linear(x, w, None, None, "gelu"))
