@@ -118,4 +118,5 @@ def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
     thread.start()
     thread.join()
     assert "error" not in result, result.get("error")
-    assert_matches_reference(result["y"], linear_reference(x, w, None, None, "gelu"), eager_linear(x, w, None, None, "gelu"))
+    args = (x, w, None, None, "gelu")
+    assert_matches_reference(result["y"], linear_reference(*args), eager_linear(*args))
