@@ -14,7 +14,7 @@ from functools import cache
 import torch
 
 from .configs import KernelConfig
-from .device import fp32_input_precision, interpreting, persistent_programs, supports_tma
+from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs, supports_tma
 from .render import KernelSpec, load_kernel
 
 
@@ -133,7 +133,7 @@ def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: tor
         # current CUDA context; a thread that got its tensors from PyTorch's cache may have none
         # ("Failed to create tensor map descriptor: invalid device context", seen in the tuner's
         # compile thread). set_device makes the device's primary context current.
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(cuda_index(device))
     programs = persistent_programs(device)
     grid = (min(programs, _tiles(M, N, config)),)
     # FLATTEN: one software pipeline across the tile and K loops, so the next tile's loads are

@@ -13,7 +13,7 @@ import torch
 
 from .. import launch
 from ..configs import KernelConfig
-from ..device import interpreting
+from ..device import cuda_index, interpreting
 from ..key import TuningKey
 from ..reference import (
     ERROR_BOUNDS,
@@ -145,7 +145,7 @@ class Evaluator:
         return None
 
     def _compile_and_sync(self, config: KernelConfig) -> None:
-        torch.cuda.set_device(self.device)  # this worker thread needs the device's context current
+        torch.cuda.set_device(cuda_index(self.device))  # this worker thread needs the device's context current
         with torch.no_grad():
             self._launch(config, self.x)
         torch.cuda.synchronize(self.device)
