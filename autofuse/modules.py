@@ -233,28 +233,29 @@ class FusedMLP(_FusedBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = self._flatten(x, "d_model")
         configs = self._config_table(x2d.shape[0])
+        # Parameters fetched once: every nn.Module attribute lookup costs host time on each forward.
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        for layer in (up, down):
-            if layer.weight.dtype != gate.weight.dtype or layer.weight.device != gate.weight.device:
+        params = (wg, bg, wu, bu, wd, bd) = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+        for w in (wu, wd):
+            if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
+        activation = self.activation
 
-        params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
         if "mlp" in configs:
             fused = configs["mlp"].config
-            return _run(lambda: launch.mlp_decode(x2d, gate.weight, up.weight, down.weight, gate.bias, up.bias,
-                                                  down.bias, self.activation, fused),
+            return _run(lambda: launch.mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, fused),
                         x, *params).reshape(*x.shape[:-1], self.d_model)
         up_config, down_config = configs["gated_up"].config, configs["down"].config
 
         def run():
             # A None config means tuning found eager PyTorch faster for that op at this shape.
             if up_config is None:
-                h = eager_gated(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation)
+                h = eager_gated(x2d, wg, wu, bg, bu, activation)
             else:
-                h = launch.gated_up(x2d, gate.weight, up.weight, gate.bias, up.bias, self.activation, up_config)
+                h = launch.gated_up(x2d, wg, wu, bg, bu, activation, up_config)
             if down_config is None:
-                return F.linear(h, down.weight, down.bias)
-            return launch.linear(h, down.weight, down.bias, None, "none", down_config)
+                return F.linear(h, wd, bd)
+            return launch.linear(h, wd, bd, None, "none", down_config)
 
         return _run(run, x, *params).reshape(*x.shape[:-1], self.d_model)
 
