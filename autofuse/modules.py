@@ -15,6 +15,7 @@ from torch import nn
 
 from . import launch
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+from .autograd import LinearFunction, MLPFunction
 from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
@@ -47,26 +48,8 @@ def _parse_device(device: object) -> torch.device:
     return device
 
 
-class _NoBackward(torch.autograd.Function):
-    """Runs a forward whose gradient autofuse does not compute yet, so that a backward through it
-    fails loudly instead of silently leaving the weights without gradients."""
-
-    @staticmethod
-    def forward(ctx, run, *inputs):
-        return run()
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "autofuse modules do not support backward yet; run them under torch.no_grad() or "
-            "torch.inference_mode()"
-        )
-
-
-def _run(run, *tensors):
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _NoBackward.apply(run, *[t for t in tensors if t is not None])
-    return run()
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _FusedBase(nn.Module):
@@ -175,12 +158,16 @@ class FusedLinear(_FusedBase):
             r2d = residual.reshape(-1, self.out_features)
         config = self._config_table(x2d.shape[0], r2d is not None)["linear"].config
 
+        weight, bias, activation = self.weight, self.bias, self.activation
+
         def run():
             if config is None:  # tuning found eager PyTorch faster for this shape
-                return eager_linear(x2d, self.weight, self.bias, r2d, self.activation)
-            return launch.linear(x2d, self.weight, self.bias, r2d, self.activation, config)
+                return eager_linear(x2d, weight, bias, r2d, activation)
+            return launch.linear(x2d, weight, bias, r2d, activation, config)
 
-        return _run(run, x, self.weight, self.bias, residual).reshape(out_shape)
+        if _needs_grad(x2d, weight, bias, r2d):
+            return LinearFunction.apply(run, x2d, weight, bias, r2d, activation).reshape(out_shape)
+        return run().reshape(out_shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -243,21 +230,26 @@ class FusedMLP(_FusedBase):
 
         if "mlp" in configs:
             fused = configs["mlp"].config
-            return _run(lambda: launch.mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, fused),
-                        x, *params).reshape(*x.shape[:-1], self.d_model)
-        up_config, down_config = configs["gated_up"].config, configs["down"].config
 
-        def run():
-            # A None config means tuning found eager PyTorch faster for that op at this shape.
-            if up_config is None:
-                h = eager_gated(x2d, wg, wu, bg, bu, activation)
-            else:
-                h = launch.gated_up(x2d, wg, wu, bg, bu, activation, up_config)
-            if down_config is None:
-                return F.linear(h, wd, bd)
-            return launch.linear(h, wd, bd, None, "none", down_config)
+            def run():
+                return launch.mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, fused)
+        else:
+            up_config, down_config = configs["gated_up"].config, configs["down"].config
 
-        return _run(run, x, *params).reshape(*x.shape[:-1], self.d_model)
+            def run():
+                # A None config means tuning found eager PyTorch faster for that op at this shape.
+                if up_config is None:
+                    h = eager_gated(x2d, wg, wu, bg, bu, activation)
+                else:
+                    h = launch.gated_up(x2d, wg, wu, bg, bu, activation, up_config)
+                if down_config is None:
+                    return F.linear(h, wd, bd)
+                return launch.linear(h, wd, bd, None, "none", down_config)
+
+        out_shape = (*x.shape[:-1], self.d_model)
+        if _needs_grad(x2d, *params):
+            return MLPFunction.apply(run, x2d, wg, bg, wu, bu, wd, bd, activation).reshape(out_shape)
+        return run().reshape(out_shape)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"

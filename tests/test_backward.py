@@ -1,0 +1,179 @@
+"""Backward through the fused modules: gradients of inputs, weights and biases against float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import DTYPES, relative_error
+
+import autofuse
+from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS
+
+# Norm-relative error allowed for a gradient against float64. A gradient passes through several
+# roundings in the dtype (the upstream gradient, dH, dG/dU, the GEMM outputs), each up to one unit
+# roundoff: float32 allows for K-long float32 sums; 16-bit types for ~4-6 roundings of 2**-11
+# (float16) or 2**-8 (bfloat16). The sharper check is against eager PyTorch's own gradient error.
+GRAD_BOUNDS = {torch.float32: 1e-5, torch.float16: 6e-3, torch.bfloat16: 5e-2}
+
+
+def _check_grads(got: dict, ref: dict, eager: dict, dtype) -> None:
+    assert got.keys() == ref.keys() == eager.keys()
+    for name in got:
+        assert got[name].dtype == dtype and got[name].shape == ref[name].shape, name
+        err, eager_err = relative_error(got[name], ref[name]), relative_error(eager[name], ref[name])
+        assert err <= GRAD_BOUNDS[dtype], f"{name}: error {err:.3g} > {GRAD_BOUNDS[dtype]:.3g} in {dtype}"
+        assert err <= 1.25 * eager_err + 1e-6, f"{name}: error {err:.3g} vs eager's {eager_err:.3g} in {dtype}"
+
+
+def _grads(module_params: dict, x: torch.Tensor, fn, dy: torch.Tensor) -> dict:
+    """Gradients of <fn(x, **params), dy> with respect to x and every parameter."""
+    leaves = {"x": x.detach().clone().requires_grad_()}
+    leaves.update({k: v.detach().clone().requires_grad_() for k, v in module_params.items() if v is not None})
+    out = fn(leaves["x"], **{k: leaves.get(k) for k in module_params})
+    out.backward(dy)
+    return {k: v.grad for k, v in leaves.items()}
+
+
+def _mlp_fn(activation):
+    def fn(x, gate_w, gate_b, up_w, up_b, down_w, down_b):
+        h = TORCH_ACTIVATIONS[activation](F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b)
+        return F.linear(h, down_w, down_b)
+    return fn
+
+
+def _mlp_params(module):
+    return dict(gate_w=module.gate_proj.weight, gate_b=module.gate_proj.bias, up_w=module.up_proj.weight,
+                up_b=module.up_proj.bias, down_w=module.down_proj.weight, down_b=module.down_proj.bias)
+
+
+def _module_grads(module, x, dy, names, residual=None):
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(x) if residual is None else module(x, residual=residual)
+    out.backward(dy)
+    grads = {"x": x.grad}
+    grads.update({name: p.grad for name, p in zip(names, _param_tensors(module)) if p is not None})
+    return grads
+
+
+def _param_tensors(module):
+    if isinstance(module, autofuse.FusedMLP):
+        return [module.gate_proj.weight, module.gate_proj.bias, module.up_proj.weight, module.up_proj.bias,
+                module.down_proj.weight, module.down_proj.bias]
+    return [module.weight, module.bias]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_mlp_gradients(dtype, activation, bias, device):
+    module = autofuse.get_mlp(40, 72, activation=activation, bias=bias, dtype=dtype, device=device)
+    x = torch.randn(3, 13, 40, dtype=dtype, device=device)  # 3-D input, M = 39 rows
+    dy = torch.randn(3, 13, 40, dtype=dtype, device=device)
+    params = _mlp_params(module)
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    got = _module_grads(module, x, dy, names)
+    ref = _grads({k: v.double() if v is not None else None for k, v in params.items()}, x.double(),
+                 _mlp_fn(activation), dy.double())
+    eager = _grads(params, x, _mlp_fn(activation), dy)
+    _check_grads(got, ref, eager, dtype)
+
+
+def _linear_fn(activation):
+    def fn(x, w, b, r=None):
+        y = TORCH_ACTIVATIONS[activation](F.linear(x, w, b))
+        return y if r is None else y + r
+    return fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["nores", "res"])
+def test_linear_gradients(dtype, activation, bias, residual, device):
+    module = autofuse.get_linear(40, 24, bias=bias, activation=activation, dtype=dtype, device=device)
+    x = torch.randn(37, 40, dtype=dtype, device=device)
+    dy = torch.randn(37, 24, dtype=dtype, device=device)
+    r = torch.randn(37, 24, dtype=dtype, device=device) if residual else None
+    params = {"w": module.weight, "b": module.bias}
+    if residual:
+        r_leaf = r.clone().requires_grad_()
+        got = _module_grads(module, x, dy, ["w", "b"], residual=r_leaf)
+        got["r"] = r_leaf.grad
+        params["r"] = r
+    else:
+        got = _module_grads(module, x, dy, ["w", "b"])
+    ref = _grads({k: v.double() if v is not None else None for k, v in params.items()}, x.double(),
+                 _linear_fn(activation), dy.double())
+    eager = _grads(params, x, _linear_fn(activation), dy)
+    _check_grads(got, ref, eager, dtype)
+
+
+def test_finite_differences_agree_with_the_gradient(device):
+    # float32, IEEE dots: a central difference along a random direction matches <grad, direction>.
+    torch.manual_seed(0)
+    module = autofuse.get_mlp(24, 40, activation="gelu_tanh", bias=True, dtype=torch.float32, device=device)
+    x = torch.randn(5, 24, device=device, requires_grad=True)
+    w = module.up_proj.weight
+    (module(x) ** 2).sum().backward()
+    for tensor, grad in ((x, x.grad), (w, w.grad)):
+        direction = torch.randn_like(tensor)
+        eps = 1e-2
+        with torch.no_grad():
+            tensor += eps * direction
+            plus = (module(x) ** 2).sum().double()
+            tensor -= 2 * eps * direction
+            minus = (module(x) ** 2).sum().double()
+            tensor += eps * direction
+        numeric = (plus - minus) / (2 * eps)
+        analytic = (grad.double() * direction.double()).sum()
+        assert abs(numeric - analytic) <= 2e-3 * abs(analytic) + 1e-3, (numeric.item(), analytic.item())
+
+
+def test_gradients_accumulate_across_backward_calls(device):
+    module = autofuse.get_mlp(16, 32, bias=True, dtype=torch.float32, device=device)
+    x = torch.randn(6, 16, device=device)
+    module(x).sum().backward()
+    once = {name: p.grad.clone() for name, p in module.named_parameters()}
+    module(x).sum().backward()  # no zero_grad: .grad must hold the sum of both steps
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_is_refused_clearly(device):
+    module = autofuse.get_linear(16, 8, activation="gelu", dtype=torch.float32, device=device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(module(x).sum(), x, create_graph=True)
+
+
+def test_no_grad_forward_saves_nothing(device):
+    module = autofuse.get_mlp(16, 32, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        out = module(torch.randn(4, 16, device=device))
+    assert out.grad_fn is None
+    out = module(torch.randn(4, 16, device=device))  # parameters require grad: a graph is built
+    assert type(out.grad_fn).__name__ != "NoneType"
+
+
+def test_a_short_training_run_follows_eager(device):
+    # A few SGD steps of a small GeGLU MLP regression on synthetic data, autofuse against the same
+    # model in eager PyTorch from the same initial weights: the losses match step for step.
+    torch.manual_seed(0)
+    fused = autofuse.get_mlp(16, 48, activation="gelu_tanh", bias=True, dtype=torch.float32, device=device)
+    eager_params = {k: v.detach().clone().requires_grad_() for k, v in _mlp_params(fused).items()}
+    x = torch.randn(32, 16, device=device)
+    target = torch.sin(x @ torch.randn(16, 16, device=device))
+    opt_fused = torch.optim.SGD(fused.parameters(), lr=1.0)
+    opt_eager = torch.optim.SGD(list(eager_params.values()), lr=1.0)
+    losses = []
+    for _ in range(30):
+        loss_f = F.mse_loss(fused(x), target)
+        loss_e = F.mse_loss(_mlp_fn("gelu_tanh")(x, **eager_params), target)
+        for opt, loss in ((opt_fused, loss_f), (opt_eager, loss_e)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append((loss_f.item(), loss_e.item()))
+    assert losses[-1][0] < 0.5 * losses[0][0]  # it learns (0.56 -> 0.17 when written)
+    for f, e in losses:
+        assert abs(f - e) <= 1e-4 * e, losses
