@@ -1,12 +1,12 @@
 """Backward through the fused modules: torch.autograd.Functions around the fused forwards.
 
-The forward runs autofuse's tuned kernels and saves only its inputs (x and the parameters); the
-backward recomputes the pre-activations it needs (the gate and up projections, or a Linear's
-pre-activation) and forms the gradients from GEMMs and PyTorch's own activation derivatives
-(aten's gelu_backward / silu_backward, the ones eager autograd runs). Saving x alone keeps the
-activation memory of a training step at the inputs; fusing the backward into tuned templates is
-the next step (issue 5). Gradients accumulate into .grad as autograd always does; a second-order
-backward is refused with a clear error.
+The forward runs autofuse's tuned kernels and saves only its inputs (x and the parameters).
+Gated MLP: one fused kernel (templates/gated_bwd.py.jinja) recomputes the gate and up
+pre-activations and forms dH = dY Wd in the same K loop, and writes dG, dU and H, so none of G, U
+or dH reaches memory; the input and weight gradients are then GEMMs over those. Linear: the
+pre-activation is recomputed and PyTorch's own activation derivative applied (aten's
+gelu_backward / silu_backward, as eager autograd runs them). Gradients accumulate into .grad as
+autograd always does; a second-order backward is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .activations import TORCH_ACTIVATIONS
+from . import launch
 
 
 def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -69,8 +69,8 @@ class MLPFunction(torch.autograd.Function):
     """y = down(act(gate(x)) * up(x)), forward through `run` (the fused kernels)."""
 
     @staticmethod
-    def forward(ctx, run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-        ctx.activation = activation
+    def forward(ctx, run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backward_config):
+        ctx.activation, ctx.backward_config = activation, backward_config
         ctx.has_bias = b_gate is not None
         ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down)
         return run()
@@ -79,21 +79,24 @@ class MLPFunction(torch.autograd.Function):
     def backward(ctx, dy):
         _refuse_double_backward()
         x, w_gate, b_gate, w_up, b_up, w_down = ctx.saved_tensors
-        g = F.linear(x, w_gate, b_gate)
-        u = F.linear(x, w_up, b_up)
-        a = TORCH_ACTIVATIONS[ctx.activation](g)
-        dh = dy @ w_down
-        dg = activation_backward(ctx.activation, dh * u, g)
-        du = dh * a
-        need = ctx.needs_input_grad  # (run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+        dy = dy.contiguous()
+        dgu, h = launch.gated_backward(x, dy, w_gate, w_up, w_down, b_gate, b_up, ctx.activation,
+                                       ctx.backward_config)
+        F_ = w_gate.shape[0]
+        dg, du = dgu[:, :F_], dgu[:, F_:]
+        need = ctx.needs_input_grad  # (run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, config)
         dx = None
         if need[1]:
             dx = dg @ w_gate
             dx.addmm_(du, w_up)
-        dw_gate = dg.t() @ x if need[2] else None
-        dw_up = du.t() @ x if need[4] else None
-        dw_down = dy.t() @ (a * u) if need[6] else None
-        db_gate = _sum_rows(dg) if ctx.has_bias and need[3] else None
-        db_up = _sum_rows(du) if ctx.has_bias and need[5] else None
+        dw_gate = dw_up = None
+        if need[2] or need[4]:
+            dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]
+            dw_gate, dw_up = (dw[:F_] if need[2] else None), (dw[F_:] if need[4] else None)
+        dw_down = dy.t() @ h if need[6] else None
+        db_gate = db_up = None
+        if ctx.has_bias and (need[3] or need[5]):
+            db = _sum_rows(dgu)
+            db_gate, db_up = db[:F_], db[F_:]
         db_down = _sum_rows(dy) if ctx.has_bias and need[7] else None
-        return None, dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None
+        return None, dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None

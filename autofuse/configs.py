@@ -80,7 +80,10 @@ def shared_memory_bytes(config: KernelConfig, template: str, dtype: torch.dtype)
     """Estimate of the shared memory a config's software pipeline needs: one X tile and one tile per
     weight matrix, per stage. Used to drop configs that would fail with OutOfResources."""
     weights = 2 if template in ("gated_up", "mlp_decode") else 1  # mlp_decode: its first product dominates
-    per_stage = (config.block_m + weights * config.block_n) * config.block_k * dtype.itemsize
+    activations = 1
+    if template == "gated_bwd":  # X and dY tiles, gate, up and down weight tiles
+        weights, activations = 3, 2
+    per_stage = (activations * config.block_m + weights * config.block_n) * config.block_k * dtype.itemsize
     # Triton keeps up to num_stages tiles in flight; count them all (Inductor estimates the same way).
     return config.num_stages * per_stage
 
@@ -119,6 +122,12 @@ def heuristic_config(
     the tile grows with M (small M is weight-streaming bound: narrow M, long K tiles; large M is
     compute bound: 128-wide tiles, deep pipelines).
     """
+    if template == "gated_bwd":  # N = d_ff, K = d_model; three float32 accumulators per tile
+        if interpret:
+            return clamp_to_problem(KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1), M, N, K)
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 256 else 128
+        config = KernelConfig(block_m, 64, 64, group_m=8, num_warps=8 if block_m == 128 else 4, num_stages=3)
+        return fit_shared_memory(clamp_to_problem(config, M, N, K), template, dtype, shared_memory_limit)
     if template == "mlp_decode":  # N = d_ff, K = d_model; only small M is ever run this way
         config = KernelConfig(16 if M <= 16 else 32 if M <= 32 else 64, 64, 128, group_m=1, num_warps=4,
                               num_stages=1 if interpret else 4)

@@ -278,3 +278,38 @@ def mlp_decode(
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 
+
+
+def gated_backward(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    activation: str,
+    config: KernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T and dY: returns
+    dGU = [dG | dU] ([M, 2F], the gradients of the gate and up pre-activations) and H ([M, F]).
+    x, dy: [M, D]; w_gate, w_up: [F, D]; w_down: [D, F]."""
+    _check_operands(x, dy, w_gate, w_up, w_down, b_gate, b_up)
+    M, D = x.shape
+    F = w_gate.shape[0]
+    assert dy.shape == (M, D) and w_gate.shape == w_up.shape == (F, D) and w_down.shape == (D, F)
+    assert (b_gate is None) == (b_up is None), "gate and up biases come together"
+    assert config.split_k == 1 and not config.tma, "the gated backward kernel has no split-K or TMA variant"
+    dgu = _allocate((M, 2 * F), x)
+    h = _allocate((M, F), x)
+    if M == 0:
+        return dgu, h
+    kernel = _kernel_for("gated_bwd", activation, D, x.dtype, config, b_gate is not None)
+    args = [x, dy, w_gate, w_up, w_down]
+    if b_gate is not None:
+        args += [b_gate.contiguous(), b_up.contiguous()]
+    args += [dgu, h, M, F, D, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1)]
+    args += [w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1)]
+    args += [w_down.stride(0), w_down.stride(1), dgu.stride(0), dgu.stride(1), h.stride(0), h.stride(1)]
+    kernel[_grid(M, F, config)](*args, **_launch_options(config))
+    return dgu, h

@@ -20,7 +20,7 @@ from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
 from .reference import eager_gated, eager_linear
-from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve, resolve_tuned
+from .resolve import MAX_M_BUCKET, Choice, heuristic_for, m_bucket, resolve, resolve_tuned
 from .tune.space import MLP_MAX_M
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -189,6 +189,7 @@ class FusedMLP(_FusedBase):
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
+        self._backward_configs: dict[tuple, KernelConfig] = {}
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
@@ -248,8 +249,18 @@ class FusedMLP(_FusedBase):
 
         out_shape = (*x.shape[:-1], self.d_model)
         if _needs_grad(x2d, *params):
-            return MLPFunction.apply(run, x2d, wg, bg, wu, bu, wd, bd, activation).reshape(out_shape)
+            backward_config = self._backward_config(x2d.shape[0], wg.dtype, wg.device)
+            return MLPFunction.apply(run, x2d, wg, bg, wu, bu, wd, bd, activation, backward_config).reshape(out_shape)
         return run().reshape(out_shape)
+
+    def _backward_config(self, M: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+        """The gated backward kernel's config for M rows: the built-in heuristic (not tuned yet)."""
+        key = (m_bucket(M), dtype, device)
+        config = self._backward_configs.get(key)
+        if config is None:
+            config = self._backward_configs[key] = heuristic_for("gated_bwd", m_bucket(M), self.d_ff, self.d_model,
+                                                                 dtype, device)
+        return config
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"

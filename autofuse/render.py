@@ -24,14 +24,17 @@ from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from .device import check_interpreter_consistency, interpreting
 from .resources import templates_dir, user_cache_dir
 
-TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS, "mlp_decode": GATED_ACTIVATIONS}
+TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS, "mlp_decode": GATED_ACTIVATIONS,
+             "gated_bwd": GATED_ACTIVATIONS}
+# Files whose text makes up a family's kernels, where it is not <family>.py.jinja (+ _tma) + _common.
+_FAMILY_FILES = {"gated_bwd": ("gated_bwd.py.jinja", "_grad.py.jinja", "_common.py.jinja")}
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Everything that changes a kernel's source. Numbers that only change its speed live in KernelConfig."""
 
-    template: str  # "linear", "gated_up" or "mlp_decode"
+    template: str  # "linear", "gated_up", "mlp_decode" or "gated_bwd" (the gated MLP's backward)
     activation: str
     has_bias: bool = False
     has_residual: bool = False  # linear only
@@ -50,8 +53,8 @@ class KernelSpec:
             raise ValueError("only the linear template takes a residual")
         if self.tma and self.split_k:
             raise ValueError("the TMA kernels have no split-K variant")
-        if self.template.startswith("mlp_") and (self.tma or self.split_k):
-            raise ValueError("the decode MLP kernel has no TMA or split-K variant")
+        if self.template in ("mlp_decode", "gated_bwd") and (self.tma or self.split_k):
+            raise ValueError(f"the {self.template} kernel has no TMA or split-K variant")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 
@@ -99,7 +102,7 @@ def template_hash(template: str) -> str:
 
 def hash_template_files(folder: Path, template: str) -> str:
     digest = hashlib.sha256()
-    for name in (f"{template}.py.jinja", f"{template}_tma.py.jinja", "_common.py.jinja"):
+    for name in _FAMILY_FILES.get(template, (f"{template}.py.jinja", f"{template}_tma.py.jinja", "_common.py.jinja")):
         if (folder / name).is_file():  # not every family has a TMA variant
             digest.update(name.encode() + (folder / name).read_bytes())
     return digest.hexdigest()[:16]

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from _helpers import DTYPES, relative_error
 
 import autofuse
+from autofuse import launch
 from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS
+from autofuse.configs import KernelConfig
 
 # Norm-relative error allowed for a gradient against float64. A gradient passes through several
 # roundings in the dtype (the upstream gradient, dH, dG/dU, the GEMM outputs), each up to one unit
@@ -177,3 +179,37 @@ def test_a_short_training_run_follows_eager(device):
     assert losses[-1][0] < 0.5 * losses[0][0]  # it learns (0.56 -> 0.17 when written)
     for f, e in losses:
         assert abs(f - e) <= 1e-4 * e, losses
+
+
+BACKWARD_CONFIGS = [
+    KernelConfig(16, 16, 16, group_m=1, num_warps=1, num_stages=1),
+    KernelConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=2),
+    KernelConfig(64, 32, 64, group_m=8, num_warps=8, num_stages=3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", BACKWARD_CONFIGS, ids=KernelConfig.short)
+@pytest.mark.parametrize("D", [48, 64], ids=["D48", "D64"])  # ragged and even K loops
+def test_gated_backward_kernel_block_configs(dtype, config, D, device):
+    # The kernel alone, every config the tuner may pick: dG, dU and H against float64.
+    M, F_ = 37, 72
+    x = torch.randn(M, D, dtype=dtype, device=device)
+    dy = torch.randn(M, D, dtype=dtype, device=device)
+    wg, wu = (torch.randn(F_, D, dtype=dtype, device=device) / D**0.5 for _ in range(2))
+    wd = torch.randn(D, F_, dtype=dtype, device=device) / F_**0.5
+    bg, bu = (torch.randn(F_, dtype=dtype, device=device) for _ in range(2))
+    dgu, h = launch.gated_backward(x, dy, wg, wu, wd, bg, bu, "gelu", config)
+
+    def parts(x, dy, wg, wu, wd, bg, bu):
+        g, u = F.linear(x, wg, bg), F.linear(x, wu, bu)
+        a = F.gelu(g)
+        dh = dy @ wd
+        dg = torch.ops.aten.gelu_backward(dh * u, g)
+        return torch.cat([dg, dh * a], dim=1), a * u
+
+    ref = parts(*(t.double() for t in (x, dy, wg, wu, wd, bg, bu)))
+    eager = parts(x, dy, wg, wu, wd, bg, bu)
+    for got, r, e in zip((dgu, h), ref, eager):
+        err, eager_err = relative_error(got, r), relative_error(e, r)
+        assert err <= GRAD_BOUNDS[dtype] and err <= 1.25 * eager_err + 1e-6, (err, eager_err)

@@ -40,6 +40,8 @@ CASES = [
          block=(16, 64, 128), split_k=1, num_warps=4, num_stages=4),
     dict(spec=_spec("mlp_decode", "silu", bias=True, even_k=False), dtype="float16", capability=80,
          block=(32, 32, 64), split_k=1, num_warps=4, num_stages=3),
+    dict(spec=_spec("gated_bwd", "gelu_tanh", bias=True), dtype="bfloat16", capability=90,
+         block=(128, 64, 64), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("gated_up", "gelu", split_k=True), dtype="bfloat16", capability=80,
          block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
 ]

@@ -97,7 +97,7 @@ class Problem:
 
 
 def accumulator_registers(config: KernelConfig, template: str) -> int:
-    accumulators = 2 if template in ("gated_up", "mlp_decode") else 1
+    accumulators = {"gated_up": 2, "mlp_decode": 2, "gated_bwd": 3}.get(template, 1)
     return accumulators * config.block_m * config.block_n // (32 * config.num_warps)
 
 
