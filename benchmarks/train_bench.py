@@ -1,0 +1,144 @@
+"""Forward + backward of a gated MLP on the device: time, peak memory, gradients; and a short
+training run against eager. (Issue 5's measurements.)
+
+  python benchmarks/train_bench.py --out DIR
+
+Providers: eager (F.linear + gate, autograd), torch.compile of the same function, Liger
+(LigerGELUMulFunction between cuBLAS GEMMs), autofuse (get_mlp, shipped configs, its autograd).
+Time: do_bench median of one forward+backward (gradients accumulate; L2 flushed). Peak memory:
+torch.cuda.max_memory_allocated during one forward+backward, minus what was allocated before it
+(parameters, their .grad, the input). Gradients are compared with eager's (both bf16) and with a
+float32 computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import autofuse
+
+SHAPES = [("gemma-2b", 2048, 16384, 4096), ("gemma-7b", 3072, 24576, 16384)]
+
+
+def _eager(x, wg, wu, wd):
+    return F.linear(F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd)
+
+
+def _liger(x, wg, wu, wd):
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+    return F.linear(LigerGELUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+
+
+def _measure(fn, params, x, dy):
+    def step():
+        fn(x, *params).backward(dy)
+
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    return ms, peak / 2**30
+
+
+def _grads(fn, params, x, dy):
+    leaves = [p.detach().clone().requires_grad_() for p in params]
+    xl = x.detach().clone().requires_grad_()
+    fn(xl, *leaves).backward(dy)
+    return [xl.grad] + [p.grad for p in leaves]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    rows = []
+    torch.manual_seed(0)
+    for name, d, f, M in SHAPES:
+        module = autofuse.get_mlp(d, f, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+        params = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
+        x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+
+        def fused(x, wg, wu, wd, module=module):
+            return module(x)
+
+        compiled = torch.compile(_eager)
+        providers = {"eager": _eager, "torch.compile": compiled, "liger": _liger, "autofuse": fused}
+        ref = _grads(_eager, [p.float() for p in params], x.float(), dy.float())
+        eager_grads = _grads(_eager, params, x, dy)
+        for provider, fn in providers.items():
+            row = dict(shape=name, d=d, f=f, M=M, provider=provider)
+            try:
+                if provider == "autofuse":
+                    got = [x.detach().clone().requires_grad_()]
+                    module.zero_grad(set_to_none=True)
+                    module(got[0]).backward(dy)
+                    got = [got[0].grad] + [p.grad for p in params]
+                else:
+                    got = _grads(fn, params, x, dy)
+                row["grad_error_vs_fp32"] = [((g.float() - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
+                row["eager_error_vs_fp32"] = [((g.float() - r).norm() / r.norm()).item()
+                                              for g, r in zip(eager_grads, ref)]
+                for p in params:
+                    p.grad = None
+                x.grad = None
+                row["ms"], row["peak_gib"] = _measure(fn, params, x, dy)
+                row["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
+                row.update(status=f"{type(e).__name__}: {e}"[:300])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for p in params:
+                p.grad = None
+            x.grad = None
+    rows.append(training_run())
+    print(json.dumps(rows[-1]), flush=True)
+    Path(args.out, "train_bench.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                                              "torch": torch.__version__,
+                                                              "triton": triton.__version__, "rows": rows}))
+
+
+def training_run(steps: int = 300) -> dict:
+    """A small GeGLU-MLP regression model, trained from the same initial weights by autofuse and by
+    eager PyTorch (Adam, bf16 parameters): the two loss curves side by side."""
+    torch.manual_seed(1)
+    d, f, batch = 512, 2048, 256
+    fused = autofuse.get_mlp(d, f, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
+    eager = [p.detach().clone().requires_grad_() for p in
+             (fused.gate_proj.weight, fused.up_proj.weight, fused.down_proj.weight)]
+    teacher = torch.randn(d, d, device="cuda") / d**0.5
+    opt_f = torch.optim.Adam(fused.parameters(), lr=1e-3)
+    opt_e = torch.optim.Adam(eager, lr=1e-3)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(batch, d, device="cuda", generator=None).bfloat16()
+        target = torch.tanh(x.float() @ teacher).bfloat16()
+        lf = F.mse_loss(fused(x).float(), target.float())
+        le = F.mse_loss(_eager(x, *eager).float(), target.float())
+        for opt, loss in ((opt_f, lf), (opt_e, le)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append((lf.item(), le.item()))
+    rel = [abs(a - b) / b for a, b in losses]
+    return dict(provider="training-run", steps=steps, first=losses[0], last=losses[-1],
+                max_rel_diff=max(rel), mean_rel_diff_last_100=sum(rel[-100:]) / 100, losses=losses[::10])
+
+
+if __name__ == "__main__":
+    main()
