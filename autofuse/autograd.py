@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import launch
+from .activations import TORCH_ACTIVATIONS
 
 
 def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,15 @@ def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) 
     if activation == "silu":
         return torch.ops.aten.silu_backward(grad, pre)
     raise ValueError(f"no derivative for activation {activation!r}")
+
+
+def gated_backward_eager(x, dy, w_gate, w_up, w_down, b_gate, b_up, activation) -> torch.Tensor:
+    """[dG | dU | H] as PyTorch computes them (the gated backward kernel's baseline and, in float64,
+    its reference): G, U recomputed, dH = dY Wd, then the activation derivative."""
+    g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+    a = TORCH_ACTIVATIONS[activation](g)
+    dh = dy @ w_down
+    return torch.cat([activation_backward(activation, dh * u, g), dh * a, a * u], dim=1)
 
 
 def _refuse_double_backward() -> None:
@@ -80,9 +90,13 @@ class MLPFunction(torch.autograd.Function):
         _refuse_double_backward()
         x, w_gate, b_gate, w_up, b_up, w_down = ctx.saved_tensors
         dy = dy.contiguous()
-        dgu, h = launch.gated_backward(x, dy, w_gate, w_up, w_down, b_gate, b_up, ctx.activation,
-                                       ctx.backward_config)
         F_ = w_gate.shape[0]
+        if ctx.backward_config is None:  # tuning found PyTorch faster for this shape
+            both = gated_backward_eager(x, dy, w_gate, w_up, w_down, b_gate, b_up, ctx.activation)
+            dgu, h = both[:, :2 * F_], both[:, 2 * F_:]
+        else:
+            dgu, h = launch.gated_backward(x, dy, w_gate, w_up, w_down, b_gate, b_up, ctx.activation,
+                                           ctx.backward_config)
         dg, du = dgu[:, :F_], dgu[:, F_:]
         need = ctx.needs_input_grad  # (run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, config)
         dx = None

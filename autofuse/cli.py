@@ -132,7 +132,8 @@ class _ProgressLine:
 @click.option("--policy", type=click.Choice(["optuna", "exhaustive", "random"]), default="optuna", show_default=True)
 @click.option("--resume", is_flag=True, help="Keep the trials a killed or earlier run recorded; run only the rest.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed):
+@click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
+def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed, train):
     """Tune every key of a shapes file and store the winners in the cache."""
     import dataclasses
 
@@ -150,7 +151,7 @@ def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed):
     device = _select_device()
     interpret = device == "cpu"
     store = Store(cache_dir())
-    jobs = jobs_for_shapes(shapes, torch.device(device))
+    jobs = jobs_for_shapes(shapes, torch.device(device), train=train)
     click.echo(f"tuning {len(jobs)} keys with {policy}, {trials} trials"
                f"{f' or {time_budget:g} s' if time_budget else ''} each, cache {store.directory}", err=True)
     results = []

@@ -19,7 +19,8 @@ from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 # op -> the template that implements it. "down" is the MLP's down projection: the linear template
 # with no activation, keyed apart so a shapes file's MLP and Linear entries never collide. "mlp" is
 # the whole gated MLP in one launch (small M), keyed by n = d_ff, k = d_model.
-OP_TEMPLATES = {"linear": "linear", "gated_up": "gated_up", "down": "linear", "mlp": "mlp_decode"}
+OP_TEMPLATES = {"linear": "linear", "gated_up": "gated_up", "down": "linear", "mlp": "mlp_decode",
+                "gated_bwd": "gated_bwd"}  # gated_bwd: the gated MLP's backward kernel, n = d_ff, k = d_model
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -54,7 +55,7 @@ def current_environment(device: torch.device) -> Environment:
 
 @dataclasses.dataclass(frozen=True)
 class TuningKey:
-    op: str  # "linear" | "gated_up" | "down" | "mlp"
+    op: str  # "linear" | "gated_up" | "down" | "mlp" | "gated_bwd"
     template_hash: str
     n: int
     k: int
@@ -71,7 +72,7 @@ class TuningKey:
     def __post_init__(self) -> None:
         if self.op not in OP_TEMPLATES:
             raise ValueError(f"op must be one of {', '.join(OP_TEMPLATES)}, got {self.op!r}")
-        allowed = (GATED_ACTIVATIONS if self.op in ("gated_up", "mlp") else ("none",) if self.op == "down"
+        allowed = (GATED_ACTIVATIONS if self.op in ("gated_up", "mlp", "gated_bwd") else ("none",) if self.op == "down"
                    else LINEAR_ACTIVATIONS)
         if self.activation not in allowed:
             raise ValueError(f"activation {self.activation!r} is not valid for op {self.op!r}")

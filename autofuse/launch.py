@@ -290,18 +290,21 @@ def gated_backward(
     b_up: torch.Tensor | None,
     activation: str,
     config: KernelConfig,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T and dY: returns
-    dGU = [dG | dU] ([M, 2F], the gradients of the gate and up pre-activations) and H ([M, F]).
-    x, dy: [M, D]; w_gate, w_up: [F, D]; w_down: [D, F]."""
+    dGU = [dG | dU] ([M, 2F], the gradients of the gate and up pre-activations) and H ([M, F]),
+    written into `out` = (dGU, H) when given. x, dy: [M, D]; w_gate, w_up: [F, D]; w_down: [D, F]."""
     _check_operands(x, dy, w_gate, w_up, w_down, b_gate, b_up)
     M, D = x.shape
     F = w_gate.shape[0]
     assert dy.shape == (M, D) and w_gate.shape == w_up.shape == (F, D) and w_down.shape == (D, F)
     assert (b_gate is None) == (b_up is None), "gate and up biases come together"
     assert config.split_k == 1 and not config.tma, "the gated backward kernel has no split-K or TMA variant"
-    dgu = _allocate((M, 2 * F), x)
-    h = _allocate((M, F), x)
+    if out is None:
+        dgu, h = _allocate((M, 2 * F), x), _allocate((M, F), x)
+    else:
+        dgu, h = _checked_out(out[0], (M, 2 * F), x), _checked_out(out[1], (M, F), x)
     if M == 0:
         return dgu, h
     kernel = _kernel_for("gated_bwd", activation, D, x.dtype, config, b_gate is not None)

@@ -20,7 +20,7 @@ from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
 from .reference import eager_gated, eager_linear
-from .resolve import MAX_M_BUCKET, Choice, heuristic_for, m_bucket, resolve, resolve_tuned
+from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve, resolve_tuned
 from .tune.space import MLP_MAX_M
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -112,6 +112,7 @@ class _FusedBase(nn.Module):
     def clear_config_table(self) -> None:
         """Resolve again on the next forward (e.g. after tuning or importing configs in this process)."""
         self._configs.clear()
+        getattr(self, "_backward_configs", {}).clear()
 
 
 class FusedLinear(_FusedBase):
@@ -189,7 +190,7 @@ class FusedMLP(_FusedBase):
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
-        self._backward_configs: dict[tuple, KernelConfig] = {}
+        self._backward_configs: dict[tuple, KernelConfig | None] = {}
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
@@ -253,14 +254,16 @@ class FusedMLP(_FusedBase):
             return MLPFunction.apply(run, x2d, wg, bg, wu, bu, wd, bd, activation, backward_config).reshape(out_shape)
         return run().reshape(out_shape)
 
-    def _backward_config(self, M: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-        """The gated backward kernel's config for M rows: the built-in heuristic (not tuned yet)."""
-        key = (m_bucket(M), dtype, device)
-        config = self._backward_configs.get(key)
-        if config is None:
-            config = self._backward_configs[key] = heuristic_for("gated_bwd", m_bucket(M), self.d_ff, self.d_model,
-                                                                 dtype, device)
-        return config
+    def _backward_config(self, M: int, dtype: torch.dtype, device: torch.device) -> KernelConfig | None:
+        """The gated backward kernel's config for M rows (tuned with `autofuse tune --train`), or None
+        where tuning found PyTorch faster (the backward then computes dG, dU and H eagerly). Resolved
+        once per (M, dtype, device), like the forward's."""
+        key = (M if M <= MAX_M_BUCKET else m_bucket(M), dtype, device)
+        if key not in self._backward_configs:
+            self._backward_configs[key] = resolve(
+                "gated_bwd", M, self.d_ff, self.d_model, dtype, device, activation=self.activation,
+                bias=self.gate_proj.bias is not None, tuned=self.tuned).config
+        return self._backward_configs[key]
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"

@@ -300,3 +300,33 @@ def test_every_shipped_file_is_valid():
         assert winners, f"{path.name} is empty"
         stale = [w.key.id() for w in winners if w.key.template_hash != template_hash(w.key.template)]
         assert not stale, f"{path.name} was tuned for other template versions: regenerate it ({stale[0]})"
+
+
+def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
+    shapes = _write(tmp_path, "s.json", {"dtype": "float32", "tokens": [37],
+                                         "mlps": [{"name": "m", "d_model": 40, "d_ff": 72, "activation": "silu"}]})
+    out = _tune(["--shapes", str(shapes), "--trials", "2", "--train"])
+    assert "m gated_bwd" in out
+    winner = next(w for w in Store().winners() if w.key.op == "gated_bwd")
+    assert winner.config is not None and winner.trials == 2  # under the interpreter any correct config wins
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
+    assert mlp._backward_config(37, torch.float32, torch.device("cpu")) == winner.config
+    x = torch.randn(37, 40, requires_grad=True)
+    mlp(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
+    env = current_environment(torch.device("cpu"))
+    key = make_key("gated_bwd", 72, 40, 8, torch.float32, "silu", False, False, env)
+    Store().put_winner(Winner(key, None, 1.0, 1.0))  # the baseline won
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
+    assert mlp._backward_config(8, torch.float32, torch.device("cpu")) is None
+    x = torch.randn(8, 40, requires_grad=True)
+    mlp(x).sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    from autofuse.reference import eager_mlp
+
+    eager_mlp(ref, *w, activation="silu").sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)

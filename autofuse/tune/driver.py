@@ -34,7 +34,8 @@ class Job:
     label: str  # e.g. "gemma-2b gated_up"
 
 
-def jobs_for_shapes(shapes: ShapeSet, device: torch.device) -> list[Job]:
+def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False) -> list[Job]:
+    """One job per key the shapes need; `train` adds each MLP's backward kernel."""
     env = current_environment(device)
     jobs = []
     for M in shapes.tokens:
@@ -46,6 +47,9 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device) -> list[Job]:
             if M <= MLP_MAX_M:  # the whole MLP in one launch competes with the two kernels above
                 jobs.append(Job(make_key("mlp", mlp.d_ff, mlp.d_model, M, shapes.dtype, mlp.activation, mlp.bias,
                                          False, env), M, f"{mlp.name} mlp"))
+            if train:
+                jobs.append(Job(make_key("gated_bwd", mlp.d_ff, mlp.d_model, M, shapes.dtype, mlp.activation,
+                                         mlp.bias, False, env), M, f"{mlp.name} gated_bwd"))
         for lin in shapes.linears:
             jobs.append(Job(make_key("linear", lin.out_features, lin.in_features, M, shapes.dtype, lin.activation,
                                      lin.bias, False, env), M, f"{lin.name} linear"))
