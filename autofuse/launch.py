@@ -159,6 +159,11 @@ def _checked_out(out: torch.Tensor, shape: tuple[int, int], like: torch.Tensor) 
     return out
 
 
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    """Row and column strides of 2-D tensors, in the order the kernels take them."""
+    return [s for t in tensors for s in t.stride()]
+
+
 def _check_operands(x: torch.Tensor, *tensors: torch.Tensor | None) -> None:
     assert x.dim() == 2, "launchers take 2-D activations"
     for t in tensors:
@@ -196,10 +201,7 @@ def linear(
         _persistent_launch(kernel, M, N, config, x.device, args + [y.stride(0), y.stride(1)])
         return y
     args = [x, weight] + [t for t in (bias, residual) if t is not None] + [y, M, N, K]
-    args += [x.stride(0), x.stride(1), weight.stride(0), weight.stride(1)]
-    if residual is not None:
-        args += [residual.stride(0), residual.stride(1)]
-    args += [y.stride(0), y.stride(1)]
+    args += _strides(x, weight, *([residual] if residual is not None else []), y)
     args += _split_k_args(M, N, 1, config, x.device)
     kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return y
@@ -233,9 +235,7 @@ def gated_up(
         args += [_descriptor(w, config.block_n, config.block_k) for w in (w_gate, w_up)]
         _persistent_launch(kernel, M, N, config, x.device, args + biases + [h, M, N, K, h.stride(0), h.stride(1)])
         return h
-    args = [x, w_gate, w_up] + biases
-    args += [h, M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1)]
-    args += [w_up.stride(0), w_up.stride(1), h.stride(0), h.stride(1)]
+    args = [x, w_gate, w_up] + biases + [h, M, N, K] + _strides(x, w_gate, w_up, h)
     args += _split_k_args(M, N, 2, config, x.device)
     kernel[_grid(M, N, config)](*args, **_launch_options(config))
     return h
@@ -269,15 +269,13 @@ def mlp_decode(
     args = [x, w_gate, w_up, w_down]
     if b_gate is not None:
         args += [b_gate.contiguous(), b_up.contiguous(), b_down.contiguous()]
-    args += [y, M, D, F, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1)]
-    args += [w_down.stride(0), w_down.stride(1), y.stride(0), y.stride(1)]
+    args += [y, M, D, F] + _strides(x, w_gate, w_up, w_down, y)
     row_blocks = -(-M // config.block_m)
     args += list(_workspace(x.device, M * D, row_blocks))
     kernel[(-(-F // config.block_n), row_blocks)](
         *args, BLOCK_M=config.block_m, BLOCK_F=config.block_n, BLOCK_D=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y
-
 
 
 def gated_backward(
@@ -311,8 +309,6 @@ def gated_backward(
     args = [x, dy, w_gate, w_up, w_down]
     if b_gate is not None:
         args += [b_gate.contiguous(), b_up.contiguous()]
-    args += [dgu, h, M, F, D, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1)]
-    args += [w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1)]
-    args += [w_down.stride(0), w_down.stride(1), dgu.stride(0), dgu.stride(1), h.stride(0), h.stride(1)]
+    args += [dgu, h, M, F, D] + _strides(x, dy, w_gate, w_up, w_down, dgu, h)
     kernel[_grid(M, F, config)](*args, **_launch_options(config))
     return dgu, h
