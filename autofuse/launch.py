@@ -63,7 +63,7 @@ def _stream_id(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     if _raw_stream is not None:  # ~0.3 us, where torch.cuda.current_stream builds a Stream object (~5 us)
-        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+        return _raw_stream(cuda_index(device))
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -154,7 +154,10 @@ def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
-def _checked_out(out: torch.Tensor, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+def _output(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """`out` checked against what the kernel will write, or a fresh buffer when there is none."""
+    if out is None:
+        return _allocate(shape, like)
     assert out.shape == shape and out.dtype == like.dtype and out.device == like.device, "bad out buffer"
     return out
 
@@ -188,7 +191,7 @@ def linear(
     assert weight.shape[1] == K and (residual is None or residual.shape == (M, N))
     if bias is not None:
         bias = bias.contiguous()
-    y = _allocate((M, N), x) if out is None else _checked_out(out, (M, N), x)
+    y = _output(out, (M, N), x)
     if M == 0:
         return y
     config = _tma_config(config, x, weight)
@@ -196,9 +199,8 @@ def linear(
     if config.tma:
         args = [_descriptor(x, config.block_m, config.block_k), _descriptor(weight, config.block_n, config.block_k)]
         args += [t for t in (bias, residual) if t is not None] + [y, M, N, K]
-        if residual is not None:
-            args += [residual.stride(0), residual.stride(1)]
-        _persistent_launch(kernel, M, N, config, x.device, args + [y.stride(0), y.stride(1)])
+        args += _strides(*([residual] if residual is not None else []), y)
+        _persistent_launch(kernel, M, N, config, x.device, args)
         return y
     args = [x, weight] + [t for t in (bias, residual) if t is not None] + [y, M, N, K]
     args += _strides(x, weight, *([residual] if residual is not None else []), y)
@@ -224,7 +226,7 @@ def gated_up(
     N = w_gate.shape[0]
     assert w_gate.shape == w_up.shape == (N, K)
     assert (b_gate is None) == (b_up is None), "gate and up biases come together"
-    h = _allocate((M, N), x) if out is None else _checked_out(out, (M, N), x)
+    h = _output(out, (M, N), x)
     if M == 0:
         return h
     config = _tma_config(config, x, w_gate, w_up)
@@ -233,7 +235,7 @@ def gated_up(
     if config.tma:
         args = [_descriptor(x, config.block_m, config.block_k)]
         args += [_descriptor(w, config.block_n, config.block_k) for w in (w_gate, w_up)]
-        _persistent_launch(kernel, M, N, config, x.device, args + biases + [h, M, N, K, h.stride(0), h.stride(1)])
+        _persistent_launch(kernel, M, N, config, x.device, args + biases + [h, M, N, K] + _strides(h))
         return h
     args = [x, w_gate, w_up] + biases + [h, M, N, K] + _strides(x, w_gate, w_up, h)
     args += _split_k_args(M, N, 2, config, x.device)
@@ -262,7 +264,7 @@ def mlp_decode(
     assert w_gate.shape == w_up.shape == (F, D) and w_down.shape == (D, F)
     assert (b_gate is None) == (b_up is None) == (b_down is None), "the three biases come together"
     assert config.split_k == 1 and not config.tma, "the decode MLP kernel has no split-K or TMA variant"
-    y = _allocate((M, D), x) if out is None else _checked_out(out, (M, D), x)
+    y = _output(out, (M, D), x)
     if M == 0:
         return y
     kernel = _kernel_for("mlp_decode", activation, D, x.dtype, config, b_gate is not None)
@@ -299,10 +301,8 @@ def gated_backward(
     assert dy.shape == (M, D) and w_gate.shape == w_up.shape == (F, D) and w_down.shape == (D, F)
     assert (b_gate is None) == (b_up is None), "gate and up biases come together"
     assert config.split_k == 1 and not config.tma, "the gated backward kernel has no split-K or TMA variant"
-    if out is None:
-        dgu, h = _allocate((M, 2 * F), x), _allocate((M, F), x)
-    else:
-        dgu, h = _checked_out(out[0], (M, 2 * F), x), _checked_out(out[1], (M, F), x)
+    dgu_out, h_out = out if out is not None else (None, None)
+    dgu, h = _output(dgu_out, (M, 2 * F), x), _output(h_out, (M, F), x)
     if M == 0:
         return dgu, h
     kernel = _kernel_for("gated_bwd", activation, D, x.dtype, config, b_gate is not None)
