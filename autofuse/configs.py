@@ -58,7 +58,7 @@ class KernelConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> KernelConfig:
-        """Build from JSON data; raise ValueError on anything but exactly the known integer fields."""
+        """Build from JSON data; raise ValueError on unknown fields, missing tile sizes or bad values."""
         if not isinstance(data, dict):
             raise ValueError(f"a kernel config must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -76,13 +76,21 @@ class KernelConfig:
         return f"{tiles} g{self.group_m} w{self.num_warps} s{self.num_stages}{variant}"
 
 
+# Per template: activation tiles ([BLOCK_M, BLOCK_K]) and weight tiles ([BLOCK_K, BLOCK_N]) loaded per
+# K step; each weight tile feeds one float32 accumulator. mlp_decode: its first product dominates;
+# gated_bwd: X and dY, and the gate, up and down weights. Templates not listed: one of each.
+OPERAND_TILES = {"gated_up": (1, 2), "mlp_decode": (1, 2), "gated_bwd": (2, 3)}
+
+
+def accumulators(template: str) -> int:
+    """float32 accumulator tiles [BLOCK_M, BLOCK_N] a program of `template` holds."""
+    return OPERAND_TILES.get(template, (1, 1))[1]
+
+
 def shared_memory_bytes(config: KernelConfig, template: str, dtype: torch.dtype) -> int:
-    """Estimate of the shared memory a config's software pipeline needs: one X tile and one tile per
-    weight matrix, per stage. Used to drop configs that would fail with OutOfResources."""
-    weights = 2 if template in ("gated_up", "mlp_decode") else 1  # mlp_decode: its first product dominates
-    activations = 1
-    if template == "gated_bwd":  # X and dY tiles, gate, up and down weight tiles
-        weights, activations = 3, 2
+    """Estimate of the shared memory a config's software pipeline needs: the template's activation and
+    weight tiles (OPERAND_TILES), per stage. Used to drop configs that would fail with OutOfResources."""
+    activations, weights = OPERAND_TILES.get(template, (1, 1))
     per_stage = (activations * config.block_m + weights * config.block_n) * config.block_k * dtype.itemsize
     # Triton keeps up to num_stages tiles in flight; count them all (Inductor estimates the same way).
     return config.num_stages * per_stage

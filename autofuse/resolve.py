@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .configs import KernelConfig, clamp_to_problem, heuristic_config, next_power_of_2
-from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit, supports_tma
+from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit, tma_usable
 
 M_BUCKET_RULE = "pow2+tokens"  # M -> a tuned bucket equal to M, else the next power of two
 MAX_M_BUCKET = 16384
@@ -44,9 +44,8 @@ def heuristic_for(template: str, M: int, N: int, K: int, dtype: torch.dtype, dev
     if interpreting() or device.type != "cuda":
         return heuristic_config(template, M, N, K, dtype, interpret=True, shared_memory_limit=0)
     index = cuda_index(device)
-    tma = supports_tma(device) and (K * dtype.itemsize) % 16 == 0  # descriptor rows: 16-byte multiples
     return heuristic_config(template, M, N, K, dtype, interpret=False, shared_memory_limit=shared_memory_limit(index),
-                            multiprocessors=multiprocessor_count(index), tma=tma)
+                            multiprocessors=multiprocessor_count(index), tma=tma_usable(device, K, dtype))
 
 
 class TunedIndex:

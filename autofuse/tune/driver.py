@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..configs import KernelConfig
-from ..device import cuda_index, interpreting, shared_memory_limit, supports_tma
+from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
 from ..key import TuningKey, current_environment, make_key
 from ..resolve import heuristic_for
 from ..shapes import ShapeSet
@@ -106,7 +106,7 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
     try:
         baseline_ms = evaluator.baseline_ms()
         problem = Problem(key.template, M, key.n, key.k, key.torch_dtype,
-                          tma=Problem.tma_possible(supports_tma(device), key.k, key.torch_dtype))
+                          tma=tma_usable(device, key.k, key.torch_dtype))
         counter = {"new": 0}
 
         def best_ms() -> float | None:

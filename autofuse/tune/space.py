@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from ..configs import KernelConfig, clamp_to_problem, shared_memory_bytes
+from ..configs import KernelConfig, accumulators, clamp_to_problem, shared_memory_bytes
 
 # Registers: each thread holds its share of the fp32 accumulator tile(s). 255 registers per
 # thread at most; leave ~25% for addresses, loads and the epilogue.
@@ -97,17 +97,11 @@ class Problem:
     N: int
     K: int
     dtype: torch.dtype
-    tma: bool = False  # whether TMA kernels can run: sm_90+ (or the interpreter) and 16-byte aligned rows
-
-    @staticmethod
-    def tma_possible(device_has_tma: bool, K: int, dtype: torch.dtype) -> bool:
-        # Descriptor row strides (K elements for X and the weights) must be multiples of 16 bytes.
-        return device_has_tma and (K * dtype.itemsize) % 16 == 0
+    tma: bool = False  # whether TMA kernels can run here (device.tma_usable)
 
 
 def accumulator_registers(config: KernelConfig, template: str) -> int:
-    accumulators = {"gated_up": 2, "mlp_decode": 2, "gated_bwd": 3}.get(template, 1)
-    return accumulators * config.block_m * config.block_n // (32 * config.num_warps)
+    return accumulators(template) * config.block_m * config.block_n // (32 * config.num_warps)
 
 
 def feasible(config: KernelConfig, problem: Problem, shared_memory_limit: int, interpret: bool) -> KernelConfig | None:
