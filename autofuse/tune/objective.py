@@ -134,21 +134,21 @@ class Evaluator:
             with torch.no_grad():
                 wrong = self._verify(config)
                 if wrong is not None:
-                    self._clean_up(config)
+                    self._clean_up()
                     return TrialRecord(config, "wrong_result", None, wrong)
                 return TrialRecord(config, "ok", self._time(lambda: self._launch(config, self.x)))
         except Exception as e:  # any failure is a typed result, never a crash of the run
-            self._clean_up(config)
+            self._clean_up()
             return TrialRecord(config, _status_of(e), None, f"{type(e).__name__}: {e}")
 
-    def _clean_up(self, config: KernelConfig) -> None:
-        # A broken split-K or one-launch MLP candidate may leave partial sums behind in the shared
-        # workspace; the next trial must not see them.
-        if config.split_k > 1 or self.key.op == "mlp":
-            try:
-                launch.reset_workspaces()
-            except Exception:  # noqa: BLE001 - a dead CUDA context fails the next trial on its own
-                pass
+    @staticmethod
+    def _clean_up() -> None:
+        # A broken candidate that used the shared workspace (split-K, the one-launch MLP) may leave
+        # partial sums behind; the next trial must not see them. Zeroing is cheap, so always.
+        try:
+            launch.reset_workspaces()
+        except Exception:  # noqa: BLE001 - a dead CUDA context fails the next trial on its own
+            pass
 
     def _compile(self, config: KernelConfig) -> TrialRecord | None:
         """Run the candidate once so Triton compiles it, giving up after compile_timeout_s.
