@@ -88,13 +88,19 @@ class _FusedBase(nn.Module):
         M itself is part of the table key because a user may have tuned that exact token count."""
         weight = self._reference_weight()
         M = max(M, 1)  # an empty batch launches nothing; any config will do
-        key = (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device, residual)
+        key = (*self._table_key(M, weight), residual)
         table = self._configs.get(key)
         if table is None:
             _check_dtype(weight.dtype)
             check_device(weight.device)
             table = self._configs[key] = self._resolve(M, weight.dtype, weight.device, residual)
         return table
+
+    @staticmethod
+    def _table_key(M: int, weight: torch.Tensor) -> tuple:
+        """What a resolved choice depends on: M itself up to the largest bucket (a user may have tuned
+        that exact token count), then its bucket; the weights' dtype and device."""
+        return (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device)
 
     def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
         raise NotImplementedError
@@ -112,7 +118,6 @@ class _FusedBase(nn.Module):
     def clear_config_table(self) -> None:
         """Resolve again on the next forward (e.g. after tuning or importing configs in this process)."""
         self._configs.clear()
-        getattr(self, "_backward_configs", {}).clear()
 
 
 class FusedLinear(_FusedBase):
@@ -250,20 +255,24 @@ class FusedMLP(_FusedBase):
 
         out_shape = (*x.shape[:-1], self.d_model)
         if _needs_grad(x2d, *params):
-            backward_config = self._backward_config(x2d.shape[0], wg.dtype, wg.device)
+            backward_config = self._backward_config(x2d.shape[0], wg)
             return MLPFunction.apply(run, x2d, wg, bg, wu, bu, wd, bd, activation, backward_config).reshape(out_shape)
         return run().reshape(out_shape)
 
-    def _backward_config(self, M: int, dtype: torch.dtype, device: torch.device) -> KernelConfig | None:
+    def _backward_config(self, M: int, weight: torch.Tensor) -> KernelConfig | None:
         """The gated backward kernel's config for M rows (tuned with `autofuse tune --train`), or None
         where tuning found PyTorch faster (the backward then computes dG, dU and H eagerly). Resolved
-        once per (M, dtype, device), like the forward's."""
-        key = (M if M <= MAX_M_BUCKET else m_bucket(M), dtype, device)
+        once per table key, like the forward's."""
+        key = self._table_key(M, weight)
         if key not in self._backward_configs:
             self._backward_configs[key] = resolve(
-                "gated_bwd", M, self.d_ff, self.d_model, dtype, device, activation=self.activation,
+                "gated_bwd", M, self.d_ff, self.d_model, weight.dtype, weight.device, activation=self.activation,
                 bias=self.gate_proj.bias is not None, tuned=self.tuned).config
         return self._backward_configs[key]
+
+    def clear_config_table(self) -> None:
+        super().clear_config_table()
+        self._backward_configs.clear()
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"
