@@ -1,12 +1,18 @@
-"""Backward through the fused modules: torch.autograd.Functions around the fused forwards.
+"""Backward through the fused modules: torch.autograd.Functions with a training forward of their own.
 
-The forward runs autofuse's tuned kernels and saves only its inputs (x and the parameters).
-Gated MLP: one fused kernel (templates/gated_bwd.py.jinja) recomputes the gate and up
-pre-activations and forms dH = dY Wd in the same K loop, and writes dG, dU and H, so none of G, U
-or dH reaches memory; the input and weight gradients are then GEMMs over those. Linear: the
-pre-activation is recomputed and PyTorch's own activation derivative applied (aten's
-gelu_backward / silu_backward, as eager autograd runs them). Gradients accumulate into .grad as
-autograd always does; a second-order backward is refused with a clear error.
+Gated MLP. The forward computes the gate and up pre-activations G | U with cuBLAS into one [M, 2F]
+buffer and keeps it (it is what the backward needs; recomputing it costs two of the backward's
+six GEMMs), forms H = act(G) * U with a pointwise kernel and runs the tuned down projection. The
+backward's fused kernel (templates/gated_bwd.py.jinja) computes dH = dY Wd and in its epilogue
+reads G, U and writes dG | dU over them, plus H, so dH never reaches memory and no gradient buffer
+of the hidden size is allocated; the input and weight gradients are then GEMMs over those.
+Because the saved buffer is overwritten, a graph's backward runs once (retain_graph=True and a
+second backward is refused with a clear error).
+
+Linear. The forward keeps its pre-activation Z when there is an activation (as eager does) and
+the backward applies PyTorch's own derivative (aten's gelu_backward / silu_backward).
+
+Gradients accumulate into .grad as autograd always does; a second-order backward is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 
 from . import launch
 from .activations import TORCH_ACTIVATIONS
+from .configs import KernelConfig
 
 
 def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -31,13 +38,29 @@ def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) 
     raise ValueError(f"no derivative for activation {activation!r}")
 
 
-def gated_backward_eager(x, dy, w_gate, w_up, w_down, b_gate, b_up, activation) -> torch.Tensor:
-    """[dG | dU | H] as PyTorch computes them (the gated backward kernel's baseline and, in float64,
-    its reference): G, U recomputed, dH = dY Wd, then the activation derivative."""
-    g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
+                    b_up: torch.Tensor | None) -> torch.Tensor:
+    """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): two cuBLAS GEMMs writing the two
+    halves of one buffer (no concatenated weight copy)."""
+    F_ = w_gate.shape[0]
+    gu = torch.empty(x.shape[0], 2 * F_, dtype=x.dtype, device=x.device)
+    for w, b, half in ((w_gate, b_gate, gu[:, :F_]), (w_up, b_up, gu[:, F_:])):
+        if b is None:
+            torch.mm(x, w.t(), out=half)
+        else:
+            torch.addmm(b, x, w.t(), out=half)
+    return gu
+
+
+def gated_backward_eager(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor,
+                         activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dGU, H) as PyTorch computes them from the saved [G | U]: the gated backward kernel's baseline
+    and, in float64, its reference."""
+    F_ = w_down.shape[1]
+    g, u = gu[:, :F_], gu[:, F_:]
     a = TORCH_ACTIVATIONS[activation](g)
     dh = dy @ w_down
-    return torch.cat([activation_backward(activation, dh * u, g), dh * a, a * u], dim=1)
+    return torch.cat([activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
 
 
 def _refuse_double_backward() -> None:
@@ -50,67 +73,86 @@ def _sum_rows(t: torch.Tensor) -> torch.Tensor:
     return t.sum(0, dtype=torch.float32).to(t.dtype)  # bias gradients: accumulate in float32
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+             config: KernelConfig | None) -> torch.Tensor:
+    """x @ weight.T + bias [+ residual] through the tuned linear kernel, or cuBLAS where tuning found it faster."""
+    if config is not None:
+        return launch.linear(x, weight, bias, residual, "none", config)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y.add_(residual)
+
+
 class LinearFunction(torch.autograd.Function):
-    """y = act(x @ w.T + b) [+ r], forward through `run` (the fused kernel)."""
+    """y = act(x @ w.T + b) [+ r] for training: Z = x @ w.T + b [+ r when there is no activation] by
+    the tuned kernel (config None: cuBLAS), then the activation; Z is kept when it has one."""
 
     @staticmethod
-    def forward(ctx, run, x, weight, bias, residual, activation):
+    def forward(ctx, x, weight, bias, residual, activation, config):
         ctx.activation = activation
         ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
-        ctx.save_for_backward(x, weight, bias)
-        return run()
+        if activation == "none":
+            ctx.save_for_backward(x, weight)
+            return _project(x, weight, bias, residual, config)
+        z = _project(x, weight, bias, None, config)
+        ctx.save_for_backward(x, weight, z)
+        y = TORCH_ACTIVATIONS[activation](z)
+        return y if residual is None else y.add_(residual)
 
     @staticmethod
     def backward(ctx, dy):
         _refuse_double_backward()
-        x, weight, bias = ctx.saved_tensors
-        dz = dy
-        if ctx.activation != "none":
-            dz = activation_backward(ctx.activation, dy, F.linear(x, weight, bias))
-        need = ctx.needs_input_grad  # (run, x, weight, bias, residual, activation)
-        dx = dz @ weight if need[1] else None
-        dw = dz.t() @ x if need[2] else None
-        db = _sum_rows(dz) if ctx.has_bias and need[3] else None
-        dr = dy if ctx.has_residual and need[4] else None
-        return None, dx, dw, db, dr, None
+        x, weight, *z = ctx.saved_tensors
+        dz = activation_backward(ctx.activation, dy, z[0]) if z else dy
+        need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config)
+        dx = dz @ weight if need[0] else None
+        dw = dz.t() @ x if need[1] else None
+        db = _sum_rows(dz) if ctx.has_bias and need[2] else None
+        dr = dy if ctx.has_residual and need[3] else None
+        return dx, dw, db, dr, None, None
 
 
 class MLPFunction(torch.autograd.Function):
-    """y = down(act(gate(x)) * up(x)), forward through `run` (the fused kernels)."""
+    """y = down(act(gate(x)) * up(x)) for training; see the module docstring for what runs where."""
 
     @staticmethod
-    def forward(ctx, run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, backward_config):
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config, backward_config):
+        gu = pre_activations(x, w_gate, b_gate, w_up, b_up)
+        y = _project(launch.gated_activation(gu, activation), w_down, b_down, None, down_config)
         ctx.activation, ctx.backward_config = activation, backward_config
         ctx.has_bias = b_gate is not None
-        ctx.save_for_backward(x, w_gate, b_gate, w_up, b_up, w_down)
-        return run()
+        ctx.spent = False
+        ctx.save_for_backward(x, gu, w_gate, w_up, w_down)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         _refuse_double_backward()
-        x, w_gate, b_gate, w_up, b_up, w_down = ctx.saved_tensors
+        if ctx.spent:
+            raise RuntimeError("autofuse's MLP backward writes the gradients over the activations its forward "
+                               "saved, so each forward's graph can be backpropagated once: run the forward "
+                               "again instead of backward(retain_graph=True) twice")
+        ctx.spent = True
+        x, gu, w_gate, w_up, w_down = ctx.saved_tensors
         dy = dy.contiguous()
         F_ = w_gate.shape[0]
         if ctx.backward_config is None:  # tuning found PyTorch faster for this shape
-            both = gated_backward_eager(x, dy, w_gate, w_up, w_down, b_gate, b_up, ctx.activation)
-            dgu, h = both[:, :2 * F_], both[:, 2 * F_:]
+            dgu, h = gated_backward_eager(dy, gu, w_down, ctx.activation)
         else:
-            dgu, h = launch.gated_backward(x, dy, w_gate, w_up, w_down, b_gate, b_up, ctx.activation,
-                                           ctx.backward_config)
+            dgu, h = launch.gated_backward(dy, gu, w_down, ctx.activation, ctx.backward_config, out=(gu, None))
         dg, du = dgu[:, :F_], dgu[:, F_:]
-        need = ctx.needs_input_grad  # (run, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, config)
+        need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
         dx = None
-        if need[1]:
+        if need[0]:
             dx = dg @ w_gate
             dx.addmm_(du, w_up)
         dw_gate = dw_up = None
-        if need[2] or need[4]:
+        if need[1] or need[3]:
             dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]
-            dw_gate, dw_up = (dw[:F_] if need[2] else None), (dw[F_:] if need[4] else None)
-        dw_down = dy.t() @ h if need[6] else None
+            dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
+        dw_down = dy.t() @ h if need[5] else None
         db_gate = db_up = None
-        if ctx.has_bias and (need[3] or need[5]):
+        if ctx.has_bias and (need[2] or need[4]):
             db = _sum_rows(dgu)
             db_gate, db_up = db[:F_], db[F_:]
-        db_down = _sum_rows(dy) if ctx.has_bias and need[7] else None
-        return None, dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None
+        db_down = _sum_rows(dy) if ctx.has_bias and need[6] else None
+        return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None, None

@@ -121,6 +121,22 @@ class _ProgressLine:
             click.echo(self.last, err=True)
 
 
+_TUNED_OPS = ("gated_up", "down", "mlp", "gated_bwd", "linear")
+
+
+def _parse_ops(text: str | None, train: bool) -> set[str] | None:
+    if text is None:
+        return None
+    ops = {op.strip() for op in text.split(",") if op.strip()}
+    unknown = sorted(ops - set(_TUNED_OPS))
+    if unknown or not ops:
+        raise click.BadParameter(f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from "
+                                 f"{', '.join(_TUNED_OPS)}", param_hint="--ops")
+    if "gated_bwd" in ops and not train:
+        raise click.BadParameter("gated_bwd is the training backward: add --train", param_hint="--ops")
+    return ops
+
+
 @main.command()
 @click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), required=True, help="Shapes file (JSON).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
@@ -133,7 +149,9 @@ class _ProgressLine:
 @click.option("--resume", is_flag=True, help="Keep the trials a killed or earlier run recorded; run only the rest.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
-def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed, train):
+@click.option("--ops", default=None,
+              help="Tune only these ops, comma-separated: gated_up, down, mlp, gated_bwd, linear (default: all).")
+def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, ops):
     """Tune every key of a shapes file and store the winners in the cache."""
     import dataclasses
 
@@ -148,10 +166,12 @@ def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed, 
     tokens = _parse_tokens(tokens)
     if tokens:
         shapes = dataclasses.replace(shapes, tokens=tokens)
+    only = _parse_ops(ops, train)
     device = _select_device()
     interpret = device == "cpu"
     store = Store(cache_dir())
-    jobs = jobs_for_shapes(shapes, torch.device(device), train=train)
+    jobs = [job for job in jobs_for_shapes(shapes, torch.device(device), train=train)
+            if only is None or job.key.op in only]
     click.echo(f"tuning {len(jobs)} keys with {policy}, {trials} trials"
                f"{f' or {time_budget:g} s' if time_budget else ''} each, cache {store.directory}", err=True)
     results = []

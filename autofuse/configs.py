@@ -77,9 +77,9 @@ class KernelConfig:
 
 
 # Per template: activation tiles ([BLOCK_M, BLOCK_K]) and weight tiles ([BLOCK_K, BLOCK_N]) loaded per
-# K step; each weight tile feeds one float32 accumulator. mlp_decode: its first product dominates;
-# gated_bwd: X and dY, and the gate, up and down weights. Templates not listed: one of each.
-OPERAND_TILES = {"gated_up": (1, 2), "mlp_decode": (1, 2), "gated_bwd": (2, 3)}
+# K step; each weight tile feeds one float32 accumulator. mlp_decode: its first product dominates.
+# Templates not listed (linear; gated_bwd: dY and the down weight): one of each.
+OPERAND_TILES = {"gated_up": (1, 2), "mlp_decode": (1, 2)}
 
 
 def accumulators(template: str) -> int:
@@ -130,12 +130,6 @@ def heuristic_config(
     the tile grows with M (small M is weight-streaming bound: narrow M, long K tiles; large M is
     compute bound: 128-wide tiles, deep pipelines).
     """
-    if template == "gated_bwd":  # N = d_ff, K = d_model; three float32 accumulators per tile
-        if interpret:
-            return clamp_to_problem(KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1), M, N, K)
-        block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 256 else 128
-        config = KernelConfig(block_m, 64, 64, group_m=8, num_warps=8 if block_m == 128 else 4, num_stages=3)
-        return fit_shared_memory(clamp_to_problem(config, M, N, K), template, dtype, shared_memory_limit)
     if template == "mlp_decode":  # N = d_ff, K = d_model; only small M is ever run this way
         config = KernelConfig(16 if M <= 16 else 32 if M <= 32 else 64, 64, 128, group_m=1, num_warps=4,
                               num_stages=1 if interpret else 4)
@@ -145,7 +139,8 @@ def heuristic_config(
         config = KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1)
         return clamp_to_problem(config, M, N, K)
     wide = dtype.itemsize <= 2  # 16-bit operands: twice the K per byte of shared memory
-    gated = template == "gated_up"
+    # gated_up holds two accumulators, gated_bwd loads two more tiles (G, U) in its epilogue: narrower N.
+    gated = template in ("gated_up", "gated_bwd")
     if M <= 64:
         # Small M streams the weights: narrow M tiles, long K tiles, deep pipelines.
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
@@ -160,7 +155,7 @@ def heuristic_config(
     else:
         config = KernelConfig(128, 128, 64 if wide else 32, group_m=8, num_warps=8, num_stages=3 if gated else 4)
     config = clamp_to_problem(config, M, N, K)
-    if M <= 256:
+    if M <= 256 and template != "gated_bwd":  # the backward kernel has no split-K variant
         config = _split_to_fill(config, M, N, K, multiprocessors)
     return fit_shared_memory(config, template, dtype, shared_memory_limit)
 

@@ -129,10 +129,10 @@ def _without_tma(config: KernelConfig) -> KernelConfig:
     return dataclasses.replace(config, tma=False)
 
 
-def _descriptor(t: torch.Tensor, block_rows: int, block_k: int):
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_k])
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols])
 
 
 def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: torch.device, args: list) -> None:
@@ -280,35 +280,48 @@ def mlp_decode(
     return y
 
 
+def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(G) * U from gu = [G | U] ([M, 2F]); written into `out` ([M, F]) when given. A pointwise
+    pass over memory, so one fixed tile shape serves every size (nothing to tune)."""
+    assert gu.dim() == 2 and gu.shape[1] % 2 == 0, "gu is [M, 2F]"
+    M, F = gu.shape[0], gu.shape[1] // 2
+    h = _output(out, (M, F), gu)
+    if M == 0 or F == 0:
+        return h
+    kernel = _kernel("gated_act", activation, False, False, True, None, interpreting(), False, False)
+    block_m, block_n = (16, 64) if interpreting() else (4, 512)  # H100/H200: 2048 elements per program
+    kernel[(-(-M // block_m), -(-F // block_n))](gu, h, M, F, *_strides(gu, h), BLOCK_M=block_m, BLOCK_N=block_n,
+                                                 num_warps=4)
+    return h
+
+
 def gated_backward(
-    x: torch.Tensor,
     dy: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
+    gu: torch.Tensor,
     w_down: torch.Tensor,
-    b_gate: torch.Tensor | None,
-    b_up: torch.Tensor | None,
     activation: str,
     config: KernelConfig,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T and dY: returns
-    dGU = [dG | dU] ([M, 2F], the gradients of the gate and up pre-activations) and H ([M, F]),
-    written into `out` = (dGU, H) when given. x, dy: [M, D]; w_gate, w_up: [F, D]; w_down: [D, F]."""
-    _check_operands(x, dy, w_gate, w_up, w_down, b_gate, b_up)
-    M, D = x.shape
-    F = w_gate.shape[0]
-    assert dy.shape == (M, D) and w_gate.shape == w_up.shape == (F, D) and w_down.shape == (D, F)
-    assert (b_gate is None) == (b_up is None), "gate and up biases come together"
-    assert config.split_k == 1 and not config.tma, "the gated backward kernel has no split-K or TMA variant"
+    """For Y = (act(G) * U) @ w_down.T [+ b], the forward's gu = [G | U] ([M, 2F]) and dY ([M, D]):
+    returns dGU = [dG | dU] ([M, 2F], the gradients of the gate and up pre-activations) and H ([M, F]),
+    written into `out` = (dGU, H) when given; dGU may be gu itself (the kernel then overwrites the
+    saved pre-activations with their gradients). w_down: [D, F]."""
+    _check_operands(dy, gu, w_down)
+    M, D = dy.shape
+    F = w_down.shape[1]
+    assert gu.shape == (M, 2 * F) and w_down.shape == (D, F)
+    assert config.split_k == 1, "the gated backward kernel has no split-K variant"
     dgu_out, h_out = out if out is not None else (None, None)
-    dgu, h = _output(dgu_out, (M, 2 * F), x), _output(h_out, (M, F), x)
+    dgu, h = _output(dgu_out, (M, 2 * F), dy), _output(h_out, (M, F), dy)
     if M == 0:
         return dgu, h
-    kernel = _kernel_for("gated_bwd", activation, D, x.dtype, config, b_gate is not None)
-    args = [x, dy, w_gate, w_up, w_down]
-    if b_gate is not None:
-        args += [b_gate.contiguous(), b_up.contiguous()]
-    args += [dgu, h, M, F, D] + _strides(x, dy, w_gate, w_up, w_down, dgu, h)
+    config = _tma_config(config, dy, w_down)
+    kernel = _kernel_for("gated_bwd", activation, D, dy.dtype, config, False)
+    if config.tma:
+        args = [_descriptor(dy, config.block_m, config.block_k), _descriptor(w_down, config.block_k, config.block_n)]
+        _persistent_launch(kernel, M, F, config, dy.device, args + [gu, dgu, h, M, F, D] + _strides(gu, dgu, h))
+        return dgu, h
+    args = [dy, w_down, gu, dgu, h, M, F, D] + _strides(dy, w_down, gu, dgu, h)
     kernel[_grid(M, F, config)](*args, **_launch_options(config))
     return dgu, h

@@ -172,7 +172,7 @@ class FusedLinear(_FusedBase):
             return launch.linear(x2d, weight, bias, r2d, activation, config)
 
         if _needs_grad(x2d, weight, bias, r2d):
-            return LinearFunction.apply(run, x2d, weight, bias, r2d, activation).reshape(out_shape)
+            return LinearFunction.apply(x2d, weight, bias, r2d, activation, config).reshape(out_shape)
         return run().reshape(out_shape)
 
     def extra_repr(self) -> str:
@@ -195,7 +195,7 @@ class FusedMLP(_FusedBase):
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
-        self._backward_configs: dict[tuple, KernelConfig | None] = {}
+        self._training_table: dict[tuple, tuple[KernelConfig | None, KernelConfig | None]] = {}
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
@@ -255,24 +255,28 @@ class FusedMLP(_FusedBase):
 
         out_shape = (*x.shape[:-1], self.d_model)
         if _needs_grad(x2d, *params):
-            backward_config = self._backward_config(x2d.shape[0], wg)
-            return MLPFunction.apply(run, x2d, wg, bg, wu, bu, wd, bd, activation, backward_config).reshape(out_shape)
+            down_config, backward_config = self._training_configs(x2d.shape[0], wg)
+            return MLPFunction.apply(x2d, wg, bg, wu, bu, wd, bd, activation, down_config,
+                                     backward_config).reshape(out_shape)
         return run().reshape(out_shape)
 
-    def _backward_config(self, M: int, weight: torch.Tensor) -> KernelConfig | None:
-        """The gated backward kernel's config for M rows (tuned with `autofuse tune --train`), or None
-        where tuning found PyTorch faster (the backward then computes dG, dU and H eagerly). Resolved
-        once per table key, like the forward's."""
+    def _training_configs(self, M: int, weight: torch.Tensor) -> tuple[KernelConfig | None, KernelConfig | None]:
+        """For a forward that builds a graph (see autograd.MLPFunction): the down projection's config and
+        the gated backward kernel's (tuned with `autofuse tune --train`); None where tuning found
+        PyTorch faster. Resolved once per table key, like the forward's."""
         key = self._table_key(M, weight)
-        if key not in self._backward_configs:
-            self._backward_configs[key] = resolve(
-                "gated_bwd", M, self.d_ff, self.d_model, weight.dtype, weight.device, activation=self.activation,
-                bias=self.gate_proj.bias is not None, tuned=self.tuned).config
-        return self._backward_configs[key]
+        if key not in self._training_table:
+            bias = self.gate_proj.bias is not None
+            common = dict(dtype=weight.dtype, device=weight.device, bias=bias, tuned=self.tuned)
+            self._training_table[key] = (
+                resolve("down", M, self.d_model, self.d_ff, activation="none", **common).config,
+                resolve("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common).config,
+            )
+        return self._training_table[key]
 
     def clear_config_table(self) -> None:
         super().clear_config_table()
-        self._backward_configs.clear()
+        self._training_table.clear()
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"

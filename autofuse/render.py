@@ -25,16 +25,18 @@ from .device import check_interpreter_consistency, interpreting
 from .resources import templates_dir, user_cache_dir
 
 TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS, "mlp_decode": GATED_ACTIVATIONS,
-             "gated_bwd": GATED_ACTIVATIONS}
+             "gated_bwd": GATED_ACTIVATIONS, "gated_act": GATED_ACTIVATIONS}
 # Files whose text makes up a family's kernels, where it is not <family>.py.jinja (+ _tma) + _common.
-_FAMILY_FILES = {"gated_bwd": ("gated_bwd.py.jinja", "_grad.py.jinja", "_common.py.jinja")}
+_FAMILY_FILES = {"gated_bwd": ("gated_bwd.py.jinja", "gated_bwd_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja")}
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Everything that changes a kernel's source. Numbers that only change its speed live in KernelConfig."""
 
-    template: str  # "linear", "gated_up", "mlp_decode" or "gated_bwd" (the gated MLP's backward)
+    # "linear", "gated_up", "mlp_decode", "gated_bwd" (the gated MLP's backward GEMM) or "gated_act"
+    # (the pointwise act(G) * U of the training forward)
+    template: str
     activation: str
     has_bias: bool = False
     has_residual: bool = False  # linear only
@@ -53,8 +55,10 @@ class KernelSpec:
             raise ValueError("only the linear template takes a residual")
         if self.tma and self.split_k:
             raise ValueError("the TMA kernels have no split-K variant")
-        if self.template in ("mlp_decode", "gated_bwd") and (self.tma or self.split_k):
-            raise ValueError(f"the {self.template} kernel has no TMA or split-K variant")
+        if self.template in ("mlp_decode", "gated_act") and self.tma:
+            raise ValueError(f"the {self.template} kernel has no TMA variant")
+        if self.template in ("mlp_decode", "gated_bwd", "gated_act") and self.split_k:
+            raise ValueError(f"the {self.template} kernel has no split-K variant")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 

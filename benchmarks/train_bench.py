@@ -4,11 +4,14 @@ training run against eager. (Issue 5's measurements.)
   python benchmarks/train_bench.py --out DIR
 
 Providers: eager (F.linear + gate, autograd), torch.compile of the same function, Liger
-(LigerGELUMulFunction between cuBLAS GEMMs), autofuse (get_mlp, shipped configs, its autograd).
-Time: do_bench median of one forward+backward (gradients accumulate; L2 flushed). Peak memory:
-torch.cuda.max_memory_allocated during one forward+backward, minus what was allocated before it
-(parameters, their .grad, the input). Gradients are compared with eager's (both bf16) and with a
-float32 computation.
+(LigerGELUMulFunction between cuBLAS GEMMs), autofuse (get_mlp, tuned configs, its autograd), and
+gemm-only: the nine GEMM-units of work a gated MLP's forward+backward needs (cuBLAS), with the
+fewest buffers any implementation must hold (the [M, 2F] pre-activations, reused for their
+gradient, and dH) and no pointwise work at all: the floor the issue's "GEMMs alone" names.
+Time: do_bench median of one forward+backward (gradients accumulate; L2 flushed), and of the
+forward alone. Peak memory: torch.cuda.max_memory_allocated during one forward+backward, absolute
+(parameters, their .grad, the input and dY included, the same for every provider) and above what
+was allocated before it. Gradients are compared with a float32 computation, beside eager's error.
 """
 
 from __future__ import annotations
@@ -37,9 +40,43 @@ def _liger(x, wg, wu, wd):
     return F.linear(LigerGELUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
 
 
+class _GemmOnly(torch.autograd.Function):
+    """The GEMMs of a gated MLP, nothing else: G | U = x [Wg; Wu]^T, Y = G Wd^T (G standing for H);
+    backward dH = dY Wd, dWd = dY^T G, dX = dGU [Wg; Wu], dW = dGU^T x with the saved G | U standing
+    for dGU. Its gradients are not the MLP's: it is a time and memory floor, never checked."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd):
+        f = wg.shape[0]
+        gu = torch.empty(x.shape[0], 2 * f, dtype=x.dtype, device=x.device)
+        torch.mm(x, wg.t(), out=gu[:, :f])
+        torch.mm(x, wu.t(), out=gu[:, f:])
+        ctx.save_for_backward(x, gu, wg, wu, wd)
+        return gu[:, :f] @ wd.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gu, wg, wu, wd = ctx.saved_tensors
+        f = wg.shape[0]
+        dh = dy @ wd
+        dwd = dy.t() @ gu[:, :f]
+        del dh  # in a real MLP dH becomes dG | dU; here gu stands for them
+        dx = gu[:, :f] @ wg
+        dx.addmm_(gu[:, f:], wu)
+        dw = gu.t() @ x
+        return dx, dw[:f], dw[f:], dwd
+
+
+def _gemm_only(x, wg, wu, wd):
+    return _GemmOnly.apply(x, wg, wu, wd)
+
+
 def _measure(fn, params, x, dy):
     def step():
         fn(x, *params).backward(dy)
+
+    def forward():
+        fn(x, *params)
 
     step()
     torch.cuda.synchronize()
@@ -47,9 +84,10 @@ def _measure(fn, params, x, dy):
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated()
     ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
-    return ms, peak / 2**30
+    forward_ms = triton.testing.do_bench(forward, warmup=25, rep=150, return_mode="median")
+    return dict(ms=ms, forward_ms=forward_ms, peak_gib=peak / 2**30, peak_above_start_gib=(peak - before) / 2**30)
 
 
 def _grads(fn, params, x, dy):
@@ -78,26 +116,35 @@ def main() -> None:
             return module(x)
 
         compiled = torch.compile(_eager)
-        providers = {"eager": _eager, "torch.compile": compiled, "liger": _liger, "autofuse": fused}
+        providers = {"gemm-only": _gemm_only, "eager": _eager, "torch.compile": compiled, "liger": _liger,
+                     "autofuse": fused}
         ref = _grads(_eager, [p.float() for p in params], x.float(), dy.float())
         eager_grads = _grads(_eager, params, x, dy)
         for provider, fn in providers.items():
             row = dict(shape=name, d=d, f=f, M=M, provider=provider)
             try:
-                if provider == "autofuse":
+                if provider == "gemm-only":
+                    got = None  # a floor, not an MLP: nothing to check
+                elif provider == "autofuse":
                     got = [x.detach().clone().requires_grad_()]
                     module.zero_grad(set_to_none=True)
                     module(got[0]).backward(dy)
                     got = [got[0].grad] + [p.grad for p in params]
                 else:
                     got = _grads(fn, params, x, dy)
-                row["grad_error_vs_fp32"] = [((g.float() - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
-                row["eager_error_vs_fp32"] = [((g.float() - r).norm() / r.norm()).item()
-                                              for g, r in zip(eager_grads, ref)]
+                if got is not None:
+                    row["grad_error_vs_fp32"] = [((g.float() - r).norm() / r.norm()).item()
+                                                 for g, r in zip(got, ref)]
+                    row["eager_error_vs_fp32"] = [((g.float() - r).norm() / r.norm()).item()
+                                                  for g, r in zip(eager_grads, ref)]
                 for p in params:
                     p.grad = None
                 x.grad = None
-                row["ms"], row["peak_gib"] = _measure(fn, params, x, dy)
+                row.update(_measure(fn, params, x, dy))
+                if provider == "autofuse":
+                    down, backward = module._training_configs(M, module.gate_proj.weight)
+                    row["configs"] = {op: c.short() if c is not None else "eager"
+                                      for op, c in (("down", down), ("gated_bwd", backward))}
                 row["status"] = "ok"
             except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
                 row.update(status=f"{type(e).__name__}: {e}"[:300])

@@ -20,6 +20,14 @@ _CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "NUM_SMS",
 _TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+def _desc_block(name: str, block: tuple[int, int, int]) -> tuple[int, int]:
+    # Activations (X, dY): [BLOCK_M, BLOCK_K]; the down weight read as [K, N]: [BLOCK_K, BLOCK_N];
+    # nn.Linear-layout weights [N, K]: [BLOCK_N, BLOCK_K].
+    if name in ("x_desc", "dy_desc"):
+        return block[0], block[2]
+    return (block[2], block[1]) if name == "wd_desc" else (block[1], block[2])
+
+
 def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[int, int, int], split_k: int,
                     num_warps: int, num_stages: int) -> dict:
     fn = load_kernel(spec)
@@ -27,9 +35,8 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
     for name in fn.arg_names:
         if name in _CONSTEXPRS:
             signature[name] = "constexpr"
-        elif name.endswith("_desc"):  # TMA descriptor: X tiles are [BLOCK_M, BLOCK_K], weight tiles [BLOCK_N, BLOCK_K]
-            rows = block[0] if name == "x_desc" else block[1]
-            signature[name] = f"tensordesc<{_TRITON_DTYPES[dtype]}[{rows}, {block[2]}]>"
+        elif name.endswith("_desc"):  # TMA descriptor: its block shape, as launch.py builds it
+            signature[name] = f"tensordesc<{_TRITON_DTYPES[dtype]}[{', '.join(map(str, _desc_block(name, block)))}]>"
         elif name == "ws_ptr":
             signature[name] = "*fp32"
         elif name == "count_ptr":
@@ -40,6 +47,8 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
             signature[name] = "i32"
     if spec.template == "mlp_decode":
         constexprs = dict(BLOCK_M=block[0], BLOCK_F=block[1], BLOCK_D=block[2])
+    elif spec.template == "gated_act":
+        constexprs = dict(BLOCK_M=block[0], BLOCK_N=block[1])
     else:
         constexprs = dict(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8)
     if spec.split_k:

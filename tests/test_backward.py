@@ -185,31 +185,67 @@ BACKWARD_CONFIGS = [
     KernelConfig(16, 16, 16, group_m=1, num_warps=1, num_stages=1),
     KernelConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=2),
     KernelConfig(64, 32, 64, group_m=8, num_warps=8, num_stages=3),
+    KernelConfig(32, 32, 32, group_m=8, num_warps=4, num_stages=2, tma=True),  # persistent over descriptors
 ]
+
+
+def _saved_pre_activations(M, F_, dtype, device):
+    # Of order one, as G and U are; fresh random values, never zeros.
+    return torch.randn(M, 2 * F_, dtype=dtype, device=device)
+
+
+def _gated_grad_parts(dy, gu, wd, activation):
+    F_ = wd.shape[1]
+    g, u = gu[:, :F_], gu[:, F_:]
+    a = TORCH_ACTIVATIONS[activation](g)
+    dh = dy @ wd
+    return torch.cat([autofuse.autograd.activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", BACKWARD_CONFIGS, ids=KernelConfig.short)
 @pytest.mark.parametrize("D", [48, 64], ids=["D48", "D64"])  # ragged and even K loops
 def test_gated_backward_kernel_block_configs(dtype, config, D, device):
-    # The kernel alone, every config the tuner may pick: dG, dU and H against float64.
+    # The kernel alone, every config the tuner may pick: dG, dU and H against float64, into fresh
+    # buffers and in place over the saved [G | U] (how the MLP's backward runs it).
     M, F_ = 37, 72
-    x = torch.randn(M, D, dtype=dtype, device=device)
     dy = torch.randn(M, D, dtype=dtype, device=device)
-    wg, wu = (torch.randn(F_, D, dtype=dtype, device=device) / D**0.5 for _ in range(2))
     wd = torch.randn(D, F_, dtype=dtype, device=device) / F_**0.5
-    bg, bu = (torch.randn(F_, dtype=dtype, device=device) for _ in range(2))
-    dgu, h = launch.gated_backward(x, dy, wg, wu, wd, bg, bu, "gelu", config)
+    gu = _saved_pre_activations(M, F_, dtype, device)
+    ref = _gated_grad_parts(dy.double(), gu.double(), wd.double(), "gelu")
+    eager = _gated_grad_parts(dy, gu, wd, "gelu")
+    poisoned = (torch.full((M, 2 * F_), float("nan"), dtype=dtype, device=device),
+                torch.full((M, F_), float("nan"), dtype=dtype, device=device))
+    fresh = launch.gated_backward(dy, gu, wd, "gelu", config, out=poisoned)
+    in_place = launch.gated_backward(dy, gu.clone(), wd, "gelu", config)  # out=None: dGU over gu's copy
+    aliased_gu = gu.clone()
+    aliased = launch.gated_backward(dy, aliased_gu, wd, "gelu", config, out=(aliased_gu, None))
+    assert aliased[0].data_ptr() == aliased_gu.data_ptr()
+    for dgu_h in (fresh, in_place, aliased):
+        for got, r, e in zip(dgu_h, ref, eager):
+            err, eager_err = relative_error(got, r), relative_error(e, r)
+            assert err <= GRAD_BOUNDS[dtype] and err <= 1.25 * eager_err + 1e-6, (err, eager_err)
 
-    def parts(x, dy, wg, wu, wd, bg, bu):
-        g, u = F.linear(x, wg, bg), F.linear(x, wu, bu)
-        a = F.gelu(g)
-        dh = dy @ wd
-        dg = torch.ops.aten.gelu_backward(dh * u, g)
-        return torch.cat([dg, dh * a], dim=1), a * u
 
-    ref = parts(*(t.double() for t in (x, dy, wg, wu, wd, bg, bu)))
-    eager = parts(x, dy, wg, wu, wd, bg, bu)
-    for got, r, e in zip((dgu, h), ref, eager):
-        err, eager_err = relative_error(got, r), relative_error(e, r)
-        assert err <= GRAD_BOUNDS[dtype] and err <= 1.25 * eager_err + 1e-6, (err, eager_err)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+def test_gated_activation_kernel(dtype, activation, device):
+    # The training forward's pointwise H = act(G) * U over ragged edges (M, F not multiples of its tile).
+    M, F_ = 37, 72
+    gu = _saved_pre_activations(M, F_, dtype, device)
+    out = torch.full((M, F_), float("nan"), dtype=dtype, device=device)
+    h = launch.gated_activation(gu, activation, out=out)
+    g, u = gu.double()[:, :F_], gu.double()[:, F_:]
+    ref = TORCH_ACTIVATIONS[activation](g) * u
+    eager = TORCH_ACTIVATIONS[activation](gu[:, :F_]) * gu[:, F_:]
+    # One rounding of a float32 result to the dtype: at most eager's error (which rounds twice).
+    assert relative_error(h, ref) <= relative_error(eager, ref) + 1e-7
+
+
+def test_a_second_backward_through_one_forward_is_refused_clearly(device):
+    # The backward overwrites the saved G | U with their gradients: retain_graph cannot reuse them.
+    module = autofuse.get_mlp(16, 32, dtype=torch.float32, device=device)
+    out = module(torch.randn(4, 16, device=device)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated once"):
+        out.backward()

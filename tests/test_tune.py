@@ -310,7 +310,7 @@ def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
     winner = next(w for w in Store().winners() if w.key.op == "gated_bwd")
     assert winner.config is not None and winner.trials == 2  # under the interpreter any correct config wins
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
-    assert mlp._backward_config(37, mlp.gate_proj.weight) == winner.config
+    assert mlp._training_configs(37, mlp.gate_proj.weight)[1] == winner.config
     x = torch.randn(37, 40, requires_grad=True)
     mlp(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
@@ -321,7 +321,7 @@ def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
     key = make_key("gated_bwd", 72, 40, 8, torch.float32, "silu", False, False, env)
     Store().put_winner(Winner(key, None, 1.0, 1.0))  # the baseline won
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
-    assert mlp._backward_config(8, mlp.gate_proj.weight) is None
+    assert mlp._training_configs(8, mlp.gate_proj.weight)[1] is None
     x = torch.randn(8, 40, requires_grad=True)
     mlp(x).sum().backward()
     ref = x.detach().clone().requires_grad_()
@@ -330,3 +330,17 @@ def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
 
     eager_mlp(ref, *w, activation="silu").sum().backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_ops_option_tunes_only_the_named_ops(tmp_path):
+    shapes = _write(tmp_path, "s.json", {"dtype": "float32", "tokens": [37],
+                                         "mlps": [{"name": "m", "d_model": 40, "d_ff": 72, "activation": "silu"}]})
+    _tune(["--shapes", str(shapes), "--trials", "1", "--train", "--ops", "gated_bwd"])
+    assert {w.key.op for w in Store().winners()} == {"gated_bwd"}
+
+
+@pytest.mark.parametrize("ops, message", [("gated_up,wrong", "unknown op(s) wrong"), ("gated_bwd", "add --train")])
+def test_ops_option_rejects_bad_selections_without_a_traceback(tmp_path, ops, message):
+    shapes = _write(tmp_path, "s.json", TINY)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--ops", ops])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

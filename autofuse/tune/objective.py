@@ -59,15 +59,19 @@ class Evaluator:
         self._generator = torch.Generator(device=device).manual_seed(seed)
         n, k = key.n, key.k
         scale = k**-0.5  # like nn.Linear's init: outputs of order one
-        self.weights = [self._random(n, k) * scale]
-        if key.op in ("gated_up", "mlp", "gated_bwd"):
-            self.weights.append(self._random(n, k) * scale)
-        if key.op in ("mlp", "gated_bwd"):  # the down projection: [d_model, d_ff]
-            self.weights.append(self._random(k, n) * n**-0.5)
-        self.biases = [self._random(w.shape[0]) for w in self.weights] if key.bias else [None] * len(self.weights)
-        if key.op == "gated_bwd":  # the backward kernel takes no down-projection bias
-            self.biases = self.biases[:2]
-        self.dy = self._random(M, k) if key.op == "gated_bwd" else None  # the output gradient
+        self.gu = None
+        if key.op == "gated_bwd":
+            # x stands for dY ([M, d_model]); the other operands are the down weight [d_model, d_ff]
+            # and the forward's saved pre-activations [G | U] (biases are already inside them).
+            self.weights, self.biases = [self._random(k, n) * n**-0.5], []
+            self.gu = self._random(M, 2 * n)
+        else:
+            self.weights = [self._random(n, k) * scale]
+            if key.op in ("gated_up", "mlp"):
+                self.weights.append(self._random(n, k) * scale)
+            if key.op == "mlp":  # the down projection: [d_model, d_ff]
+                self.weights.append(self._random(k, n) * n**-0.5)
+            self.biases = [self._random(w.shape[0]) for w in self.weights] if key.bias else [None] * len(self.weights)
         self.residual = self._random(M, n) if key.residual else None
         self.out_features = k if key.op == "mlp" else 3 * n if key.op == "gated_bwd" else n
         self.x = self._random(M, k)
@@ -78,10 +82,10 @@ class Evaluator:
 
     # the op, three ways
     def _launch(self, config: KernelConfig, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.key.op == "gated_bwd":  # one [M, 3 d_ff] result: dG | dU | H, written in place
+        if self.key.op == "gated_bwd":  # one [M, 3 d_ff] result: dG | dU | H
             n = self.key.n
             out = launch._allocate((x.shape[0], 3 * n), x) if out is None else out
-            launch.gated_backward(x, self.dy, *self.weights, *self.biases, self.key.activation, config,
+            launch.gated_backward(x, self.gu, self.weights[0], self.key.activation, config,
                                   out=(out[:, :2 * n], out[:, 2 * n:]))
             return out
         if self.key.op == "mlp":
@@ -93,7 +97,7 @@ class Evaluator:
     def baseline(self, x: torch.Tensor) -> torch.Tensor:
         """What eager PyTorch runs for this op: cuBLAS GEMM(s) + pointwise."""
         if self.key.op == "gated_bwd":
-            return gated_backward_eager(x, self.dy, *self.weights, *self.biases, self.key.activation)
+            return gated_backward_eager(x, self.gu, self.weights[0], self.key.activation)
         if self.key.op == "mlp":
             return eager_mlp(x, *self.weights, *self.biases, self.key.activation)
         if self.key.op == "gated_up":
@@ -102,8 +106,8 @@ class Evaluator:
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         if self.key.op == "gated_bwd":
-            args = [t.double() if t is not None else None for t in (x, self.dy, *self.weights, *self.biases)]
-            return gated_backward_eager(*args, self.key.activation)
+            dgu, h = gated_backward_eager(x.double(), self.gu.double(), self.weights[0].double(), self.key.activation)
+            return torch.cat([dgu, h], dim=1)
         if self.key.op == "mlp":  # H rounded to the dtype, as the kernel and eager store it
             return mlp_reference(x, *self.weights, *self.biases, self.key.activation, hidden_dtype=self.dtype)
         if self.key.op == "gated_up":

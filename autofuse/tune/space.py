@@ -62,11 +62,9 @@ MLP_INTERPRETER_SPACE = SearchSpace(block_m=(16, 32), block_n=(16, 32, 64), bloc
 MLP_MAX_M = 64
 
 
-# The gated backward kernel: three float32 accumulators per tile and no split-K or TMA variant.
-BACKWARD_SPACE = SearchSpace(block_m=(16, 32, 64, 128), block_n=(32, 64, 128), block_k=(32, 64, 128), group_m=(1, 8),
-                             num_warps=(4, 8), num_stages=(2, 3, 4), split_k=(1,), tma=(False,))
-BACKWARD_INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
-                                         num_warps=(4,), num_stages=(1, 2), split_k=(1,), tma=(False,))
+# The gated backward kernel: one GEMM (dY Wd) whose epilogue reads two more tiles; no split-K.
+BACKWARD_SPACE = dataclasses.replace(SearchSpace(), split_k=(1,))
+BACKWARD_INTERPRETER_SPACE = dataclasses.replace(INTERPRETER_SPACE, split_k=(1,))
 
 
 def default_space(template: str, interpret: bool) -> SearchSpace:
