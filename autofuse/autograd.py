@@ -139,8 +139,10 @@ class MLPFunction(torch.autograd.Function):
             dgu, h = gated_backward_eager(dy, gu, w_down, ctx.activation)
         else:
             dgu, h = launch.gated_backward(dy, gu, w_down, ctx.activation, ctx.backward_config, out=(gu, None))
-        dg, du = dgu[:, :F_], dgu[:, F_:]
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
+        dw_down = dy.t() @ h if need[5] else None
+        del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
+        dg, du = dgu[:, :F_], dgu[:, F_:]
         dx = None
         if need[0]:
             dx = dg @ w_gate
@@ -149,7 +151,6 @@ class MLPFunction(torch.autograd.Function):
         if need[1] or need[3]:
             dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]
             dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
-        dw_down = dy.t() @ h if need[5] else None
         db_gate = db_up = None
         if ctx.has_bias and (need[2] or need[4]):
             db = _sum_rows(dgu)

@@ -135,7 +135,8 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols])
 
 
-def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: torch.device, args: list) -> None:
+def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: torch.device, args: list,
+                       **constexprs: int) -> None:
     if device.type == "cuda":
         # Triton builds the TMA descriptors with the driver API, which needs this thread to have a
         # current CUDA context; a thread that got its tensors from PyTorch's cache may have none
@@ -146,7 +147,7 @@ def _persistent_launch(kernel, M: int, N: int, config: KernelConfig, device: tor
     grid = (min(programs, _tiles(M, N, config)),)
     # FLATTEN: one software pipeline across the tile and K loops, so the next tile's loads are
     # already in flight during this tile's epilogue.
-    kernel[grid](*args, NUM_SMS=programs, FLATTEN=True, **_launch_options(config))
+    kernel[grid](*args, NUM_SMS=programs, FLATTEN=True, **constexprs, **_launch_options(config))
 
 
 def _allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
@@ -316,11 +317,15 @@ def gated_backward(
     dgu, h = _output(dgu_out, (M, 2 * F), dy), _output(h_out, (M, F), dy)
     if M == 0:
         return dgu, h
-    config = _tma_config(config, dy, w_down)
+    halves = [gu[:, :F], gu[:, F:], dgu[:, :F], dgu[:, F:]]  # G, U, dG, dU: [M, F] views
+    config = _tma_config(config, dy, w_down, *halves, h)
     kernel = _kernel_for("gated_bwd", activation, D, dy.dtype, config, False)
     if config.tma:
+        # The epilogue's pieces: 64 columns (H200: two 64-wide halves of a 128-wide tile beat the whole).
+        epilogue_n = min(config.block_n, 64)
         args = [_descriptor(dy, config.block_m, config.block_k), _descriptor(w_down, config.block_k, config.block_n)]
-        _persistent_launch(kernel, M, F, config, dy.device, args + [gu, dgu, h, M, F, D] + _strides(gu, dgu, h))
+        args += [_descriptor(t, config.block_m, epilogue_n) for t in (*halves, h)]
+        _persistent_launch(kernel, M, F, config, dy.device, args + [M, F, D], EPILOGUE_N=epilogue_n)
         return dgu, h
     args = [dy, w_down, gu, dgu, h, M, F, D] + _strides(dy, w_down, gu, dgu, h)
     kernel[_grid(M, F, config)](*args, **_launch_options(config))

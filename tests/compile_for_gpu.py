@@ -16,7 +16,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from autofuse.render import KernelSpec, load_kernel  # noqa: E402
 
-_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "NUM_SMS", "FLATTEN", "BLOCK_F", "BLOCK_D")
+_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "NUM_SMS", "FLATTEN", "BLOCK_F", "BLOCK_D",
+               "EPILOGUE_N")
 _TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -25,6 +26,8 @@ def _desc_block(name: str, block: tuple[int, int, int]) -> tuple[int, int]:
     # nn.Linear-layout weights [N, K]: [BLOCK_N, BLOCK_K].
     if name in ("x_desc", "dy_desc"):
         return block[0], block[2]
+    if name in ("g_desc", "u_desc", "dg_desc", "du_desc", "h_desc"):  # the gated backward's epilogue pieces
+        return block[0], min(block[1], 64)
     return (block[2], block[1]) if name == "wd_desc" else (block[1], block[2])
 
 
@@ -55,6 +58,8 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
         constexprs["SPLIT_K"] = split_k
     if spec.tma:
         constexprs.update(NUM_SMS=132, FLATTEN=True)
+    if spec.tma and spec.template == "gated_bwd":
+        constexprs["EPILOGUE_N"] = min(block[1], 64)
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))

@@ -185,7 +185,10 @@ BACKWARD_CONFIGS = [
     KernelConfig(16, 16, 16, group_m=1, num_warps=1, num_stages=1),
     KernelConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=2),
     KernelConfig(64, 32, 64, group_m=8, num_warps=8, num_stages=3),
-    KernelConfig(32, 32, 32, group_m=8, num_warps=4, num_stages=2, tma=True),  # persistent over descriptors
+    # Persistent over descriptors; the epilogue in one, two and four 64-column pieces.
+    KernelConfig(32, 32, 32, group_m=8, num_warps=4, num_stages=2, tma=True),
+    KernelConfig(16, 128, 32, group_m=8, num_warps=4, num_stages=2, tma=True),
+    KernelConfig(16, 256, 16, group_m=1, num_warps=4, num_stages=2, tma=True),
 ]
 
 
@@ -207,8 +210,9 @@ def _gated_grad_parts(dy, gu, wd, activation):
 @pytest.mark.parametrize("D", [48, 64], ids=["D48", "D64"])  # ragged and even K loops
 def test_gated_backward_kernel_block_configs(dtype, config, D, device):
     # The kernel alone, every config the tuner may pick: dG, dU and H against float64, into fresh
-    # buffers and in place over the saved [G | U] (how the MLP's backward runs it).
-    M, F_ = 37, 72
+    # buffers and in place over the saved [G | U] (how the MLP's backward runs it). F = 200 reaches
+    # into the fourth 64-column piece of a 256-wide tile and ends inside it.
+    M, F_ = 37, 200
     dy = torch.randn(M, D, dtype=dtype, device=device)
     wd = torch.randn(D, F_, dtype=dtype, device=device) / F_**0.5
     gu = _saved_pre_activations(M, F_, dtype, device)
