@@ -10,15 +10,15 @@ from .errors import AutofuseError
 from .render import KernelSpec, render
 
 OPS = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS, "mlp_decode": GATED_ACTIVATIONS,
-       "gated_bwd": GATED_ACTIVATIONS}
+       "gated_bwd": GATED_ACTIVATIONS, "gated_act": GATED_ACTIVATIONS}
 
 
 def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, residual: bool = False,
                 dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None,
                 split_k: bool = False) -> str:
     """Rendered Triton source of the kernel autofuse builds for `op` ("linear", "gated_up",
-    "mlp_decode": the whole gated MLP in one launch for small M, or "gated_bwd": the gated MLP's
-    backward).
+    "mlp_decode": the whole gated MLP in one launch for small M, "gated_bwd": the gated MLP's
+    backward GEMM, or "gated_act": the training forward's pointwise act(G) * U).
 
     `even_k` picks the unmasked K loop (K divisible by BLOCK_K); `interpret` defaults to whether
     TRITON_INTERPRET=1 is set now, since interpreted kernels upcast their operands; `split_k`
@@ -28,7 +28,7 @@ def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, r
         raise AutofuseError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
     if activation is None:
         activation = "none" if op == "linear" else "gelu_tanh"
-    if split_k and op in ("mlp_decode", "gated_bwd"):
+    if split_k and op in ("mlp_decode", "gated_bwd", "gated_act"):
         raise AutofuseError(f"the {op} kernel has no split-K variant")
     if residual and op != "linear":
         raise AutofuseError("only the linear op takes a residual")

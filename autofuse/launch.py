@@ -289,7 +289,8 @@ def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None
     h = _output(out, (M, F), gu)
     if M == 0 or F == 0:
         return h
-    kernel = _kernel("gated_act", activation, False, False, True, None, interpreting(), False, False)
+    kernel = _kernel("gated_act", activation, has_bias=False, has_residual=False, even_k=True, input_precision=None,
+                     interpret=interpreting(), split_k=False, tma=False)
     block_m, block_n = (16, 64) if interpreting() else (4, 512)  # H100/H200: 2048 elements per program
     kernel[(-(-M // block_m), -(-F // block_n))](gu, h, M, F, *_strides(gu, h), BLOCK_M=block_m, BLOCK_N=block_n,
                                                  num_warps=4)
