@@ -94,33 +94,6 @@ def _parse_tokens(text: str | None) -> tuple[int, ...] | None:
     return tokens
 
 
-class _ProgressLine:
-    """One status line per key: rewritten in place on a terminal, printed every few trials otherwise."""
-
-    def __init__(self, position: str) -> None:
-        self.position = position
-        self.tty = sys.stderr.isatty()
-        self.last = ""
-
-    def __call__(self, p) -> None:
-        budget = f"/{p.trials_budget}" if p.trials_budget else ""
-        best = f"{p.best_ms:.4f} ms" if p.best_ms is not None else "-"
-        eta = f"{p.eta_s:.0f}s" if p.eta_s is not None else "?"
-        resumed = f" (resumed {p.resumed})" if p.resumed else ""
-        self.last = (f"{self.position} {p.job.label} M={p.job.M}: trial {p.trials_done}{budget}{resumed} "
-                     f"best {best} baseline {p.baseline_ms:.4f} ms ETA {eta}")
-        if self.tty:
-            click.echo("\r" + self.last.ljust(110), nl=False, err=True)
-        elif p.trials_done % 5 == 0:
-            click.echo(self.last, err=True)
-
-    def finish(self) -> None:
-        if self.tty:
-            click.echo("\r" + self.last.ljust(110), err=True)
-        else:
-            click.echo(self.last, err=True)
-
-
 _TUNED_OPS = ("gated_up", "down", "mlp", "gated_bwd", "linear")
 
 
@@ -138,7 +111,9 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 
 
 @main.command()
-@click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), required=True, help="Shapes file (JSON).")
+@click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), default=None, help="Shapes file (JSON).")
+@click.option("--model", "model_path", type=click.Path(), default=None,
+              help="Instead of --shapes: a Hugging Face config.json or model folder; its MLP is tuned.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Override the file's dtype.")
 @click.option("--tokens", default=None, help="Override the file's token counts, e.g. 1,16,128.")
@@ -151,16 +126,17 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
 @click.option("--ops", default=None,
               help="Tune only these ops, comma-separated: gated_up, down, mlp, gated_bwd, linear (default: all).")
-def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, ops):
-    """Tune every key of a shapes file and store the winners in the cache."""
+def tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, ops):
+    """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache."""
     import dataclasses
 
-    from . import resolve as resolve_module
+    from .model_config import shapes_from_model_config
     from .shapes import DTYPES, load_shapes
-    from .store import Store, cache_dir
-    from .tune.driver import jobs_for_shapes, tune_key
+    from .tune.driver import tune_shapes
 
-    shapes = load_shapes(shapes_path)
+    if (shapes_path is None) == (model_path is None):
+        raise click.UsageError("give one of --shapes FILE or --model CONFIG")
+    shapes = load_shapes(shapes_path) if shapes_path else shapes_from_model_config(model_path)
     if dtype:
         shapes = dataclasses.replace(shapes, dtype=DTYPES[dtype])
     tokens = _parse_tokens(tokens)
@@ -169,20 +145,8 @@ def tune(shapes_path, dtype, tokens, trials, time_budget, policy, resume, seed, 
     only = _parse_ops(ops, train)
     device = _select_device()
     interpret = device == "cpu"
-    store = Store(cache_dir())
-    jobs = [job for job in jobs_for_shapes(shapes, torch.device(device), train=train)
-            if only is None or job.key.op in only]
-    click.echo(f"tuning {len(jobs)} keys with {policy}, {trials} trials"
-               f"{f' or {time_budget:g} s' if time_budget else ''} each, cache {store.directory}", err=True)
-    results = []
-    for i, job in enumerate(jobs, 1):
-        line = _ProgressLine(f"[{i}/{len(jobs)}]")
-        result = tune_key(job, store, torch.device(device), policy=policy, trials=trials, time_budget_s=time_budget,
-                          resume=resume, seed=seed, progress=line)
-        line.finish()
-        results.append((job, result))
-    resolve_module.invalidate()
-    store.close()
+    results = tune_shapes(shapes, torch.device(device), train=train, ops=only, trials=trials,
+                          time_budget_s=time_budget, policy=policy, resume=resume, seed=seed)
 
     note = "  [interpreter: times are CPU milliseconds, not GPU speed]" if interpret else ""
     click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'baseline':>9} {'speedup':>7} "

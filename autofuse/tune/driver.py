@@ -9,6 +9,7 @@ slower than eager. Under the interpreter timings mean nothing, so there the best
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 
@@ -160,3 +161,31 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
         if t.status != "ok":
             failures[t.status] = failures.get(t.status, 0) + 1
     return KeyResult(winner, resumed, counter["new"], failures)
+
+
+def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, ops: set[str] | None = None,
+                trials: int | None = 20, time_budget_s: float | None = None, policy: str = "optuna",
+                resume: bool = False, seed: int = 0) -> list[tuple[Job, KeyResult]]:
+    """Tune every key of `shapes` (only `ops` when given) into the user cache, one status line per
+    key on stderr; the runtime sees the winners at once."""
+    from .. import resolve as resolve_module
+    from ..store import cache_dir
+    from .progress import ProgressLine
+
+    store = Store(cache_dir())
+    jobs = [job for job in jobs_for_shapes(shapes, device, train=train) if ops is None or job.key.op in ops]
+    budget = f" or {time_budget_s:g} s" if time_budget_s else ""
+    print(f"tuning {len(jobs)} keys with {policy}, {trials} trials{budget} each, cache {store.directory}",
+          file=sys.stderr, flush=True)
+    results = []
+    try:
+        for i, job in enumerate(jobs, 1):
+            line = ProgressLine(f"[{i}/{len(jobs)}]")
+            result = tune_key(job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s,
+                              resume=resume, seed=seed, progress=line)
+            line.finish()
+            results.append((job, result))
+    finally:
+        resolve_module.invalidate()
+        store.close()
+    return results

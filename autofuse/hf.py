@@ -1,0 +1,186 @@
+"""`fuse(model)`: swap the gated MLP blocks of a Hugging Face model for autofuse modules.
+
+Recognised by structure, not by class name, so Gemma / Gemma2 / Gemma3, Llama, Mistral, Qwen and
+other Llama-family MLPs (gate_proj, up_proj, down_proj, act_fn) and T5 v1.1 / Flan-T5's
+DenseGatedActDense (wi_0, wi_1, wo, act, dropout) are all found. The replacement keeps the
+original nn.Linear submodules under their original names, so parameters are shared, not copied,
+and state_dict keys, `.to()`, `.half()` and weight tying behave as before. transformers itself is
+never imported here: only the activation modules are recognised by their class names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .activations import GATED_ACTIVATIONS
+from .device import interpreting
+from .modules import FusedMLP
+
+# transformers.activations classes (and torch's) by name -> autofuse activation.
+_ACTIVATION_CLASSES = {
+    "GELUTanh": "gelu_tanh",  # gelu_pytorch_tanh (Gemma)
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",  # gelu_new (T5 v1.1, Flan-T5)
+    "GELUActivation": "gelu",
+    "GELU": None,  # torch.nn.GELU: depends on its `approximate` field, see _activation_of
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+}
+# (gate, up, down, activation attribute) of the two layouts.
+_LAYOUTS = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "wo", "act"))
+# Names that mark a module as an MLP block worth reporting when it is not replaced.
+_MLP_HINTS = ("mlp", "denseactdense", "densereludense", "densegatedactdense", "feedforward", "ffn")
+
+
+@dataclasses.dataclass
+class FuseReport:
+    """What `fuse` did: the modules it replaced and those that looked like MLP blocks but were left alone."""
+
+    replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, description)
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, reason)
+
+    def __str__(self) -> str:
+        lines = [f"autofuse.fuse: replaced {len(self.replaced)} MLP block(s), skipped {len(self.skipped)}"]
+        lines += [f"  replaced {path}: {what}" for path, what in self.replaced]
+        lines += [f"  skipped  {path}: {why}" for path, why in self.skipped]
+        return "\n".join(lines)
+
+
+def _activation_of(module: nn.Module) -> str | None:
+    name = type(module).__name__
+    if name == "GELU":
+        return "gelu_tanh" if getattr(module, "approximate", "none") == "tanh" else "gelu"
+    return _ACTIVATION_CLASSES.get(name)
+
+
+def _plain_linear(module: object) -> bool:
+    # Exactly nn.Linear: quantized or LoRA-wrapped subclasses compute something else.
+    return type(module) is nn.Linear
+
+
+def _recognise(module: nn.Module) -> tuple[tuple[str, str, str], str] | str | None:
+    """((gate, up, down names), activation) for a gated MLP autofuse can run; a reason string for one
+    it cannot; None for a module that is not an MLP block at all."""
+    for gate, up, down, act in _LAYOUTS:
+        if not all(hasattr(module, n) for n in (gate, up, down)):
+            continue
+        linears = [getattr(module, n) for n in (gate, up, down)]
+        if not all(_plain_linear(m) for m in linears):
+            kinds = ", ".join(sorted({type(m).__name__ for m in linears}))
+            return f"projections are {kinds}, not plain nn.Linear"
+        activation = _activation_of(getattr(module, act, None))
+        if activation not in GATED_ACTIVATIONS:
+            return f"activation {type(getattr(module, act, None)).__name__} is not one autofuse fuses " \
+                   f"({', '.join(GATED_ACTIVATIONS)})"
+        g, u, d = linears
+        if not (g.in_features == u.in_features == d.out_features and g.out_features == u.out_features
+                == d.in_features):
+            return "gate, up and down projection shapes do not form a gated MLP"
+        if len({m.weight.dtype for m in linears}) > 1 or len({m.weight.device for m in linears}) > 1:
+            return "its projections differ in dtype or device (e.g. T5's wo kept in float32)"
+        if len({m.bias is None for m in linears}) > 1:
+            return "some projections have a bias and others not"
+        return (gate, up, down), activation
+    return None
+
+
+class FusedHFMLP(nn.Module):
+    """Stands in for a Hugging Face gated MLP: the same nn.Linear submodules under the same names,
+    forward through an autofuse FusedMLP that uses those very parameters. Where the fused kernels
+    cannot give the original's result, it runs the original forward instead: inputs whose dtype or
+    device differ from the weights', autocast, active dropout (T5 in training), and a CPU without
+    TRITON_INTERPRET=1."""
+
+    def __init__(self, original: nn.Module, names: tuple[str, str, str], activation: str) -> None:
+        super().__init__()
+        gate, up, down = (getattr(original, n) for n in names)
+        self._names = names
+        for name, linear in zip(names, (gate, up, down)):
+            self.add_module(name, linear)  # shared with the original module, registered here for state_dict
+        self.dropout = getattr(original, "dropout", None)
+        fused = FusedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, activation=activation,
+                         dtype=gate.weight.dtype, device=torch.device("meta"))
+        fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the meta placeholders are dropped
+        # Not registered as submodules: their parameters are already registered above, once.
+        object.__setattr__(self, "_fused", fused)
+        object.__setattr__(self, "_original", original)
+        self.activation = activation
+
+    def _needs_original(self, x: torch.Tensor) -> bool:
+        weight = self._fused.gate_proj.weight
+        if x.dtype != weight.dtype or x.device != weight.device:
+            return True
+        if x.device.type == "cpu" and not interpreting():
+            return True
+        if torch.is_autocast_enabled(x.device.type):
+            return True
+        dropout = self.dropout
+        return self.training and isinstance(dropout, nn.Dropout) and dropout.p > 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._needs_original(x):
+            return self._original(x)
+        return self._fused(x)
+
+    def extra_repr(self) -> str:
+        g = self._fused.gate_proj
+        return f"d_model={g.in_features}, d_ff={g.out_features}, activation={self.activation}, autofuse"
+
+
+def fuse(model: nn.Module, *, tune: bool = False, tokens: tuple[int, ...] | None = None,
+         trials: int = 20, verbose: bool = True) -> FuseReport:
+    """Replace every gated MLP block of `model` that autofuse can run by a FusedHFMLP (in place) and
+    return the report (printed when `verbose`). `tune=True` then tunes the replaced shapes at
+    `tokens` on the model's GPU (`trials` per key), as `autofuse tune` would."""
+    report = FuseReport()
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, FusedHFMLP):
+            report.skipped.append((path or "<model>", "already fused"))
+            continue
+        if any(path.startswith(p + ".") for p, _, _ in found):
+            continue  # inside a block being replaced
+        match = _recognise(module)
+        if isinstance(match, tuple):
+            found.append((path, module, match))
+        elif isinstance(match, str):
+            report.skipped.append((path or "<model>", match))
+        elif any(h in type(module).__name__.lower() for h in _MLP_HINTS) and not isinstance(module, nn.Linear):
+            report.skipped.append((path or "<model>", f"{type(module).__name__} is not a gated MLP autofuse knows"))
+    for path, module, (names, activation) in found:
+        replacement = FusedHFMLP(module, names, activation)
+        replacement.train(module.training)  # a new module starts in training mode; keep the model's
+        if path:
+            parent_path, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent_path), child, replacement)
+        else:
+            raise ValueError("fuse() replaces MLP blocks inside a model; call it on the model, not on the MLP")
+        g = replacement._fused.gate_proj
+        report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
+                                      f"{' bias' if g.bias is not None else ''}"))
+    if tune and found:
+        _tune_replaced(model, tokens, trials)
+    if verbose:
+        print(report)
+    return report
+
+
+def _tune_replaced(model: nn.Module, tokens: tuple[int, ...] | None, trials: int) -> None:
+    from .shapes import DEFAULT_TOKENS, MLPShape, ShapeSet
+    from .tune.driver import tune_shapes
+
+    blocks = [m for m in model.modules() if isinstance(m, FusedHFMLP)]
+    weight = blocks[0]._fused.gate_proj.weight
+    mlps = {}
+    for block in blocks:
+        g = block._fused.gate_proj
+        shape = MLPShape(f"{g.in_features}x{g.out_features}", g.in_features, g.out_features, block.activation,
+                         g.bias is not None)
+        mlps.setdefault((shape.d_model, shape.d_ff, shape.activation, shape.bias), shape)
+    shapes = ShapeSet(weight.dtype, tuple(tokens or DEFAULT_TOKENS), tuple(mlps.values()), ())
+    tune_shapes(shapes, weight.device, trials=trials)
+    for block in blocks:
+        block._fused.clear_config_table()
