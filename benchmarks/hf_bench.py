@@ -3,7 +3,8 @@ few layers), unfused eager against autofuse.fuse(model), side by side in one pro
 
   python benchmarks/hf_bench.py --out DIR [--layers 4]
 
-Forward: do_bench median (L2 flushed) of model(input_ids) at batch x sequence = M tokens.
+Forward: do_bench median (L2 flushed) of model(input_ids) at batch x sequence = M tokens; at M <= 128
+also the forward replayed from a CUDA graph (GPU time, no host launch cost; CUDA events, median).
 generate: wall time of greedy model.generate (KV cache, 64 new tokens after a 128-token prompt),
 median of 5 runs after a warm-up, CUDA-synchronised; per-token time = total / new tokens. The two
 models share nothing but their initial weights (a deep copy), and are timed alternately.
@@ -25,6 +26,7 @@ import triton
 import triton.testing
 
 import autofuse
+from autofuse.timing import graph_replay_us
 
 
 def _model(layers: int) -> torch.nn.Module:
@@ -60,7 +62,7 @@ def main() -> None:
     report = autofuse.fuse(fused)
     rows = []
     with torch.no_grad():
-        for batch, seq in ((1, 1), (1, 128), (1, 4096), (4, 4096)):
+        for batch, seq in ((1, 1), (1, 16), (1, 128), (1, 4096), (4, 4096)):
             ids = torch.randint(0, 32000, (batch, seq), device="cuda")
             ref = eager(ids).logits.float()
             got = fused(ids).logits.float()
@@ -70,6 +72,12 @@ def main() -> None:
             for name, model in (("eager", eager), ("autofuse", fused), ("eager_again", eager)):
                 row[f"{name}_ms"] = triton.testing.do_bench(lambda m=model: m(ids), warmup=10, rep=100,
                                                             return_mode="median")
+                if batch * seq <= 128:  # decode sizes: also the GPU time without host launch cost
+                    try:
+                        row[f"{name}_graph_replay_us"] = graph_replay_us(lambda m=model: m(ids, use_cache=False),
+                                                                         replays=20, calls_per_graph=2)
+                    except Exception as e:  # noqa: BLE001 - a forward that cannot be captured is reported
+                        row[f"{name}_graph_replay_us"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
             print(json.dumps(row), flush=True)
         prompt = torch.randint(0, 32000, (1, 128), device="cuda")
