@@ -144,4 +144,24 @@ def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.d
         nearest = min(neighbours, key=distance)
         config = None if nearest.config is None else clamp_to_problem(nearest.config, M, N, K)
         return Choice(config, f"nearest:{nearest.key.id()}")
+    _warn_once_if_tuned_elsewhere(index, key)
     return Choice(heuristic_for(template, m_bucket(M), N, K, dtype, device), "heuristic")
+
+
+_warned_environments: set[tuple] = set()
+
+
+def _warn_once_if_tuned_elsewhere(index: TunedIndex, key) -> None:
+    """A deployment whose GPU or Triton version differs from where its configs were tuned runs on
+    the heuristic; say so once per environment (not per module or shape), naming what was found."""
+    here = (key.gpu, key.capability, key.triton, key.cuda)
+    if key.gpu == "interpreter" or here in _warned_environments:
+        return
+    winners = [*index.user.values(), *(w for w, _ in index.shipped.values())]
+    elsewhere = {f"{w.key.gpu} / triton {w.key.triton}" for w in winners}
+    if not winners or any((w.key.gpu, w.key.capability, w.key.triton, w.key.cuda) == here for w in winners):
+        return
+    _warned_environments.add(here)
+    warnings.warn(f"autofuse: no tuned configs for {key.gpu} / triton {key.triton} (tuned ones are for "
+                  f"{', '.join(sorted(elsewhere))}); using the built-in heuristic. Run `autofuse tune` on this "
+                  "GPU for tuned speed.", stacklevel=4)

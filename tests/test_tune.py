@@ -344,3 +344,21 @@ def test_ops_option_rejects_bad_selections_without_a_traceback(tmp_path, ops, me
     shapes = _write(tmp_path, "s.json", TINY)
     result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--ops", ops])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_gpu_without_tuned_configs_warns_once_and_runs_the_heuristic(monkeypatch):
+    # A deployment on another GPU / Triton than the shipped files were tuned for: heuristic, one warning.
+    from autofuse import key as key_module
+    from autofuse import resolve as resolve_module
+
+    elsewhere = key_module.Environment("NVIDIA H100 80GB HBM3", "9.0", "9.9.9", "13.0")
+    monkeypatch.setattr(key_module, "current_environment", lambda device: elsewhere)
+    monkeypatch.setattr(resolve_module, "_warned_environments", set())
+    resolve_module.invalidate()
+    with pytest.warns(UserWarning, match="no tuned configs for NVIDIA H100 80GB HBM3 / triton 9.9.9") as caught:
+        choices = [resolve_module.resolve("gated_up", M, 96, 64, torch.bfloat16, torch.device("cpu"),
+                                          activation="gelu_tanh", bias=False) for M in (1, 4096)]
+        resolve_module.resolve("down", 8, 64, 96, torch.bfloat16, torch.device("cpu"), activation="none", bias=False)
+    assert [c.source for c in choices] == ["heuristic", "heuristic"] and choices[0].config is not None
+    assert len([w for w in caught if "no tuned configs" in str(w.message)]) == 1
+    assert "NVIDIA H200 / triton 3.6.0" in str(caught[0].message)  # names what the shipped file covers
