@@ -126,7 +126,17 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
 @click.option("--ops", default=None,
               help="Tune only these ops, comma-separated: gated_up, down, mlp, gated_bwd, linear (default: all).")
-def tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, ops):
+@click.option("--devices", default=None,
+              help="Tune on these GPUs at once, one worker process each, e.g. 0,1,2,3 (cpu: interpreter workers).")
+@click.option("--storage", default=None,
+              help="Optuna storage the workers share: a journal file path or an RDB URL (sqlite:///, postgresql://). "
+                   "Give the same one on several machines to tune one run together. Default with --devices: a "
+                   "journal file in the cache folder.")
+@click.option("--stale-after", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds without a heartbeat after which another worker takes over a key.")
+@click.option("--worker", default=None, hidden=True, help="Internal: run as one worker of a --devices run.")
+def tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, ops, devices,
+         storage, stale_after, worker):
     """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache."""
     import dataclasses
 
@@ -143,20 +153,74 @@ def tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, re
     if tokens:
         shapes = dataclasses.replace(shapes, tokens=tokens)
     only = _parse_ops(ops, train)
-    device = _select_device()
-    interpret = device == "cpu"
-    results = tune_shapes(shapes, torch.device(device), train=train, ops=only, trials=trials,
-                          time_budget_s=time_budget, policy=policy, resume=resume, seed=seed)
+    options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
+    if devices is not None or storage is not None or worker is not None:
+        rows = _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, only, options, resume,
+                                 devices, storage, stale_after, worker)
+        if rows is None:  # this process was a worker
+            return
+        interpret = all(d == "cpu" for d in _devices_or_default(devices))
+    else:
+        device = _select_device()
+        interpret = device == "cpu"
+        results = tune_shapes(shapes, torch.device(device), train=train, ops=only, resume=resume, **options)
+        rows = [(job, r.winner, r.resumed, r.failures) for job, r in results]
 
     note = "  [interpreter: times are CPU milliseconds, not GPU speed]" if interpret else ""
     click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'baseline':>9} {'speedup':>7} "
                f"{'trials':>6} {'resumed':>7}  failures{note}")
-    for job, r in results:
-        w = r.winner
+    for job, w, resumed, failures in rows:
         winner = "baseline (eager)" if w.config is None else w.config.short()
-        fails = ", ".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
+        fails = ", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "-"
         click.echo(f"{job.label:<32} {job.M:>6} {winner:<28} {w.time_ms:>9.4f} {w.baseline_ms:>9.4f} "
-                   f"{w.baseline_ms / w.time_ms:>6.2f}x {w.trials:>6} {r.resumed:>7}  {fails}")
+                   f"{w.baseline_ms / w.time_ms:>6.2f}x {w.trials:>6} {resumed:>7}  {fails}")
+
+
+def _devices_or_default(devices: str | None) -> list[str]:
+    from .tune.parallel import parse_devices
+
+    if devices is not None:
+        return parse_devices(devices)
+    return ["0"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else ["cpu"]
+
+
+def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, only, options, resume, devices,
+                      storage, stale_after, worker):
+    """--devices / --storage: coordinate worker processes (or, with --worker, be one). Returns the
+    table rows, or None in a worker."""
+    from .store import Store, cache_dir
+    from .tune import distributed
+    from .tune.driver import jobs_for_shapes
+    from .tune.parallel import default_storage, run_workers
+
+    storage = storage or default_storage()
+    settings = dict(train=train, ops=sorted(only) if only else None, **options)
+    if worker is not None:
+        device = torch.device(_select_device())
+        jobs = [j for j in jobs_for_shapes(shapes, device, train=train) if only is None or j.key.op in only]
+        store = Store(cache_dir())
+        try:
+            distributed.work(storage, distributed.run_name(jobs, settings), jobs, store, device, worker,
+                             stale_after_s=stale_after, resume=resume, **options)
+        finally:
+            store.close()
+        return None
+    device_list = _devices_or_default(devices)
+    first = device_list[0]
+    env_device = torch.device("cpu") if first == "cpu" else torch.device("cuda", int(first))
+    jobs = [j for j in jobs_for_shapes(shapes, env_device, train=train) if only is None or j.key.op in only]
+    run = distributed.run_name(jobs, settings)
+    args = ["--shapes", shapes_path] if shapes_path else ["--model", model_path]
+    args += ["--trials", str(options["trials"]), "--policy", options["policy"], "--seed", str(options["seed"]),
+             "--storage", storage, "--stale-after", repr(stale_after)]
+    args += ["--dtype", dtype] if dtype else []
+    args += ["--tokens", ",".join(map(str, shapes.tokens))] if tokens else []
+    args += ["--time-budget", repr(options["time_budget_s"])] if options["time_budget_s"] else []
+    args += ["--train"] if train else []
+    args += ["--ops", ",".join(sorted(only))] if only else []
+    args += ["--resume"] if resume else []
+    winners = {w.key: w for w in run_workers(device_list, args, jobs, storage, run, cache_dir() / "workers")}
+    return [(job, winners[job.key], 0, {}) for job in jobs]
 
 
 @main.command()

@@ -1,0 +1,153 @@
+"""Several tuning workers, on one machine's GPUs or many machines', sharing one list of keys
+through an Optuna storage (a journal file, or an RDB such as SQLite or PostgreSQL).
+
+No scheduler: every worker expands the same shapes into the same ordered keys and claims one by
+creating an Optuna study named after it. A study name exists once in a storage, so exactly one
+worker's creation succeeds, on a journal file (appends under a file lock) as on a database (a
+unique column). The claim study's user attributes carry the worker's heartbeat and progress (set
+after every trial) and, when the key is done, its winner. A key whose claim stopped beating for
+`stale_after_s` (its worker was killed) is claimed again under the next generation's name, again by
+exactly one worker, which resumes it from the trials the local cache kept: on the same machine only
+the running trial is lost. Clocks of the machines sharing a storage are assumed in sync (NTP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Iterable
+
+from ..store import Store, Winner
+from .driver import Job, tune_key
+
+_PREFIX = "autofuse"
+
+
+def open_storage(url: str):
+    """An Optuna storage for `url`: an RDB URL (sqlite:///..., postgresql://..., mysql://...) or a
+    journal file path (optionally written journal:PATH), which works on any shared file system."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if "://" in url:
+        return optuna.storages.RDBStorage(url)
+    return JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
+
+
+def run_name(jobs: Iterable[Job], settings: dict) -> str:
+    """Names one tuning run: the same keys and settings give the same name, so the same command
+    started on several machines joins one run."""
+    text = json.dumps([[job.key.id(), job.M] for job in jobs] + [settings], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass
+class Claim:
+    job_index: int
+    generation: int
+    attrs: dict
+
+
+class WorkList:
+    """The keys of one run and their claims, as the storage holds them."""
+
+    def __init__(self, storage, run: str, jobs: list[Job]) -> None:
+        self.storage, self.run, self.jobs = storage, run, jobs
+
+    def _name(self, index: int, generation: int) -> str:
+        return f"{_PREFIX}/{self.run}/{index:05d}/{generation}"
+
+    def claims(self) -> dict[int, Claim]:
+        """The newest claim of every claimed job."""
+        newest: dict[int, Claim] = {}
+        for study in self.storage.get_all_studies():
+            parts = study.study_name.split("/")
+            if len(parts) != 4 or parts[0] != _PREFIX or parts[1] != self.run:
+                continue
+            index, generation = int(parts[2]), int(parts[3])
+            if index not in newest or generation > newest[index].generation:
+                newest[index] = Claim(index, generation, dict(study.user_attrs))
+        return newest
+
+    def try_claim(self, index: int, generation: int, worker: str) -> int | None:
+        """The claim study's id if this worker got the job (generation 0: first claim, later: a takeover)."""
+        from optuna.exceptions import DuplicatedStudyError
+        from optuna.study import StudyDirection
+
+        try:
+            study_id = self.storage.create_new_study([StudyDirection.MINIMIZE], self._name(index, generation))
+        except DuplicatedStudyError:
+            return None
+        self.set(study_id, worker=worker, heartbeat=time.time(), done=False)
+        return study_id
+
+    def set(self, study_id: int, **attrs) -> None:
+        for key, value in attrs.items():
+            self.storage.set_study_user_attr(study_id, key, value)
+
+
+def work(storage_url: str, run: str, jobs: list[Job], store: Store, device, worker: str, *,
+         stale_after_s: float = 120.0, poll_s: float = 1.0, resume: bool = False, **tune_options) -> list[int]:
+    """Tune jobs of the shared list until every one is done (by this worker or another). Returns the
+    indices this worker finished."""
+    work_list = WorkList(open_storage(storage_url), run, jobs)
+    finished = []
+    while True:
+        claims = work_list.claims()
+        if len(claims) == len(jobs) and all(c.attrs.get("done") for c in claims.values()):
+            return finished
+        picked = _pick(work_list, claims, worker, stale_after_s)
+        if picked is None:
+            time.sleep(poll_s)  # everything left is being tuned by live workers
+            continue
+        index, study_id, takeover = picked
+        job = jobs[index]
+
+        def beat(progress, study_id=study_id):
+            work_list.set(study_id, heartbeat=time.time(), trials_done=progress.trials_done,
+                          best_ms=progress.best_ms, baseline_ms=progress.baseline_ms)
+
+        result = tune_key(job, store, device, resume=takeover or resume, progress=beat, **tune_options)
+        work_list.set(study_id, done=True, heartbeat=time.time(), winner=result.winner.to_record(),
+                      trials_done=result.winner.trials)
+        finished.append(index)
+
+
+def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_after_s: float):
+    """(job index, claim study id, whether it is a takeover) of a job this worker now owns, or None."""
+    for index in range(len(work_list.jobs)):
+        if index not in claims:
+            study_id = work_list.try_claim(index, 0, worker)
+            if study_id is not None:
+                return index, study_id, False
+    now = time.time()
+    for index, claim in sorted(claims.items()):
+        if not claim.attrs.get("done") and now - claim.attrs.get("heartbeat", 0) > stale_after_s:
+            study_id = work_list.try_claim(index, claim.generation + 1, worker)
+            if study_id is not None:
+                return index, study_id, True
+    return None
+
+
+def winners(storage_url: str, run: str, jobs: list[Job]) -> list[Winner]:
+    """Every finished key's winner as the storage holds it (from any worker, on any machine)."""
+    work_list = WorkList(open_storage(storage_url), run, jobs)
+    # Validated like an imported file: the storage may be shared with other people's machines.
+    return [Winner.from_record(c.attrs["winner"]) for c in work_list.claims().values() if c.attrs.get("done")]
+
+
+def status(storage_url: str, run: str, jobs: list[Job]) -> tuple[int, list[str]]:
+    """(jobs done, one phrase per job in progress: worker, key, trials, best time) for the progress line."""
+    claims = WorkList(open_storage(storage_url), run, jobs).claims()
+    done = sum(1 for c in claims.values() if c.attrs.get("done"))
+    running = []
+    for index, c in sorted(claims.items()):
+        if not c.attrs.get("done"):
+            best = c.attrs.get("best_ms")
+            running.append(f"{c.attrs.get('worker', '?')}: {jobs[index].label} M={jobs[index].M} "
+                           f"trial {c.attrs.get('trials_done', 0)} best {'-' if best is None else f'{best:.4f} ms'}")
+    return done, running

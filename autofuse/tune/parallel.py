@@ -1,0 +1,93 @@
+"""`autofuse tune --devices 0,1,...`: one worker process per device, all pulling keys from one
+Optuna storage (tune/distributed.py), with one progress line for all of them.
+
+Each worker sees only its own GPU (CUDA_VISIBLE_DEVICES), so no two workers ever time on the same
+GPU. The coordinator starts the workers, shows progress, and when they are done copies every
+winner in the storage (including those other machines found) into this machine's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import AutofuseError
+from ..store import Store, Winner, cache_dir
+from . import distributed
+from .driver import Job
+
+
+def parse_devices(text: str) -> list[str]:
+    """"0,1,3" -> ["0", "1", "3"]; "cpu" entries run interpreter workers (tests, no GPU)."""
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices or not all(d == "cpu" or d.isdigit() for d in devices):
+        raise AutofuseError(f"--devices must be comma-separated GPU indices such as 0,1 (or cpu), got {text!r}")
+    gpus = [d for d in devices if d != "cpu"]
+    if len(gpus) != len(set(gpus)):
+        raise AutofuseError(f"--devices lists a GPU twice ({text}): two workers would time on one GPU")
+    return devices
+
+
+def default_storage() -> str:
+    return str(cache_dir() / "tune-journal.log")
+
+
+def run_workers(devices: list[str], worker_args: list[str], jobs: list[Job], storage: str, run: str,
+                log_dir: Path, poll_s: float = 1.0) -> list[Winner]:
+    """Start one worker per device, show their progress until all have exited, merge the winners."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, device in enumerate(devices):
+        env = dict(os.environ)
+        name = f"cpu{i}" if device == "cpu" else f"gpu{device}"
+        if device == "cpu":
+            env["TRITON_INTERPRET"] = "1"
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = device
+            env.pop("TRITON_INTERPRET", None)
+        log = open(log_dir / f"worker-{name}.log", "w")  # noqa: SIM115 - closed when the worker has exited
+        cmd = [sys.executable, "-m", "autofuse.cli", "tune", *worker_args, "--worker", name]
+        procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    print(f"tuning {len(jobs)} keys on {len(devices)} workers ({', '.join(n for n, _, _ in procs)}), "
+          f"run {run}, storage {storage}, worker logs in {log_dir}", file=sys.stderr, flush=True)
+    tty = sys.stderr.isatty()
+    last = ""
+    try:
+        while any(p.poll() is None for _, p, _ in procs):
+            time.sleep(poll_s)
+            try:
+                done, running = distributed.status(storage, run, jobs)
+            except Exception as e:  # noqa: BLE001 - a storage hiccup must not stop the workers
+                running, done = [f"(storage unreadable: {type(e).__name__})"], 0
+            line = f"[{done}/{len(jobs)} keys done] " + " | ".join(running)
+            if line != last:
+                print(("\r" if tty else "") + line[:200].ljust(120 if tty else 0), end="" if tty else "\n",
+                      file=sys.stderr, flush=True)
+                last = line
+    except KeyboardInterrupt:
+        for _, p, _ in procs:
+            p.terminate()
+        raise
+    finally:
+        for _, _, log in procs:
+            log.close()
+    if tty:
+        print(file=sys.stderr)
+    found = distributed.winners(storage, run, jobs)
+    store = Store(cache_dir())
+    try:
+        for winner in found:
+            store.put_winner(winner)
+    finally:
+        store.close()
+    failed = [f"{name} (exit {p.returncode})" for name, p, _ in procs if p.returncode != 0]
+    if len(found) < len(jobs):
+        raise AutofuseError(f"{len(jobs) - len(found)} of {len(jobs)} keys were not tuned; workers that failed: "
+                            f"{', '.join(failed) or 'none'}; see {log_dir}. Run the same command again to finish.")
+    if failed:
+        print(f"warning: worker(s) {', '.join(failed)} failed; the others finished their keys (logs: {log_dir})",
+              file=sys.stderr, flush=True)
+    return found

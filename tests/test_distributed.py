@@ -1,0 +1,140 @@
+"""Tuning with several workers through one Optuna storage (tune/distributed.py, tune/parallel.py),
+under the interpreter: worker processes stand in for GPUs and for machines."""
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from autofuse.cli import main
+from autofuse.errors import AutofuseError
+from autofuse.store import Store
+from autofuse.tune import distributed
+from autofuse.tune.parallel import parse_devices
+
+SHAPES = {"dtype": "float32", "tokens": [5, 37],
+          "mlps": [{"name": "m", "d_model": 24, "d_ff": 40, "activation": "silu"}],
+          "linears": [{"name": "l", "in_features": 24, "out_features": 40}]}
+KEYS = 8  # per M: gated_up, down, mlp (M <= 64), linear; M = 5 and 37
+
+
+def _write(tmp_path, data, name="s.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _claims(storage):
+    """{job index: [(generation, attrs)]} of every run in the storage."""
+    out = {}
+    for study in distributed.open_storage(str(storage)).get_all_studies():
+        _, _, index, generation = study.study_name.split("/")
+        out.setdefault(int(index), []).append((int(generation), dict(study.user_attrs)))
+    return out
+
+
+def test_two_workers_share_one_journal_and_tune_every_key_once(tmp_path):
+    shapes = _write(tmp_path, SHAPES)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "2", "--devices", "cpu,cpu"])
+    assert result.exit_code == 0, result.output
+    claims = _claims(tmp_path / "autofuse-cache" / "tune-journal.log")
+    assert sorted(claims) == list(range(KEYS))
+    assert all(len(c) == 1 and c[0][0] == 0 and c[0][1]["done"] for c in claims.values())  # once each
+    assert {c[0][1]["worker"] for c in claims.values()} == {"cpu0", "cpu1"}  # both did work
+    winners = list(Store().winners())
+    assert len(winners) == KEYS and len({w.key for w in winners}) == KEYS
+    assert "tuning 8 keys on 2 workers" in result.output and "[8/8 keys done]" in result.output
+
+
+def _worker(shapes, storage, cache, name, *extra):
+    env = dict(os.environ, AUTOFUSE_CACHE_DIR=str(cache), TRITON_INTERPRET="1")
+    return subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", "--shapes", str(shapes), "--storage",
+                             str(storage), "--worker", name, *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_workers_key_is_finished_by_the_other(tmp_path):
+    one_key = {"dtype": "float32", "tokens": [37], "linears": [{"in_features": 24, "out_features": 40}]}
+    shapes, storage, cache = _write(tmp_path, one_key), tmp_path / "journal.log", tmp_path / "cache"
+    args = ["--trials", "40", "--stale-after", "2"]
+    a = _worker(shapes, storage, cache, "A", *args)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill A in the middle of its key, after a few trials
+        claims = _claims(storage) if storage.exists() else {}
+        if claims and claims[0][0][1].get("trials_done", 0) >= 3:
+            break
+        time.sleep(0.05)
+    a.send_signal(signal.SIGKILL)
+    a.wait()
+    done_by_a = claims[0][0][1]["trials_done"]
+    assert not claims[0][0][1]["done"]
+    b = _worker(shapes, storage, cache, "B", *args)
+    out, _ = b.communicate(timeout=300)
+    assert b.returncode == 0, out
+    (gen0, a_attrs), (gen1, b_attrs) = sorted(_claims(storage)[0], key=lambda c: c[0])
+    assert (gen0, a_attrs["worker"], a_attrs["done"]) == (0, "A", False)
+    assert (gen1, b_attrs["worker"], b_attrs["done"]) == (1, "B", True)
+    winner = next(iter(Store(cache).winners()))
+    # B resumed from the trials A had stored: at most the one A was running is lost.
+    assert winner.trials == 40 and len(Store(cache).trials(winner.key)) == 40
+    assert done_by_a >= 3
+
+
+def test_two_machines_join_one_run_through_the_storage(tmp_path):
+    # Two coordinators with their own caches (two machines) and one storage: each key is tuned
+    # once, and both caches end with every winner.
+    shapes, storage = _write(tmp_path, SHAPES), tmp_path / "shared.log"
+    env = [dict(os.environ, AUTOFUSE_CACHE_DIR=str(tmp_path / f"machine{i}"), TRITON_INTERPRET="1") for i in (0, 1)]
+    cmd = [sys.executable, "-m", "autofuse.cli", "tune", "--shapes", str(shapes), "--trials", "2", "--devices",
+           "cpu", "--storage", str(storage)]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for e in env]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    claims = _claims(storage)
+    assert sorted(claims) == list(range(KEYS)) and all(len(c) == 1 for c in claims.values())
+    for i in (0, 1):
+        assert len(list(Store(tmp_path / f"machine{i}").winners())) == KEYS
+
+
+def _claim_once(args):
+    storage, worker = args
+    work_list = distributed.WorkList(distributed.open_storage(storage), "race", [])
+    return work_list.try_claim(0, 0, worker) is not None
+
+
+def test_a_key_is_claimed_by_exactly_one_of_many_racing_processes(tmp_path):
+    storage = str(tmp_path / "race.log")
+    with multiprocessing.get_context("spawn").Pool(6) as pool:
+        got = pool.map(_claim_once, [(storage, f"w{i}") for i in range(12)])
+    assert sum(got) == 1
+
+
+def test_sqlite_storage_works_too(tmp_path):
+    shapes = _write(tmp_path, {"dtype": "float32", "tokens": [5], "linears": [{"in_features": 24, "out_features": 40}]})
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1", "--devices", "cpu",
+                                       "--storage", url])
+    assert result.exit_code == 0, result.output
+    assert len(list(Store().winners())) == 1
+
+
+@pytest.mark.parametrize("text, message", [("0,0", "lists a GPU twice"), ("a,b", "GPU indices"), ("", "GPU indices")])
+def test_bad_device_lists_are_refused(text, message):
+    with pytest.raises(AutofuseError, match=message):
+        parse_devices(text)
+
+
+def test_cli_refuses_a_repeated_gpu_in_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(_write(tmp_path, SHAPES)), "--devices", "1,1"])
+    assert result.exit_code == 2 and "lists a GPU twice" in result.output and "Traceback" not in result.output
+
+
+def test_cpu_devices_may_repeat():
+    assert parse_devices("cpu,cpu") == ["cpu", "cpu"]
