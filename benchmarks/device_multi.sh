@@ -13,10 +13,11 @@ shapes=autofuse/examples/public.json
 run() {  # name, extra args...
   local name=$1; shift
   export AUTOFUSE_CACHE_DIR=/tmp/af-$name TRITON_CACHE_DIR=/tmp/triton-$name
-  local start=$(date +%s.%N)
+  local start=$(python3 -c 'import time; print(time.time())')
   python3 -m autofuse.cli tune --shapes $shapes --trials "$trials" --time-budget "$seconds" "$@" \
       >"$OUT/$name.table.txt" 2>"$OUT/$name.progress.log"
-  echo "$name exit $? wall_s $(echo "$(date +%s.%N) - $start" | bc)" | tee -a "$OUT/walls.txt"
+  local rc=$?
+  echo "$name exit $rc wall_s $(python3 -c "import time; print(round(time.time() - $start, 1))")" | tee -a "$OUT/walls.txt"
   python3 -m autofuse.cli cache export -o "$OUT/$name.json" >/dev/null
 }
 CUDA_VISIBLE_DEVICES=0 run one-gpu
