@@ -2,7 +2,7 @@
 # Issue 7 on a 2-GPU device, one call: the public shape set tuned on one GPU, then on both
 # (--devices 0,1), each from an empty autofuse cache and an empty Triton compile cache, wall times
 # compared; then the spread: the same keys tuned on GPU 0 and GPU 1 at once, apart.
-#   bash benchmarks/device_multi.sh TRIALS SECONDS_PER_KEY
+#   bash benchmarks/device_multi.sh TRIALS SECONDS_PER_KEY     (SKIP_SPREAD=1: the wall times only)
 # Carry .whl. Everything comes back under $OUT.
 set -uo pipefail
 trials=${1:-4} seconds=${2:-3}
@@ -23,6 +23,7 @@ run() {  # name, extra args...
 CUDA_VISIBLE_DEVICES=0 run one-gpu
 run two-gpus --devices 0,1
 cp /tmp/af-two-gpus/workers/*.log "$OUT/" 2>/dev/null
+[ -n "${SKIP_SPREAD:-}" ] && { cat "$OUT/walls.txt"; exit 0; }
 # Spread: four keys' shapes tuned on each GPU at the same time, separate caches, same seed.
 cat > /tmp/spread.json <<'JSON'
 {"dtype": "bfloat16", "tokens": [16, 4096],
