@@ -206,10 +206,13 @@ def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, onl
             store.close()
         return None
     device_list = _devices_or_default(devices)
-    first = device_list[0]
-    env_device = torch.device("cpu") if first == "cpu" else torch.device("cuda", int(first))
-    jobs = [j for j in jobs_for_shapes(shapes, env_device, train=train) if only is None or j.key.op in only]
-    run = distributed.run_name(jobs, settings)
+
+    def plan():  # the same keys and run name the workers compute (the first device's GPU model)
+        first = device_list[0]
+        env_device = torch.device("cpu") if first == "cpu" else torch.device("cuda", int(first))
+        jobs = [j for j in jobs_for_shapes(shapes, env_device, train=train) if only is None or j.key.op in only]
+        return jobs, distributed.run_name(jobs, settings)
+
     args = ["--shapes", shapes_path] if shapes_path else ["--model", model_path]
     args += ["--trials", str(options["trials"]), "--policy", options["policy"], "--seed", str(options["seed"]),
              "--storage", storage, "--stale-after", repr(stale_after)]
@@ -219,7 +222,8 @@ def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, onl
     args += ["--train"] if train else []
     args += ["--ops", ",".join(sorted(only))] if only else []
     args += ["--resume"] if resume else []
-    winners = {w.key: w for w in run_workers(device_list, args, jobs, storage, run, cache_dir() / "workers")}
+    jobs, found = run_workers(device_list, args, plan, storage, cache_dir() / "workers")
+    winners = {w.key: w for w in found}
     return [(job, winners[job.key], 0, {}) for job in jobs]
 
 

@@ -35,9 +35,10 @@ def default_storage() -> str:
     return str(cache_dir() / "tune-journal.log")
 
 
-def run_workers(devices: list[str], worker_args: list[str], jobs: list[Job], storage: str, run: str,
-                log_dir: Path, poll_s: float = 1.0) -> list[Winner]:
-    """Start one worker per device, show their progress until all have exited, merge the winners."""
+def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, log_dir: Path,
+                poll_s: float = 0.5) -> tuple[list[Job], list[Winner]]:
+    """Start one worker per device, then (while they start up) `plan()` -> (jobs, run name) here; show
+    their progress until all have exited; merge the winners into this machine's cache."""
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, device in enumerate(devices):
@@ -51,6 +52,7 @@ def run_workers(devices: list[str], worker_args: list[str], jobs: list[Job], sto
         log = open(log_dir / f"worker-{name}.log", "w")  # noqa: SIM115 - closed when the worker has exited
         cmd = [sys.executable, "-m", "autofuse.cli", "tune", *worker_args, "--worker", name]
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    jobs, run = plan()
     print(f"tuning {len(jobs)} keys on {len(devices)} workers ({', '.join(n for n, _, _ in procs)}), "
           f"run {run}, storage {storage}, worker logs in {log_dir}", file=sys.stderr, flush=True)
     tty = sys.stderr.isatty()
@@ -90,4 +92,4 @@ def run_workers(devices: list[str], worker_args: list[str], jobs: list[Job], sto
     if failed:
         print(f"warning: worker(s) {', '.join(failed)} failed; the others finished their keys (logs: {log_dir})",
               file=sys.stderr, flush=True)
-    return found
+    return jobs, found
