@@ -227,6 +227,75 @@ def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, onl
     return [(job, winners[job.key], 0, {}) for job in jobs]
 
 
+def _parse_shape_option(text: str, kind: str):
+    from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+    from .shapes import LinearShape, MLPShape
+
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        a, b = int(parts[0]), int(parts[1])
+        if a < 1 or b < 1 or len(parts) > 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        what = "D_MODEL,D_FF[,ACTIVATION]" if kind == "mlp" else "IN,OUT[,ACTIVATION]"
+        raise AutofuseError(f"--{kind} takes {what}, got {text!r}") from None
+    if kind == "mlp":
+        act = canonical_activation(parts[2] if len(parts) > 2 else "gelu_tanh", GATED_ACTIVATIONS)
+        return MLPShape(f"mlp-{a}x{b}", a, b, act)
+    act = canonical_activation(parts[2] if len(parts) > 2 else "none", LINEAR_ACTIVATIONS)
+    return LinearShape(f"linear-{a}x{b}", a, b, act)
+
+
+@main.command()
+@click.option("--mlp", "mlps", multiple=True, help="A gated MLP: D_MODEL,D_FF[,ACTIVATION] (repeatable).")
+@click.option("--linear", "linears", multiple=True, help="A Linear: IN,OUT[,ACTIVATION] (repeatable).")
+@click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), default=None, help="Shapes file.")
+@click.option("--model", "model_path", type=click.Path(), default=None, help="A Hugging Face config.json or folder.")
+@click.option("--tokens", default="1,4096", show_default=True, help="Token counts M, e.g. 1,4096.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Default: bfloat16 on a GPU, float32 on the CPU.")
+@click.option("--providers", default=",".join(("eager", "torch.compile", "autofuse")), show_default=True)
+@click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Forwards profiled per run.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="autofuse-profile", show_default=True,
+              help="Folder for the Chrome traces and profile.json.")
+def profile(mlps, linears, shapes_path, model_path, tokens, dtype, providers, iters, out_dir):
+    """Profile eager, torch.compile and autofuse side by side: kernels, GPU and host time, traffic."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from .model_config import shapes_from_model_config
+    from .profile import PROVIDERS, format_rows, profile_case
+    from .shapes import DTYPES, load_shapes
+
+    cases = [_parse_shape_option(t, "mlp") for t in mlps] + [_parse_shape_option(t, "linear") for t in linears]
+    if shapes_path:
+        loaded = load_shapes(shapes_path)
+        cases += [*loaded.mlps, *loaded.linears]
+    if model_path:
+        cases += list(shapes_from_model_config(model_path).mlps)
+    if not cases:
+        raise click.UsageError("name something to profile: --mlp, --linear, --shapes or --model")
+    names = [p.strip() for p in providers.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown or not names:
+        raise AutofuseError(f"unknown provider(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROVIDERS)}")
+    device = torch.device(_select_device())
+    dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape in cases:
+        for M in _parse_tokens(tokens):
+            rows += profile_case(shape, M, dtype, device, out, providers=names, iters=iters)
+    click.echo(format_rows(rows))
+    if device.type == "cpu":
+        click.echo("[CPU: autofuse runs in Triton's interpreter here; host times are not GPU speed, no kernels]")
+    (out / "profile.json").write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    click.echo(f"\nChrome traces: {out}/*.json (open in https://ui.perfetto.dev or chrome://tracing, or "
+               f"TensorBoard); the table: {out / 'profile.json'}")
+
+
 @main.command()
 @click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), default=None,
               help="Shapes file; default: the public model shapes on a GPU, the tiny example on the CPU.")

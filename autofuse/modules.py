@@ -10,18 +10,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import launch
+from . import ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .autograd import LinearFunction, MLPFunction
 from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
-from .reference import eager_gated, eager_linear
-from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve, resolve_tuned
-from .tune.space import MLP_MAX_M
+from .forward import linear_choices, mlp_choices, run_linear, run_mlp
+from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -144,9 +142,8 @@ class FusedLinear(_FusedBase):
         return self.weight
 
     def _resolve(self, M, dtype, device, residual):
-        return {"linear": resolve("linear", M, self.out_features, self.in_features, dtype, device,
-                                  activation=self.activation, bias=self.bias is not None, residual=residual,
-                                  tuned=self.tuned)}
+        return linear_choices(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
+                              M, dtype, device, self.tuned)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         x2d = self._flatten(x, "in_features")
@@ -162,14 +159,14 @@ class FusedLinear(_FusedBase):
                     f"got ({residual.dtype}, {residual.device})"
                 )
             r2d = residual.reshape(-1, self.out_features)
-        config = self._config_table(x2d.shape[0], r2d is not None)["linear"].config
-
         weight, bias, activation = self.weight, self.bias, self.activation
+        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (autofuse/ops.py)
+            return torch.ops.autofuse.linear(x2d, weight, bias, r2d, activation, self.tuned).reshape(out_shape)
+        table = self._config_table(x2d.shape[0], r2d is not None)
+        config = table["linear"].config
 
         def run():
-            if config is None:  # tuning found eager PyTorch faster for this shape
-                return eager_linear(x2d, weight, bias, r2d, activation)
-            return launch.linear(x2d, weight, bias, r2d, activation, config)
+            return run_linear(x2d, weight, bias, r2d, activation, table)
 
         if _needs_grad(x2d, weight, bias, r2d):
             return LinearFunction.apply(x2d, weight, bias, r2d, activation, config).reshape(out_shape)
@@ -204,29 +201,12 @@ class FusedMLP(_FusedBase):
         return self.gate_proj.weight
 
     def _resolve(self, M, dtype, device, residual):
-        bias = self.gate_proj.bias is not None
-        pair = {
-            "gated_up": resolve("gated_up", M, self.d_ff, self.d_model, dtype, device,
-                                activation=self.activation, bias=bias, tuned=self.tuned),
-            "down": resolve("down", M, self.d_model, self.d_ff, dtype, device, activation="none", bias=bias,
-                            tuned=self.tuned),
-        }
-        if not self.tuned or M > MLP_MAX_M:
-            return pair
-        # The one-launch kernel runs only where tuning found it faster than eager, and faster than
-        # the two tuned ops together when both were tuned.
-        fused = resolve_tuned("mlp", M, self.d_ff, self.d_model, dtype, device, activation=self.activation,
-                              bias=bias)
-        if fused is None or fused.config is None:
-            return pair
-        pair_ms = [c.time_ms for c in pair.values()]
-        if None not in pair_ms and sum(pair_ms) <= fused.time_ms:
-            return pair
-        return {"mlp": fused}
+        return mlp_choices(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, M, dtype,
+                           device, self.tuned)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = self._flatten(x, "d_model")
-        configs = self._config_table(x2d.shape[0])
+        out_shape = (*x.shape[:-1], self.d_model)
         # Parameters fetched once: every nn.Module attribute lookup costs host time on each forward.
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         params = (wg, bg, wu, bu, wd, bd) = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
@@ -234,26 +214,13 @@ class FusedMLP(_FusedBase):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
         activation = self.activation
+        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (autofuse/ops.py)
+            return torch.ops.autofuse.mlp(x2d, *params, activation, self.tuned).reshape(out_shape)
+        configs = self._config_table(x2d.shape[0])
 
-        if "mlp" in configs:
-            fused = configs["mlp"].config
+        def run():
+            return run_mlp(x2d, *params, activation, configs)
 
-            def run():
-                return launch.mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, fused)
-        else:
-            up_config, down_config = configs["gated_up"].config, configs["down"].config
-
-            def run():
-                # A None config means tuning found eager PyTorch faster for that op at this shape.
-                if up_config is None:
-                    h = eager_gated(x2d, wg, wu, bg, bu, activation)
-                else:
-                    h = launch.gated_up(x2d, wg, wu, bg, bu, activation, up_config)
-                if down_config is None:
-                    return F.linear(h, wd, bd)
-                return launch.linear(h, wd, bd, None, "none", down_config)
-
-        out_shape = (*x.shape[:-1], self.d_model)
         if _needs_grad(x2d, *params):
             down_config, backward_config = self._training_configs(x2d.shape[0], wg)
             return MLPFunction.apply(x2d, wg, bg, wu, bu, wd, bd, activation, down_config,

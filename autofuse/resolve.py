@@ -99,10 +99,20 @@ def tuned_index() -> TunedIndex:
     return _indexes[where]
 
 
+_generation = 0
+
+
+def generation() -> int:
+    """How many times invalidate() ran: memos of resolved configs key on it (autofuse/ops.py)."""
+    return _generation
+
+
 def invalidate() -> None:
     """Forget what was read: call after tuning or importing in this process."""
+    global _generation
     _indexes.clear()
     _read_shipped.cache_clear()
+    _generation += 1
 
 
 def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,

@@ -1,0 +1,95 @@
+"""autofuse's modules as torch.library custom ops, so that torch.compile and torch.export see each
+as one opaque, well-described op instead of breaking the graph at the Triton launches.
+
+Under torch.compile / torch.export the modules call `torch.ops.autofuse.mlp` / `.linear` (see
+FusedMLP.forward); eager calls skip the dispatcher. The fake implementations give the output's
+shape and dtype (M may be symbolic); the real ones resolve the config table for the concrete M
+(memoised per process, dropped when resolve.invalidate() is called) and run the same code as the
+eager modules. Gradients: registered formulas that recompute the pre-activations with PyTorch ops
+(which torch.compile then fuses); the eager modules' own backward (autograd.py) is not used there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import resolve as resolve_module
+from .activations import TORCH_ACTIVATIONS
+from .autograd import activation_backward
+from .forward import linear_choices, mlp_choices, run_linear, run_mlp
+from .resolve import MAX_M_BUCKET, m_bucket
+
+_tables: dict[tuple, dict] = {}
+
+
+def _table(kind: str, resolve_fn, M: int, weight: torch.Tensor, *args) -> dict:
+    M_key = M if M <= MAX_M_BUCKET else m_bucket(M)
+    key = (kind, resolve_module.generation(), M_key, weight.dtype, weight.device, *args)
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = resolve_fn(*args[:-1], max(M, 1), weight.dtype, weight.device, args[-1])
+    return table
+
+
+@torch.library.custom_op("autofuse::mlp", mutates_args=())
+def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
+        b_up: torch.Tensor | None, w_down: torch.Tensor, b_down: torch.Tensor | None, activation: str,
+        tuned: bool) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
+    table = _table("mlp", mlp_choices, x.shape[0], w_gate, x.shape[1], w_gate.shape[0], activation,
+                   b_gate is not None, tuned)
+    return run_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, table)
+
+
+@mlp.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, tuned):
+    return x.new_empty((x.shape[0], w_down.shape[0]))
+
+
+@torch.library.custom_op("autofuse::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+           activation: str, tuned: bool) -> torch.Tensor:
+    """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
+    table = _table("linear", linear_choices, x.shape[0], weight, x.shape[1], weight.shape[0], activation,
+                   bias is not None, residual is not None, tuned)
+    return run_linear(x, weight, bias, residual, activation, table)
+
+
+@linear.register_fake
+def _(x, weight, bias, residual, activation, tuned):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
+    ctx.present = [isinstance(t, torch.Tensor) for t in inputs]
+    ctx.activation = inputs[-2]
+
+
+def _unpack(ctx):
+    saved = iter(ctx.saved_tensors)
+    return [next(saved) if present else None for present in ctx.present]
+
+
+def _mlp_backward(ctx, dy):
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down, _, _ = _unpack(ctx)
+    act = TORCH_ACTIVATIONS[ctx.activation]
+    g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+    a = act(g)
+    h = a * u
+    dh = dy @ w_down
+    dg, du = activation_backward(ctx.activation, dh * u, g), dh * a
+    sums = (lambda t: t.sum(0)) if b_gate is not None else (lambda t: None)
+    return (dg @ w_gate + du @ w_up, dg.t() @ x, sums(dg), du.t() @ x, sums(du), dy.t() @ h, sums(dy), None, None)
+
+
+def _linear_backward(ctx, dy):
+    x, weight, bias, residual, _, _ = _unpack(ctx)
+    dz = activation_backward(ctx.activation, dy, F.linear(x, weight, bias))
+    return (dz @ weight, dz.t() @ x, dz.sum(0) if bias is not None else None,
+            dy if residual is not None else None, None, None)
+
+
+mlp.register_autograd(_mlp_backward, setup_context=_save_inputs)
+linear.register_autograd(_linear_backward, setup_context=_save_inputs)

@@ -1,0 +1,140 @@
+"""`autofuse profile`: torch.profiler over eager PyTorch, torch.compile and autofuse for one MLP or
+Linear at chosen M, side by side: kernels launched per forward, GPU time, host time, the top
+kernels, and the memory traffic the kernels imply; one Chrome trace per run (Perfetto, TensorBoard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .reference import eager_linear, eager_mlp
+from .shapes import LinearShape, MLPShape
+
+PROVIDERS = ("eager", "torch.compile", "autofuse")
+
+
+@dataclasses.dataclass
+class ProfileRow:
+    case: str
+    M: int
+    provider: str
+    kernels_per_forward: float | None  # GPU kernels (None on a CPU: nothing runs on a device)
+    gpu_us: float | None  # sum of kernel durations per forward
+    host_us: float  # wall time of one forward on the host, launches queued (medians)
+    traffic_mb: float  # bytes the provider's kernels must move, by their structure (see _traffic)
+    top_kernels: list[tuple[str, float]]  # (name, us per forward), longest first
+    trace: str
+
+
+def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) -> float:
+    """Megabytes read + written by the kernels each provider launches for one forward (weights read
+    once, every intermediate written and read back once). Eager: GEMMs for G and U, act(G), the
+    product, the down GEMM; torch.compile: the same GEMMs with one fused pointwise kernel; autofuse:
+    G, U and act never reach memory (gated_up writes H), or with the one-launch kernel not even H;
+    an op autofuse's tuning gave to PyTorch counts as eager's."""
+    if isinstance(shape, LinearShape):
+        n, k = shape.out_features, shape.in_features
+        weights, x, y = n * k, M * k, M * n
+        fused = provider == "autofuse" and choices and choices["linear"].config is not None
+        extra = 0 if fused or shape.activation == "none" else 2 * M * n  # a pointwise kernel: Z in, Y out
+        return (weights + x + y + extra) * itemsize / 1e6
+    d, f = shape.d_model, shape.d_ff
+    weights = 3 * d * f
+    gemms = 2 * M * d + 2 * M * f + M * f + M * d  # X read by 2 GEMMs, G and U written, H read, Y written
+    if provider == "eager":
+        hidden = 2 * M * f + 3 * M * f  # act: read G, write A; product: read A and U, write H
+    elif provider == "torch.compile":
+        hidden = 3 * M * f  # one pointwise kernel: read G and U, write H
+    elif "mlp" in (choices or {}):
+        gemms, hidden = M * d + M * d, 0  # one launch: X in, Y out
+    else:
+        fused = choices["gated_up"].config is not None
+        gemms = (M * d if fused else 2 * M * d + 2 * M * f) + M * f + M * f + M * d
+        hidden = 0 if fused else 3 * M * f
+    return (weights + gemms + hidden) * itemsize / 1e6
+
+
+def _host_us(fn, device: torch.device, calls: int = 30) -> float:
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+        if device.type == "cuda" and len(samples) % 10 == 0:
+            torch.cuda.synchronize(device)  # bound the queue
+    return statistics.median(samples)
+
+
+def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_dir: Path,
+                 providers=PROVIDERS, iters: int = 20) -> list[ProfileRow]:
+    import autofuse
+
+    torch.manual_seed(0)
+    if isinstance(shape, MLPShape):
+        module = autofuse.get_mlp(shape.d_model, shape.d_ff, activation=shape.activation, bias=shape.bias,
+                                  dtype=dtype, device=device)
+        p = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
+        b = [module.gate_proj.bias, module.up_proj.bias, module.down_proj.bias]
+
+        def eager(x):
+            return eager_mlp(x, *p, *b, activation=shape.activation)
+        k = shape.d_model
+    else:
+        module = autofuse.get_linear(shape.in_features, shape.out_features, activation=shape.activation,
+                                     bias=shape.bias, dtype=dtype, device=device)
+
+        def eager(x):
+            return eager_linear(x, module.weight, module.bias, None, shape.activation)
+        k = shape.in_features
+    with torch.no_grad():
+        for param in module.parameters():  # weights of nn.Linear scale: outputs of order one
+            param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    x = torch.randn(M, k, device=device, dtype=dtype)
+    fns = {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
+    rows = []
+    for provider in providers:
+        fn = fns[provider]
+        with torch.no_grad():
+            for _ in range(3):  # compile, resolve, warm caches
+                fn(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            host = _host_us(lambda fn=fn: fn(x), device)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(iters):
+                    fn(x)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        trace = out_dir / f"{shape.name}-M{M}-{provider.replace('.', '_')}.json"
+        prof.export_chrome_trace(str(trace))
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        per_kernel: dict[str, float] = {}
+        for e in kernels:
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time_total / iters
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:5]
+        on_gpu = device.type == "cuda"
+        choices = module._config_table(M) if provider == "autofuse" else None
+        rows.append(ProfileRow(shape.name, M, provider, len(kernels) / iters if on_gpu else None,
+                               sum(per_kernel.values()) if on_gpu else None, host,
+                               _traffic(shape, provider, M, dtype.itemsize, choices), top, str(trace)))
+    return rows
+
+
+def format_rows(rows: list[ProfileRow]) -> str:
+    lines = [f"{'case':<24} {'M':>6} {'provider':<14} {'kernels':>7} {'GPU us':>9} {'host us':>8} {'traffic MB':>10}"
+             "  top kernels (us per forward)"]
+    for r in rows:
+        kernels = "-" if r.kernels_per_forward is None else f"{r.kernels_per_forward:.0f}"
+        gpu = "-" if r.gpu_us is None else f"{r.gpu_us:.1f}"
+        top = ", ".join(f"{name[:48]} {us:.1f}" for name, us in r.top_kernels[:3]) or "-"
+        lines.append(f"{r.case:<24} {r.M:>6} {r.provider:<14} {kernels:>7} {gpu:>9} {r.host_us:>8.1f} "
+                     f"{r.traffic_mb:>10.2f}  {top}")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""autofuse inside torch.compile(mode="reduce-overhead") at decode size, against autofuse alone and
+eager PyTorch with and without the same compile mode. (Issue 8.)
+
+  python benchmarks/compile_bench.py --out DIR
+
+Per call: the wall time of 200 back-to-back calls divided by 200 (one synchronisation at the end,
+so whichever of host or GPU is slower sets it), median of 7 repetitions; and host time per call
+(timing.host_us_per_call). gemma-2b MLP, bf16, M = 1 and 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import autofuse
+from autofuse.reference import eager_mlp
+from autofuse.timing import host_us_per_call
+
+
+def _per_call_us(fn, calls: int = 200, repeats: int = 7) -> float:
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    mlp = autofuse.get_mlp(2048, 16384, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+    def eager(x):
+        return eager_mlp(x, *w, activation="gelu_tanh")
+
+    providers = {
+        "eager": eager,
+        "eager, compile reduce-overhead": torch.compile(eager, mode="reduce-overhead"),
+        "autofuse": mlp,
+        "autofuse, compile reduce-overhead": torch.compile(mlp, mode="reduce-overhead", fullgraph=True),
+    }
+    rows = []
+    with torch.no_grad():
+        for M in (1, 16):
+            x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+            ref = eager(x).float()
+            for name, fn in providers.items():
+                for _ in range(5):  # compile, capture, warm up
+                    out = fn(x)
+                row = dict(M=M, provider=name, rel_error=((out.float() - ref).norm() / ref.norm()).item(),
+                           per_call_us=_per_call_us(lambda fn=fn: fn(x)), host_us=host_us_per_call(lambda fn=fn: fn(x)))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    Path(args.out, "compile_bench.json").write_text(json.dumps(dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows)))
+
+
+if __name__ == "__main__":
+    main()
