@@ -74,6 +74,12 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def _workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     key = (device, _stream_id(device))
     found = _workspaces.get(key)
+    if (found is None or found[0].numel() < sums or found[1].numel() < counters) and _capturing(device):
+        # CUDA-graph capture (e.g. torch.compile's reduce-overhead) runs on a stream of its own, after
+        # a warm-up run that allocated on another: reuse that workspace rather than allocate one in
+        # the graph's private memory pool, which the capturer expects to hold only its own tensors.
+        found = next((ws for (d, _), ws in _workspaces.items()
+                      if d == device and ws[0].numel() >= sums and ws[1].numel() >= counters), found)
     if found is None or found[0].numel() < sums or found[1].numel() < counters:
         if found is not None:
             _retired.append(found)
@@ -83,6 +89,10 @@ def _workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Te
             torch.zeros(counters, dtype=torch.int32, device=device),
         )
     return found
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def reset_workspaces() -> None:

@@ -28,6 +28,7 @@ class ProfileRow:
     host_us: float  # wall time of one forward on the host, launches queued (medians)
     traffic_mb: float  # bytes the provider's kernels must move, by their structure (see _traffic)
     top_kernels: list[tuple[str, float]]  # (name, us per forward), longest first
+    ranges: list[str]  # autofuse's profiler ranges: op, activation and each kernel's config
     trace: str
 
 
@@ -115,16 +116,20 @@ def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_di
                     torch.cuda.synchronize(device)
         trace = out_dir / f"{shape.name}-M{M}-{provider.replace('.', '_')}.json"
         prof.export_chrome_trace(str(trace))
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # GPU-side events, less the user annotations that mirror record_function ranges on the GPU
+        # timeline (autofuse's own "autofuse::..." range among them): kernels, memcpys, memsets.
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith("autofuse::")]
         per_kernel: dict[str, float] = {}
         for e in kernels:
             per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time_total / iters
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:5]
+        ranges = sorted({e.name for e in prof.events() if e.name.startswith("autofuse::")})
         on_gpu = device.type == "cuda"
         choices = module._config_table(M) if provider == "autofuse" else None
         rows.append(ProfileRow(shape.name, M, provider, len(kernels) / iters if on_gpu else None,
                                sum(per_kernel.values()) if on_gpu else None, host,
-                               _traffic(shape, provider, M, dtype.itemsize, choices), top, str(trace)))
+                               _traffic(shape, provider, M, dtype.itemsize, choices), top, ranges, str(trace)))
     return rows
 
 
@@ -137,4 +142,5 @@ def format_rows(rows: list[ProfileRow]) -> str:
         top = ", ".join(f"{name[:48]} {us:.1f}" for name, us in r.top_kernels[:3]) or "-"
         lines.append(f"{r.case:<24} {r.M:>6} {r.provider:<14} {kernels:>7} {gpu:>9} {r.host_us:>8.1f} "
                      f"{r.traffic_mb:>10.2f}  {top}")
+        lines += [f"{'':<24} {'':>6} {'':<14} ran: {name}" for name in r.ranges]
     return "\n".join(lines)

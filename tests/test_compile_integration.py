@@ -87,3 +87,17 @@ def test_profile_runs_and_writes_traces(tmp_path):
 def test_profile_rejects_bad_input_in_one_line(args, message, tmp_path):
     result = CliRunner().invoke(main, ["profile", *args, "--out", str(tmp_path)])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_cuda_graphs_match_eager_at_decode_sizes():
+    # torch.compile's CUDA-graph mode captures the autofuse ops (split-K workspaces included: the
+    # capture reuses the warm-up's workspace instead of allocating in the graph's pool).
+    mlp = autofuse.get_mlp(256, 1024, dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(mlp, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for M in (1, 1, 1, 16, 16, 16):  # warm-up, capture, replay; then a second M
+            x = torch.randn(M, 256, device="cuda", dtype=torch.bfloat16)
+            got = compiled(x).float()
+            ref = mlp(x).float()
+            assert ((got - ref).norm() / ref.norm()).item() <= 1e-2
