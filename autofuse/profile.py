@@ -47,16 +47,17 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
     d, f = shape.d_model, shape.d_ff
     weights = 3 * d * f
     gemms = 2 * M * d + 2 * M * f + M * f + M * d  # X read by 2 GEMMs, G and U written, H read, Y written
+    eager_hidden = 2 * M * f + 3 * M * f  # act: read G, write A; product: read A and U, write H
     if provider == "eager":
-        hidden = 2 * M * f + 3 * M * f  # act: read G, write A; product: read A and U, write H
+        hidden = eager_hidden
     elif provider == "torch.compile":
         hidden = 3 * M * f  # one pointwise kernel: read G and U, write H
     elif "mlp" in (choices or {}):
         gemms, hidden = M * d + M * d, 0  # one launch: X in, Y out
+    elif choices["gated_up"].config is None:  # tuning gave the gated part to PyTorch: eager's traffic
+        hidden = eager_hidden
     else:
-        fused = choices["gated_up"].config is not None
-        gemms = (M * d if fused else 2 * M * d + 2 * M * f) + M * f + M * f + M * d
-        hidden = 0 if fused else 3 * M * f
+        gemms, hidden = M * d + M * f + M * f + M * d, 0  # gated_up: X in, H out; down: H in, Y out
     return (weights + gemms + hidden) * itemsize / 1e6
 
 
