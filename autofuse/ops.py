@@ -23,12 +23,14 @@ from .resolve import MAX_M_BUCKET, m_bucket
 _tables: dict[tuple, dict] = {}
 
 
-def _table(kind: str, resolve_fn, M: int, weight: torch.Tensor, *args) -> dict:
+def _table(choices, M: int, weight: torch.Tensor, problem: tuple, tuned: bool) -> dict:
+    """choices(*problem, M, dtype, device, tuned), memoised like a module's config table (per M up to
+    the largest bucket, then per bucket) and dropped when resolve.invalidate() runs."""
     M_key = M if M <= MAX_M_BUCKET else m_bucket(M)
-    key = (kind, resolve_module.generation(), M_key, weight.dtype, weight.device, *args)
+    key = (choices, resolve_module.generation(), M_key, weight.dtype, weight.device, problem, tuned)
     table = _tables.get(key)
     if table is None:
-        table = _tables[key] = resolve_fn(*args[:-1], max(M, 1), weight.dtype, weight.device, args[-1])
+        table = _tables[key] = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
     return table
 
 
@@ -37,8 +39,8 @@ def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up
         b_up: torch.Tensor | None, w_down: torch.Tensor, b_down: torch.Tensor | None, activation: str,
         tuned: bool) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
-    table = _table("mlp", mlp_choices, x.shape[0], w_gate, x.shape[1], w_gate.shape[0], activation,
-                   b_gate is not None, tuned)
+    table = _table(mlp_choices, x.shape[0], w_gate, (x.shape[1], w_gate.shape[0], activation, b_gate is not None),
+                   tuned)
     return run_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, table)
 
 
@@ -51,8 +53,8 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, tuned):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
            activation: str, tuned: bool) -> torch.Tensor:
     """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
-    table = _table("linear", linear_choices, x.shape[0], weight, x.shape[1], weight.shape[0], activation,
-                   bias is not None, residual is not None, tuned)
+    table = _table(linear_choices, x.shape[0], weight,
+                   (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), tuned)
     return run_linear(x, weight, bias, residual, activation, table)
 
 
