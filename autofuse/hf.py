@@ -17,6 +17,7 @@ from torch import nn
 
 from .activations import GATED_ACTIVATIONS
 from .device import interpreting
+from .errors import AutofuseError
 from .modules import FusedMLP
 
 # transformers.activations classes (and torch's) by name -> autofuse activation.
@@ -151,13 +152,13 @@ def fuse(model: nn.Module, *, tune: bool = False, tokens: tuple[int, ...] | None
         elif any(h in type(module).__name__.lower() for h in _MLP_HINTS) and not isinstance(module, nn.Linear):
             report.skipped.append((path or "<model>", f"{type(module).__name__} is not a gated MLP autofuse knows"))
     for path, module, (names, activation) in found:
+        if not path:
+            raise AutofuseError("fuse() replaces the MLP blocks inside a model; call it on the model, not on an "
+                                "MLP itself (for a lone MLP use autofuse.get_mlp)")
         replacement = FusedHFMLP(module, names, activation)
         replacement.train(module.training)  # a new module starts in training mode; keep the model's
-        if path:
-            parent_path, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent_path), child, replacement)
-        else:
-            raise ValueError("fuse() replaces MLP blocks inside a model; call it on the model, not on the MLP")
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), child, replacement)
         g = replacement._fused.gate_proj
         report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
                                       f"{' bias' if g.bias is not None else ''}"))

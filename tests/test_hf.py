@@ -165,3 +165,9 @@ def test_tune_model_rejects_configs_it_cannot_fuse_in_one_line(tmp_path, config,
 def test_tune_needs_exactly_one_source(tmp_path):
     result = CliRunner().invoke(main, ["tune"])
     assert result.exit_code == 2 and "--shapes FILE or --model CONFIG" in result.output
+
+
+def test_fusing_a_lone_mlp_is_refused_clearly():
+    mlp = _gemma().model.layers[0].mlp
+    with pytest.raises(autofuse.AutofuseError, match="call it on the model"):
+        autofuse.fuse(mlp, verbose=False)
