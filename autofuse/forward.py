@@ -9,8 +9,14 @@ import torch.nn.functional as F
 
 from . import launch
 from .reference import eager_gated, eager_linear
-from .resolve import Choice, resolve, resolve_tuned
+from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve, resolve_tuned
 from .tune.space import MLP_MAX_M
+
+
+def table_key(M: int, weight: torch.Tensor) -> tuple:
+    """What a resolved config table depends on: M itself up to the largest bucket (a user may have
+    tuned that exact token count), then its bucket; the weights' dtype and device."""
+    return (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device)
 
 
 def linear_choices(in_features: int, out_features: int, activation: str, bias: bool, residual: bool, M: int,

@@ -18,8 +18,8 @@ from .autograd import LinearFunction, MLPFunction
 from .configs import KernelConfig
 from .device import check_device
 from .errors import AutofuseError
-from .forward import linear_choices, mlp_choices, run_linear, run_mlp
-from .resolve import MAX_M_BUCKET, Choice, m_bucket, resolve
+from .forward import linear_choices, mlp_choices, run_linear, run_mlp, table_key
+from .resolve import Choice, resolve
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -94,11 +94,7 @@ class _FusedBase(nn.Module):
             table = self._configs[key] = self._resolve(M, weight.dtype, weight.device, residual)
         return table
 
-    @staticmethod
-    def _table_key(M: int, weight: torch.Tensor) -> tuple:
-        """What a resolved choice depends on: M itself up to the largest bucket (a user may have tuned
-        that exact token count), then its bucket; the weights' dtype and device."""
-        return (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device)
+    _table_key = staticmethod(table_key)
 
     def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
         raise NotImplementedError

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from . import resolve as resolve_module
 from .activations import TORCH_ACTIVATIONS
 from .autograd import activation_backward
-from .forward import linear_choices, mlp_choices, run_linear, run_mlp
-from .resolve import MAX_M_BUCKET, m_bucket
+from .forward import linear_choices, mlp_choices, run_linear, run_mlp, table_key
 
 _tables: dict[tuple, dict] = {}
 
@@ -26,8 +25,7 @@ _tables: dict[tuple, dict] = {}
 def _table(choices, M: int, weight: torch.Tensor, problem: tuple, tuned: bool) -> dict:
     """choices(*problem, M, dtype, device, tuned), memoised like a module's config table (per M up to
     the largest bucket, then per bucket) and dropped when resolve.invalidate() runs."""
-    M_key = M if M <= MAX_M_BUCKET else m_bucket(M)
-    key = (choices, resolve_module.generation(), M_key, weight.dtype, weight.device, problem, tuned)
+    key = (choices, resolve_module.generation(), *table_key(M, weight), problem, tuned)
     table = _tables.get(key)
     if table is None:
         table = _tables[key] = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
