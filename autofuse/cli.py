@@ -197,7 +197,7 @@ def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, onl
     settings = dict(train=train, ops=sorted(only) if only else None, **options)
     if worker is not None:
         device = torch.device(_select_device())
-        jobs = [j for j in jobs_for_shapes(shapes, device, train=train) if only is None or j.key.op in only]
+        jobs = jobs_for_shapes(shapes, device, train=train, ops=only)
         store = Store(cache_dir())
         try:
             distributed.work(storage, distributed.run_name(jobs, settings), jobs, store, device, worker,
@@ -210,7 +210,7 @@ def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, onl
     def plan():  # the same keys and run name the workers compute (the first device's GPU model)
         first = device_list[0]
         env_device = torch.device("cpu") if first == "cpu" else torch.device("cuda", int(first))
-        jobs = [j for j in jobs_for_shapes(shapes, env_device, train=train) if only is None or j.key.op in only]
+        jobs = jobs_for_shapes(shapes, env_device, train=train, ops=only)
         return jobs, distributed.run_name(jobs, settings)
 
     args = ["--shapes", shapes_path] if shapes_path else ["--model", model_path]

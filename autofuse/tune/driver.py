@@ -35,8 +35,9 @@ class Job:
     label: str  # e.g. "gemma-2b gated_up"
 
 
-def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False) -> list[Job]:
-    """One job per key the shapes need; `train` adds each MLP's backward kernel."""
+def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
+                    ops: set[str] | None = None) -> list[Job]:
+    """One job per key the shapes need; `train` adds each MLP's backward kernel; `ops` keeps only those ops."""
     env = current_environment(device)
     jobs = []
     for M in shapes.tokens:
@@ -55,7 +56,7 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False)
             jobs.append(Job(make_key("linear", lin.out_features, lin.in_features, M, shapes.dtype, lin.activation,
                                      lin.bias, False, env), M, f"{lin.name} linear"))
     # One job per key: two shapes may share a projection.
-    unique = {job.key: job for job in jobs}
+    unique = {job.key: job for job in jobs if ops is None or job.key.op in ops}
     return list(unique.values())
 
 
@@ -173,7 +174,7 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, 
     from .progress import ProgressLine
 
     store = Store(cache_dir())
-    jobs = [job for job in jobs_for_shapes(shapes, device, train=train) if ops is None or job.key.op in ops]
+    jobs = jobs_for_shapes(shapes, device, train=train, ops=ops)
     budget = f" or {time_budget_s:g} s" if time_budget_s else ""
     print(f"tuning {len(jobs)} keys with {policy}, {trials} trials{budget} each, cache {store.directory}",
           file=sys.stderr, flush=True)
