@@ -89,6 +89,24 @@ class WorkList:
         for key, value in attrs.items():
             self.storage.set_study_user_attr(study_id, key, value)
 
+    def winners(self) -> list[Winner]:
+        """Every finished key's winner as the storage holds it (from any worker, on any machine)."""
+        # Validated like an imported file: the storage may be shared with other people's machines.
+        return [Winner.from_record(c.attrs["winner"]) for c in self.claims().values() if c.attrs.get("done")]
+
+    def status(self) -> tuple[int, list[str]]:
+        """(jobs done, one phrase per job in progress: worker, key, trials, best time) for the progress line."""
+        claims = self.claims()
+        done = sum(1 for c in claims.values() if c.attrs.get("done"))
+        running = []
+        for index, c in sorted(claims.items()):
+            if not c.attrs.get("done"):
+                best = c.attrs.get("best_ms")
+                job = self.jobs[index]
+                running.append(f"{c.attrs.get('worker', '?')}: {job.label} M={job.M} trial "
+                               f"{c.attrs.get('trials_done', 0)} best {'-' if best is None else f'{best:.4f} ms'}")
+        return done, running
+
 
 def work(storage_url: str, run: str, jobs: list[Job], store: Store, device, worker: str, *,
          stale_after_s: float = 120.0, poll_s: float = 1.0, resume: bool = False, **tune_options) -> list[int]:
@@ -134,23 +152,3 @@ def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_afte
             if study_id is not None:
                 return index, study_id, True
     return None
-
-
-def winners(storage_url: str, run: str, jobs: list[Job]) -> list[Winner]:
-    """Every finished key's winner as the storage holds it (from any worker, on any machine)."""
-    work_list = WorkList(open_storage(storage_url), run, jobs)
-    # Validated like an imported file: the storage may be shared with other people's machines.
-    return [Winner.from_record(c.attrs["winner"]) for c in work_list.claims().values() if c.attrs.get("done")]
-
-
-def status(storage_url: str, run: str, jobs: list[Job]) -> tuple[int, list[str]]:
-    """(jobs done, one phrase per job in progress: worker, key, trials, best time) for the progress line."""
-    claims = WorkList(open_storage(storage_url), run, jobs).claims()
-    done = sum(1 for c in claims.values() if c.attrs.get("done"))
-    running = []
-    for index, c in sorted(claims.items()):
-        if not c.attrs.get("done"):
-            best = c.attrs.get("best_ms")
-            running.append(f"{c.attrs.get('worker', '?')}: {jobs[index].label} M={jobs[index].M} "
-                           f"trial {c.attrs.get('trials_done', 0)} best {'-' if best is None else f'{best:.4f} ms'}")
-    return done, running

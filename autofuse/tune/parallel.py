@@ -53,6 +53,8 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
         cmd = [sys.executable, "-m", "autofuse.cli", "tune", *worker_args, "--worker", name]
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     jobs, run = plan()
+    # Opened once: a journal storage then reads only what was appended since the last poll.
+    work_list = distributed.WorkList(distributed.open_storage(storage), run, jobs)
     print(f"tuning {len(jobs)} keys on {len(devices)} workers ({', '.join(n for n, _, _ in procs)}), "
           f"run {run}, storage {storage}, worker logs in {log_dir}", file=sys.stderr, flush=True)
     tty = sys.stderr.isatty()
@@ -61,7 +63,7 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
         while any(p.poll() is None for _, p, _ in procs):
             time.sleep(poll_s)
             try:
-                done, running = distributed.status(storage, run, jobs)
+                done, running = work_list.status()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not stop the workers
                 running, done = [f"(storage unreadable: {type(e).__name__})"], 0
             line = f"[{done}/{len(jobs)} keys done] " + " | ".join(running)
@@ -78,7 +80,7 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
             log.close()
     if tty:
         print(file=sys.stderr)
-    found = distributed.winners(storage, run, jobs)
+    found = work_list.winners()
     store = Store(cache_dir())
     try:
         for winner in found:
