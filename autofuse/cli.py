@@ -155,11 +155,11 @@ def tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, re
     only = _parse_ops(ops, train)
     options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
     if devices is not None or storage is not None or worker is not None:
-        rows = _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, only, options, resume,
-                                 devices, storage, stale_after, worker)
-        if rows is None:  # this process was a worker
+        coordinated = _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, only, options, resume,
+                                        devices, storage, stale_after, worker)
+        if coordinated is None:  # this process was a worker
             return
-        interpret = all(d == "cpu" for d in _devices_or_default(devices))
+        rows, interpret = coordinated
     else:
         device = _select_device()
         interpret = device == "cpu"
@@ -187,7 +187,7 @@ def _devices_or_default(devices: str | None) -> list[str]:
 def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, only, options, resume, devices,
                       storage, stale_after, worker):
     """--devices / --storage: coordinate worker processes (or, with --worker, be one). Returns the
-    table rows, or None in a worker."""
+    table rows and whether every worker ran under the interpreter, or None in a worker."""
     from .store import Store, cache_dir
     from .tune import distributed
     from .tune.driver import jobs_for_shapes
@@ -224,7 +224,7 @@ def _tune_distributed(shapes, shapes_path, model_path, dtype, tokens, train, onl
     args += ["--resume"] if resume else []
     jobs, found = run_workers(device_list, args, plan, storage, cache_dir() / "workers")
     winners = {w.key: w for w in found}
-    return [(job, winners[job.key], 0, {}) for job in jobs]
+    return [(job, winners[job.key], 0, {}) for job in jobs], all(d == "cpu" for d in device_list)
 
 
 def _parse_shape_option(text: str, kind: str):
