@@ -6,14 +6,13 @@ kernels, and the memory traffic the kernels imply; one Chrome trace per run (Per
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from .reference import eager_linear, eager_mlp
 from .shapes import LinearShape, MLPShape
+from .timing import host_us_per_call
 
 PROVIDERS = ("eager", "torch.compile", "autofuse")
 
@@ -61,17 +60,6 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
     return (weights + gemms + hidden) * itemsize / 1e6
 
 
-def _host_us(fn, device: torch.device, calls: int = 30) -> float:
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-        if device.type == "cuda" and len(samples) % 10 == 0:
-            torch.cuda.synchronize(device)  # bound the queue
-    return statistics.median(samples)
-
-
 def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_dir: Path,
                  providers=PROVIDERS, iters: int = 20) -> list[ProfileRow]:
     import autofuse
@@ -106,7 +94,7 @@ def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_di
                 fn(x)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            host = _host_us(lambda fn=fn: fn(x), device)
+            host = host_us_per_call(lambda fn=fn: fn(x), calls=30)
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -22,17 +22,19 @@ def gpu_median_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 1
 
 def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
     """Median host time of one call, launches queued but not awaited: the CPU cost a user pays per
-    forward when the GPU keeps up. Synchronized once per batch of 10 calls to bound the queue."""
+    forward when the GPU keeps up. Synchronized once per batch of 10 calls to bound the queue (on a
+    machine without a GPU there is nothing to wait for)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(calls // 10):
         start = time.perf_counter()
         for _ in range(10):
             fn()
         samples.append((time.perf_counter() - start) / 10 * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return statistics.median(samples)
 
 
