@@ -38,6 +38,25 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
     return statistics.median(samples)
 
 
+def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25) -> str:
+    """cProfile of `calls` calls of fn, the `top` functions by own time: where the host time of a
+    forward goes (used by the host-time benchmarks)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_graph: int = 10) -> float:
     """Median GPU time of one call replayed from a CUDA graph (launch gaps removed), via CUDA events.
 

@@ -8,12 +8,9 @@ and the gated up-projection launcher with the shipped config, TMA and not. (Issu
 from __future__ import annotations
 
 import argparse
-import cProfile
 import dataclasses
-import io
 import json
 import os
-import pstats
 from pathlib import Path
 
 import torch
@@ -21,7 +18,7 @@ import transformers
 
 import autofuse
 from autofuse import launch
-from autofuse.timing import graph_replay_us, host_us_per_call
+from autofuse.timing import graph_replay_us, host_profile_text, host_us_per_call
 
 
 def main() -> None:
@@ -52,17 +49,10 @@ def main() -> None:
             rows[name] = dict(host_us=host_us_per_call(fn, calls=2000), graph_us=graph_replay_us(fn))
             print(f"{name:44s} host {rows[name]['host_us']:7.1f} us  graph replay {rows[name]['graph_us']:7.1f} us",
                   flush=True)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(2000):
-            block(x)
-        profiler.disable()
-        torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    print(text.getvalue()[:5000])
+        profile = host_profile_text(lambda: block(x), calls=2000, top=25)
+    print(profile[:5000])
     Path(args.out, "hf_host.json").write_text(json.dumps(dict(configs={k: str(v) for k, v in configs.items()},
-                                                              rows=rows, profile=text.getvalue())))
+                                                              rows=rows, profile=profile)))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,8 @@ launch with prepared arguments, and torch.empty; then a cProfile of the one-laun
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 from pathlib import Path
 
 import torch
@@ -24,7 +21,7 @@ from autofuse import launch
 from autofuse.configs import KernelConfig
 from autofuse.reference import eager_mlp
 from autofuse.resolve import Choice
-from autofuse.timing import host_us_per_call
+from autofuse.timing import host_profile_text, host_us_per_call
 
 
 def main() -> None:
@@ -61,16 +58,9 @@ def main() -> None:
         rows["current_stream"] = host_us_per_call(lambda: torch.cuda.current_stream(x.device).cuda_stream, calls=2000)
         for name, us in rows.items():
             print(f"{name:36s} {us:7.1f} us", flush=True)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(2000):
-            one(x)
-        profiler.disable()
-        torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    print(text.getvalue()[:6000])
-    Path(args.out, "host_profile.json").write_text(json.dumps({"us_per_call": rows, "profile": text.getvalue()}))
+        profile = host_profile_text(lambda: one(x), calls=2000, top=30)
+    print(profile[:6000])
+    Path(args.out, "host_profile.json").write_text(json.dumps({"us_per_call": rows, "profile": profile}))
 
 
 if __name__ == "__main__":
