@@ -8,6 +8,8 @@ program may still switch the interpreter on after `import autofuse`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from functools import cache
 
@@ -71,7 +73,27 @@ def _stream_id(device: torch.device) -> int:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+# Set while a torch.library op runs (ops.py, i.e. under torch.compile / torch.export): its workspace
+# is then allocated per call and freed when the op returns. CUDA-graph trees (torch.compile's
+# reduce-overhead) route every allocation of their warm-up and capture runs into the graph's private
+# pool and then check that the pool holds only tensors they track: a persistent workspace born there
+# fails that check. One zeroed buffer per call costs a memset, which the graph replays with the rest.
+_per_call = contextvars.ContextVar("autofuse_workspace_per_call", default=False)
+
+
+@contextlib.contextmanager
+def workspaces_per_call():
+    token = _per_call.set(True)
+    try:
+        yield
+    finally:
+        _per_call.reset(token)
+
+
 def _workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if _per_call.get():
+        buffer = torch.zeros(sums + counters, dtype=torch.float32, device=device)
+        return buffer[:sums], buffer[sums:].view(torch.int32)  # one allocation, one memset
     key = (device, _stream_id(device))
     found = _workspaces.get(key)
     if (found is None or found[0].numel() < sums or found[1].numel() < counters) and _capturing(device):

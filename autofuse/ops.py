@@ -5,8 +5,10 @@ Under torch.compile / torch.export the modules call `torch.ops.autofuse.mlp` / `
 FusedMLP.forward); eager calls skip the dispatcher. The fake implementations give the output's
 shape and dtype (M may be symbolic); the real ones resolve the config table for the concrete M
 (memoised per process, dropped when resolve.invalidate() is called) and run the same code as the
-eager modules. Gradients: registered formulas that recompute the pre-activations with PyTorch ops
-(which torch.compile then fuses); the eager modules' own backward (autograd.py) is not used there.
+eager modules, except that split-K workspaces are allocated per call (launch.workspaces_per_call:
+CUDA-graph trees allow no persistent allocation in their pool). Gradients: registered formulas
+that recompute the pre-activations with PyTorch ops (which torch.compile then fuses); the eager
+modules' own backward (autograd.py) is not used there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import launch
 from . import resolve as resolve_module
 from .activations import TORCH_ACTIVATIONS
 from .autograd import activation_backward
@@ -39,7 +42,8 @@ def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up
     """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
     table = _table(mlp_choices, x.shape[0], w_gate, (x.shape[1], w_gate.shape[0], activation, b_gate is not None),
                    tuned)
-    return run_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, table)
+    with launch.workspaces_per_call():
+        return run_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, table)
 
 
 @mlp.register_fake
@@ -53,7 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
     table = _table(linear_choices, x.shape[0], weight,
                    (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), tuned)
-    return run_linear(x, weight, bias, residual, activation, table)
+    with launch.workspaces_per_call():
+        return run_linear(x, weight, bias, residual, activation, table)
 
 
 @linear.register_fake

@@ -120,3 +120,48 @@ def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, M, devic
         args = (x, wg, wu, wd, *biases, "gelu_tanh")
         assert_matches_reference(out, _mlp_reference(*args), _mlp_eager(*args))
         assert _workspaces_are_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_call_workspaces_leave_the_persistent_ones_alone(dtype, device, monkeypatch):
+    # Inside the torch.library ops a workspace is allocated per call (CUDA-graph trees allow no
+    # persistent allocation in their pool): results stay right and no persistent buffer appears.
+    monkeypatch.setattr(launch, "_workspaces", {})  # none to reuse: any persistent use would add one
+    monkeypatch.setattr(launch, "_retired", [])
+    x, (wg, wu) = _operands(9, 40, 64, dtype, device, gated=True)
+    wd = torch.randn(64, 40, dtype=dtype, device=device) / 40**0.5
+    with launch.workspaces_per_call():
+        for _ in range(2):
+            h = launch.gated_up(x, wg, wu, None, None, "silu", SPLIT)
+            y = launch.linear(h, wd, None, None, "none", SPLIT)
+            y1 = launch.mlp_decode(x[:1], wg, wu, wd, None, None, None, "silu", DECODE_CONFIGS[0])
+    assert launch._workspaces == {} and launch._retired == []
+    args = (x, wg, wu, None, None, "silu")
+    assert_matches_reference(h, gated_reference(*args), eager_gated(*args))
+    assert_matches_reference(y, linear_reference(h, wd, None, None, "none"), eager_linear(h, wd, None, None, "none"))
+    decode_args = (x[:1], wg, wu, wd, None, None, None, "silu")
+    assert_matches_reference(y1, _mlp_reference(*decode_args), _mlp_eager(*decode_args))
+    assert not launch._per_call.get()  # switched off again on leaving
+
+
+def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
+    import autofuse
+    from autofuse import ops
+
+    seen = []
+
+    def spy(run):
+        def wrapped(*args):
+            seen.append(launch._per_call.get())
+            return run(*args)
+        return wrapped
+
+    monkeypatch.setattr(ops, "run_mlp", spy(ops.run_mlp))
+    monkeypatch.setattr(ops, "run_linear", spy(ops.run_linear))
+    mlp = autofuse.get_mlp(32, 48, dtype=torch.float32, device=device)
+    lin = autofuse.get_linear(32, 24, dtype=torch.float32, device=device)
+    x = torch.randn(3, 32, device=device)
+    w = (mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None)
+    torch.ops.autofuse.mlp(x, *w, "gelu_tanh", True)
+    torch.ops.autofuse.linear(x, lin.weight, lin.bias, None, "none", True)
+    assert seen == [True, True] and not launch._per_call.get()
