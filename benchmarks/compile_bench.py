@@ -7,7 +7,7 @@ Per call: the wall time of 200 back-to-back calls divided by 200 (one synchronis
 so whichever of host or GPU is slower sets it), median of 7 repetitions; and host time per call
 (timing.host_us_per_call). gemma-2b MLP, bf16, M = 1 and 16. Beside them, for reference: the op
 called from a plain function under reduce-overhead, a torch.cuda.graph replay of the module; and a
-profiler table of 50 compiled reduce-overhead calls at M = 1 (compile_profile.txt).
+profiler table of 50 compiled reduce-overhead calls at each M (compile_profile_M*.txt).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def main() -> None:
         "eager, compile reduce-overhead": torch.compile(eager, mode="reduce-overhead"),
         "autofuse": mlp,
         "autofuse, compile reduce-overhead": torch.compile(mlp, mode="reduce-overhead", fullgraph=True),
+        "autofuse, compile reduce-overhead, dynamic=False": torch.compile(mlp, mode="reduce-overhead",
+                                                                           fullgraph=True, dynamic=False),
         "autofuse op in a function, compile reduce-overhead": torch.compile(op, mode="reduce-overhead",
                                                                             fullgraph=True),
     }
@@ -108,8 +110,8 @@ def main() -> None:
                            per_call_us=_per_call_us(lambda fn=fn: fn(x)), host_us=host_us_per_call(lambda fn=fn: fn(x)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if M == 1:
-                _profile_calls(providers["autofuse, compile reduce-overhead"], x, Path(args.out, "compile_profile.txt"))
+            compiled = providers["autofuse, compile reduce-overhead"]
+            _profile_calls(compiled, x, Path(args.out, f"compile_profile_M{M}.txt"))
     Path(args.out, "compile_bench.json").write_text(json.dumps(dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows)))
 
