@@ -1,13 +1,18 @@
 """autofuse inside torch.compile(mode="reduce-overhead") at decode size, against autofuse alone and
 eager PyTorch with and without the same compile mode. (Issue 8.)
 
-  python benchmarks/compile_bench.py --out DIR
+  python benchmarks/compile_bench.py --out DIR [--layers 1,8]
 
-Per call: the wall time of 200 back-to-back calls divided by 200 (one synchronisation at the end,
-so whichever of host or GPU is slower sets it), median of 7 repetitions; and host time per call
-(timing.host_us_per_call). gemma-2b MLP, bf16, M = 1 and 16. Beside them, for reference: the op
-called from a plain function under reduce-overhead, a torch.cuda.graph replay of the module; and a
-profiler table of 50 compiled reduce-overhead calls at each M (compile_profile_M*.txt).
+A model of L gemma-2b MLPs (2048 -> 16384 -> 2048, gelu_tanh, bf16) applied one after another, at
+M = 1 and 16; L = 1 is one MLP, L = 8 amortises torch.compile's fixed per-call cost (its CUDA-graph
+wrapper: input copy, guards, replay) as a real model does. Per provider and M:
+- per_call_us: wall time of 200 back-to-back calls / 200, one synchronisation at the end, so
+  whichever of host or GPU is slower sets it;
+- host_us: host time per call with launches queued, batches of 10 calls synchronised between.
+Providers are sampled round-robin (21 and 101 rounds, medians): this host's speed drifts between
+runs by tens of percent, and round-robin sampling keeps that out of the ratios. For reference, a
+torch.cuda.graph replay of the autofuse model (what any CUDA-graph mode can at best reach) and a
+profiler table of 50 compiled reduce-overhead calls per case (compile_profile.txt).
 """
 
 from __future__ import annotations
@@ -24,34 +29,52 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_mlp
-from autofuse.timing import host_us_per_call
+
+D_MODEL, D_FF, ACTIVATION = 2048, 16384, "gelu_tanh"
 
 
-def _per_call_us(fn, calls: int = 200, repeats: int = 7) -> float:
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+class _Stack(torch.nn.Module):
+    def __init__(self, mlps):
+        super().__init__()
+        self.mlps = torch.nn.ModuleList(mlps)
+
+    def forward(self, x):
+        for mlp in self.mlps:
+            x = mlp(x)
+        return x
 
 
-def _graphed(module, x):
-    """module(x) captured once in a torch.cuda.graph with x as its static input; the returned
-    function copies its argument in and replays (the floor for any CUDA-graph mode)."""
+def _models(layers: int):
+    """(autofuse model, eager function over the same weights)."""
+    mlps = []
+    for _ in range(layers):
+        mlp = autofuse.get_mlp(D_MODEL, D_FF, activation=ACTIVATION, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+        mlps.append(mlp)
+    weights = [(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in mlps]
+
+    def eager(x):
+        for w in weights:
+            x = eager_mlp(x, *w, activation=ACTIVATION)
+        return x
+    return _Stack(mlps), eager
+
+
+def _graphed(model, x):
+    """model(x) captured once in a torch.cuda.graph with x as its static input; the returned
+    function copies its argument in and replays."""
     static_x = x.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):  # warm up off the capture: configs resolved, kernels compiled, workspaces made
-            module(static_x)
+            model(static_x)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = module(static_x)
+        static_y = model(static_x)
 
     def replay(x):
         static_x.copy_(x)
@@ -60,58 +83,84 @@ def _graphed(module, x):
     return replay
 
 
-def _profile_calls(fn, x, path: Path, calls: int = 50) -> None:
-    """What one compiled call does on the host and the GPU: torch.profiler's table over `calls` calls
-    (e.g. whether it is one graph launch, and where the host time goes)."""
+def _wall_us(fn, calls: int = 200) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _host_us(fn, calls: int = 10) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _round_robin(fns: dict, sample, rounds: int) -> dict[str, float]:
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(sample(fn))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _profile_calls(fn, path: Path, title: str, calls: int = 50) -> None:
+    """Appends torch.profiler's table over `calls` calls to `path`: whether a call is one graph launch,
+    where its host time goes."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fn(x)
+            fn()
         torch.cuda.synchronize()
-    path.write_text(f"{calls} calls\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    with path.open("a") as f:
+        f.write(f"{title}, {calls} calls\n{prof.key_averages().table(sort_by='cpu_time_total', row_limit=30)}\n\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--layers", default="1,8")
     args = parser.parse_args()
     torch.manual_seed(0)
-    mlp = autofuse.get_mlp(2048, 16384, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-
-    def eager(x):
-        return eager_mlp(x, *w, activation="gelu_tanh")
-
-    def op(x):  # the custom op straight from a function over the weights, as `eager` is written
-        return torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "gelu_tanh", True)
-
-    providers = {
-        "eager": eager,
-        "eager, compile reduce-overhead": torch.compile(eager, mode="reduce-overhead"),
-        "autofuse": mlp,
-        "autofuse, compile reduce-overhead": torch.compile(mlp, mode="reduce-overhead", fullgraph=True),
-        "autofuse, compile reduce-overhead, dynamic=False": torch.compile(mlp, mode="reduce-overhead",
-                                                                           fullgraph=True, dynamic=False),
-        "autofuse op in a function, compile reduce-overhead": torch.compile(op, mode="reduce-overhead",
-                                                                            fullgraph=True),
-    }
     rows = []
-    with torch.no_grad():
-        for M in (1, 16):
-            x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
-            ref = eager(x).float()
-            for name, fn in [*providers.items(), ("autofuse, torch.cuda.graph replay", _graphed(mlp, x))]:
-                for _ in range(5):  # compile, capture, warm up
-                    out = fn(x)
-                row = dict(M=M, provider=name, rel_error=((out.float() - ref).norm() / ref.norm()).item(),
-                           per_call_us=_per_call_us(lambda fn=fn: fn(x)), host_us=host_us_per_call(lambda fn=fn: fn(x)))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            compiled = providers["autofuse, compile reduce-overhead"]
-            _profile_calls(compiled, x, Path(args.out, f"compile_profile_M{M}.txt"))
+    for layers in map(int, args.layers.split(",")):
+        model, eager = _models(layers)
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        providers = {
+            "eager": eager,
+            "eager, compile reduce-overhead": torch.compile(eager, mode="reduce-overhead"),
+            "autofuse": model,
+            "autofuse, compile reduce-overhead": compiled,
+        }
+        with torch.no_grad():
+            for M in (1, 16):
+                x = torch.randn(M, D_MODEL, device="cuda", dtype=torch.bfloat16)
+                ref = eager(x).float()
+                fns = {**providers, "autofuse, torch.cuda.graph replay": _graphed(model, x)}
+                errors = {}
+                for name, fn in fns.items():
+                    for _ in range(5):  # compile, capture, warm up
+                        out = fn(x)
+                    errors[name] = ((out.float() - ref).norm() / ref.norm()).item()
+                calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
+                wall = _round_robin(calls, _wall_us, 21)
+                host = _round_robin(calls, _host_us, 101)
+                for name in fns:
+                    row = dict(layers=layers, M=M, provider=name, rel_error=errors[name], per_call_us=wall[name],
+                               host_us=host[name])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                _profile_calls(calls["autofuse, compile reduce-overhead"], Path(args.out, "compile_profile.txt"),
+                               f"autofuse, compile reduce-overhead: {layers} layers, M = {M}")
+        del model, eager, compiled, providers, fns, calls
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
     Path(args.out, "compile_bench.json").write_text(json.dumps(dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows)))
 

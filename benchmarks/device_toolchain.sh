@@ -10,6 +10,6 @@ python3 -m autofuse.cli profile --mlp 2048,16384,gelu_tanh --tokens 1,4096 --out
     | grep -v "^USDT\|warn" | tee "$OUT/profile.txt"
 # The traces and profile.json as one file: $OUT brings back at most 8 files.
 tar -czf "$OUT/profile.tar.gz" -C /tmp profile
-python3 benchmarks/compile_bench.py --out "$OUT" 2>&1 | grep -v warn | tail -12
+python3 benchmarks/compile_bench.py --out "$OUT" 2>&1 | grep -v warn | tail -20
 # Regression check: every GPU-marked test (the fused kernels and the compile integration on the GPU).
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
