@@ -97,9 +97,9 @@ def _workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Te
     key = (device, _stream_id(device))
     found = _workspaces.get(key)
     if (found is None or found[0].numel() < sums or found[1].numel() < counters) and _capturing(device):
-        # CUDA-graph capture (e.g. torch.compile's reduce-overhead) runs on a stream of its own, after
-        # a warm-up run that allocated on another: reuse that workspace rather than allocate one in
-        # the graph's private memory pool, which the capturer expects to hold only its own tensors.
+        # A torch.cuda.graph capture of an eager module runs on a stream of its own, after a warm-up
+        # that allocated on another: reuse that workspace rather than allocate one in the graph's
+        # private memory pool. (torch.compile's CUDA graphs go through the ops: per-call workspaces.)
         found = next((ws for (d, _), ws in _workspaces.items()
                       if d == device and ws[0].numel() >= sums and ws[1].numel() >= counters), found)
     if found is None or found[0].numel() < sums or found[1].numel() < counters:

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Issue 8 on the device, one call: the compile/export tests on the GPU, `autofuse profile` for
-# gemma-2b at M = 1 and 4096, benchmarks/compile_bench.py, then
-# every GPU-marked test. Carry .whl.
+# gemma-2b at M = 1 and 4096, benchmarks/compile_bench.py, then every GPU-marked test. Carry .whl.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 AUTOFUSE_CACHE_DIR=/tmp/autofuse-toolchain
