@@ -11,6 +11,15 @@ import autofuse
 from autofuse.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Each test compiles the same forward code again (new modules, other dtypes): without a reset the
+    # compiled variants pile up past Dynamo's recompile limit (8), which fullgraph=True turns into an error.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 class _Block(torch.nn.Module):
     """LayerNorm -> autofuse MLP (residual) -> autofuse Linear with GELU: PyTorch ops around both ops."""
 
@@ -31,7 +40,7 @@ def _bound(dtype):
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_compile_fullgraph_matches_eager_with_varying_m(dtype, device):
     model = _Block(device, dtype)
     compiled = torch.compile(model, fullgraph=True, dynamic=True)  # fullgraph: a graph break raises
