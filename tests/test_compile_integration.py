@@ -54,11 +54,14 @@ def test_compile_fullgraph_matches_eager_with_varying_m(dtype, device):
 def test_export_holds_the_autofuse_ops_and_runs(device):
     model = _Block(device, torch.float32)
     x = torch.randn(4, 6, 32, device=device)
-    program = torch.export.export(model, (x,))
+    batch = torch.export.Dim("batch", min=1, max=4096)  # M = batch * 6 stays symbolic in the program
+    program = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch}})
     code = program.graph_module.code
     assert "torch.ops.autofuse.mlp.default" in code and "torch.ops.autofuse.linear.default" in code
     with torch.no_grad():
-        torch.testing.assert_close(program.module()(x), model(x), rtol=1e-5, atol=1e-5)
+        for shape in ((4, 6, 32), (1, 6, 32), (9, 6, 32)):
+            x = torch.randn(*shape, device=device)
+            torch.testing.assert_close(program.module()(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_through_the_compiled_graph_match_eager(device):
