@@ -11,7 +11,8 @@ wrapper: input copy, guards, replay) as a real model does. Per provider and M:
 - host_us: host time per call with launches queued, batches of 10 calls synchronised between.
 Providers are sampled round-robin (21 and 101 rounds, medians): this host's speed drifts between
 runs by tens of percent, and round-robin sampling keeps that out of the ratios. For reference, a
-torch.cuda.graph replay of the autofuse model (what any CUDA-graph mode can at best reach) and a
+torch.cuda.graph replay of the autofuse model (what any CUDA-graph mode can at best reach), the
+eager model as an nn.Module under reduce-overhead (the cost of compiling a module) and a
 profiler table of 50 compiled reduce-overhead calls per case (compile_profile.txt).
 """
 
@@ -41,6 +42,22 @@ class _Stack(torch.nn.Module):
     def forward(self, x):
         for mlp in self.mlps:
             x = x + mlp(x)  # residual: a bare chain of gated MLPs is quadratic at small x and decays to 0
+        return x
+
+
+class _EagerStack(torch.nn.Module):
+    """The same model in plain PyTorch as an nn.Module holding the autofuse modules' weights: tells a
+    cost of compiling a module (parameters as graph inputs) from a cost of autofuse's op."""
+
+    def __init__(self, mlps):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            [p for m in mlps for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)])
+
+    def forward(self, x):
+        w = list(self.weights)
+        for i in range(0, len(w), 3):
+            x = x + eager_mlp(x, *w[i:i + 3], activation=ACTIVATION)
         return x
 
 
@@ -138,6 +155,7 @@ def main() -> None:
         providers = {
             "eager": eager,
             "eager, compile reduce-overhead": torch.compile(eager, mode="reduce-overhead"),
+            "eager nn.Module, compile reduce-overhead": torch.compile(_EagerStack(model.mlps), mode="reduce-overhead"),
             "autofuse": model,
             "autofuse, compile reduce-overhead": compiled,
         }
