@@ -122,20 +122,26 @@ _loaded: dict[str, object] = {}
 
 def load_kernel(spec: KernelSpec):
     """The Triton JIT function for `spec`, rendered and imported once per distinct source."""
-    source = render(spec)
+    return load_source(render(spec), spec.kernel_name)
+
+
+def load_source(source: str, name: str):
+    """The Triton JIT function `name` defined in `source`, written to a file (Triton reads a kernel's
+    source back from its file) and imported once per distinct source. Also for hand-written variants
+    (benchmarks/explore_bwd.py)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     # Interpreted and compiled kernels differ in kind even for equal source: key on the mode too.
     interpret = interpreting()
-    key = f"{digest}-{int(interpret)}"
+    key = f"{name}-{digest}-{int(interpret)}"
     if key not in _loaded:
         check_interpreter_consistency()
-        path = _write_once(source, f"{spec.kernel_name}_{digest}.py")
-        module_name = f"autofuse._generated.{spec.kernel_name}_{digest}_{int(interpret)}"
+        path = _write_once(source, f"{name}_{digest}.py")
+        module_name = f"autofuse._generated.{name}_{digest}_{int(interpret)}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
         module_spec.loader.exec_module(module)
-        _loaded[key] = getattr(module, spec.kernel_name)
+        _loaded[key] = getattr(module, name)
     return _loaded[key]
 
 

@@ -8,16 +8,16 @@ mainloop storing dH alone (the floor for this mainloop) and with cuBLAS's dY @ W
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
-import tempfile
 
 import torch
 import triton
 import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from autofuse.autograd import gated_backward_eager
+from autofuse.render import load_source
 
 HEAD = '''
 import triton
@@ -118,25 +118,9 @@ EPILOGUES = {
 }
 
 
-def _load(name: str, source: str):
-    path = os.path.join(tempfile.mkdtemp(), f"bwd_{abs(hash(name))}.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(f"bwd_{abs(hash(name))}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.kernel
-
-
 def _reference(dy, gu, wd):
-    f = wd.shape[1]
-    g, u = gu[:, :f].float(), gu[:, f:].float()
-    dh = dy.float() @ wd.float()
-    s = torch.sigmoid(2 * 0.7978845608028654 * (g + 0.044715 * g**3))
-    a = g * s
-    da = s + 2 * g * s * (1 - s) * 0.7978845608028654 * (1 + 0.134145 * g * g)
-    return torch.cat([da * dh * u, a * dh, a * u], dim=1)
+    dgu, h = gated_backward_eager(dy.float(), gu.float(), wd.float(), "gelu_tanh")  # the variants' [dG | dU | H]
+    return torch.cat([dgu, h], dim=1)
 
 
 def main() -> None:
@@ -155,7 +139,7 @@ def main() -> None:
         rows.append(dict(shape=shape, M=M, variant="cuBLAS dY @ Wd", ms=cublas))
         print(json.dumps(rows[-1]), flush=True)
         for name, epilogue in EPILOGUES.items():
-            kernel = _load(name, HEAD + epilogue)
+            kernel = load_source(HEAD + epilogue, "kernel")
             for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)):
                 row = dict(shape=shape, M=M, variant=name, block=[bm, bn, bk], warps=warps, stages=stages)
                 try:
