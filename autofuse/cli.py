@@ -9,6 +9,7 @@ import click
 import torch
 
 from .errors import AutofuseError
+from .render import TEMPLATES
 
 
 class _Group(click.Group):
@@ -65,7 +66,7 @@ def demo(shapes_path):
 
 
 @main.command("show-kernel")
-@click.argument("op", type=click.Choice(["linear", "gated_up", "mlp_decode", "gated_bwd", "gated_act"]))
+@click.argument("op", type=click.Choice(list(TEMPLATES)))
 @click.option("--activation", default=None, help="Activation (default: none for linear, gelu_tanh for gated_up).")
 @click.option("--bias/--no-bias", default=False)
 @click.option("--residual/--no-residual", default=False, help="linear only")
