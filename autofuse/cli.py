@@ -98,14 +98,20 @@ def _parse_tokens(text: str | None) -> tuple[int, ...] | None:
 _TUNED_OPS = ("gated_up", "down", "mlp", "gated_bwd", "linear")
 
 
+def _parse_choices(text: str, choices: tuple[str, ...], what: str, option: str) -> list[str]:
+    """A comma-separated selection from `choices`, in the order given; a usage error names the unknown ones."""
+    picked = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in picked if p not in choices]
+    if unknown or not picked:
+        raise click.BadParameter(f"unknown {what}(s) {', '.join(unknown) or '(none given)'}; choose from "
+                                 f"{', '.join(choices)}", param_hint=option)
+    return picked
+
+
 def _parse_ops(text: str | None, train: bool) -> set[str] | None:
     if text is None:
         return None
-    ops = {op.strip() for op in text.split(",") if op.strip()}
-    unknown = sorted(ops - set(_TUNED_OPS))
-    if unknown or not ops:
-        raise click.BadParameter(f"unknown op(s) {', '.join(unknown) or '(none given)'}; choose from "
-                                 f"{', '.join(_TUNED_OPS)}", param_hint="--ops")
+    ops = set(_parse_choices(text, _TUNED_OPS, "op", "--ops"))
     if "gated_bwd" in ops and not train:
         raise click.BadParameter("gated_bwd is the training backward: add --train", param_hint="--ops")
     return ops
@@ -277,10 +283,7 @@ def profile(mlps, linears, shapes_path, model_path, tokens, dtype, providers, it
         cases += list(shapes_from_model_config(model_path).mlps)
     if not cases:
         raise click.UsageError("name something to profile: --mlp, --linear, --shapes or --model")
-    names = [p.strip() for p in providers.split(",") if p.strip()]
-    unknown = [n for n in names if n not in PROVIDERS]
-    if unknown or not names:
-        raise AutofuseError(f"unknown provider(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROVIDERS)}")
+    names = _parse_choices(providers, PROVIDERS, "provider", "--providers")
     device = torch.device(_select_device())
     dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     out = Path(out_dir)
