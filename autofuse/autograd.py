@@ -69,7 +69,7 @@ def _refuse_double_backward() -> None:
                            "use the eager PyTorch module for higher-order gradients")
 
 
-def _sum_rows(t: torch.Tensor) -> torch.Tensor:
+def sum_rows(t: torch.Tensor) -> torch.Tensor:
     return t.sum(0, dtype=torch.float32).to(t.dtype)  # bias gradients: accumulate in float32
 
 
@@ -106,7 +106,7 @@ class LinearFunction(torch.autograd.Function):
         need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config)
         dx = dz @ weight if need[0] else None
         dw = dz.t() @ x if need[1] else None
-        db = _sum_rows(dz) if ctx.has_bias and need[2] else None
+        db = sum_rows(dz) if ctx.has_bias and need[2] else None
         dr = dy if ctx.has_residual and need[3] else None
         return dx, dw, db, dr, None, None
 
@@ -153,7 +153,7 @@ class MLPFunction(torch.autograd.Function):
             dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
         db_gate = db_up = None
         if ctx.has_bias and (need[2] or need[4]):
-            db = _sum_rows(dgu)
+            db = sum_rows(dgu)
             db_gate, db_up = db[:F_], db[F_:]
-        db_down = _sum_rows(dy) if ctx.has_bias and need[6] else None
+        db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
         return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None, None

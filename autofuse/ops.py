@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import launch
 from . import resolve as resolve_module
 from .activations import TORCH_ACTIVATIONS
-from .autograd import activation_backward
+from .autograd import activation_backward, sum_rows
 from .forward import linear_choices, mlp_choices, run_linear, run_mlp, table_key
 
 _tables: dict[tuple, dict] = {}
@@ -85,14 +85,14 @@ def _mlp_backward(ctx, dy):
     h = a * u
     dh = dy @ w_down
     dg, du = activation_backward(ctx.activation, dh * u, g), dh * a
-    sums = (lambda t: t.sum(0)) if b_gate is not None else (lambda t: None)
+    sums = sum_rows if b_gate is not None else (lambda t: None)
     return (dg @ w_gate + du @ w_up, dg.t() @ x, sums(dg), du.t() @ x, sums(du), dy.t() @ h, sums(dy), None, None)
 
 
 def _linear_backward(ctx, dy):
     x, weight, bias, residual, _, _ = _unpack(ctx)
     dz = activation_backward(ctx.activation, dy, F.linear(x, weight, bias))
-    return (dz @ weight, dz.t() @ x, dz.sum(0) if bias is not None else None,
+    return (dz @ weight, dz.t() @ x, sum_rows(dz) if bias is not None else None,
             dy if residual is not None else None, None, None)
 
 
