@@ -20,22 +20,29 @@ def gpu_median_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 1
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():  # on a machine without a GPU there is nothing to wait for
+        torch.cuda.synchronize()
+
+
+def host_us_sample(fn: Callable[[], object], calls: int = 10) -> float:
+    """Host time of one call over a batch of `calls`, launches queued but not awaited; synchronised
+    after the batch, which bounds the queue."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    _synchronize()
+    return elapsed / calls * 1e6
+
+
 def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
     """Median host time of one call, launches queued but not awaited: the CPU cost a user pays per
-    forward when the GPU keeps up. Synchronized once per batch of 10 calls to bound the queue (on a
-    machine without a GPU there is nothing to wait for)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    forward when the GPU keeps up. Batches of 10 calls (host_us_sample) after 10 warm-up calls."""
     for _ in range(10):
         fn()
-    sync()
-    samples = []
-    for _ in range(calls // 10):
-        start = time.perf_counter()
-        for _ in range(10):
-            fn()
-        samples.append((time.perf_counter() - start) / 10 * 1e6)
-        sync()
-    return statistics.median(samples)
+    _synchronize()
+    return statistics.median(host_us_sample(fn) for _ in range(calls // 10))
 
 
 def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25) -> str:

@@ -30,6 +30,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_mlp
+from autofuse.timing import host_us_sample
 
 D_MODEL, D_FF, ACTIVATION = 2048, 16384, "gelu_tanh"
 
@@ -112,16 +113,6 @@ def _wall_us(fn, calls: int = 200) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _host_us(fn, calls: int = 10) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
 def _round_robin(fns: dict, sample, rounds: int) -> dict[str, float]:
     samples = {name: [] for name in fns}
     for _ in range(rounds):
@@ -172,7 +163,7 @@ def main() -> None:
                     errors[name] = ((out.float() - x.float() - ref).norm() / ref.norm()).item()
                 calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
                 wall = _round_robin(calls, _wall_us, 21)
-                host = _round_robin(calls, _host_us, 101)
+                host = _round_robin(calls, host_us_sample, 101)
                 for name in fns:
                     row = dict(layers=layers, M=M, provider=name, rel_error=errors[name], per_call_us=wall[name],
                                host_us=host[name])
