@@ -1,4 +1,7 @@
-"""Comparison helpers shared by the kernel tests."""
+"""Comparison helpers shared by the kernel tests, and a JSON file writer for the CLI tests."""
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -59,3 +62,9 @@ BLOCK_CONFIGS = [
     KernelConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=3, tma=True),
     KernelConfig(32, 16, 32, group_m=8, num_warps=8, num_stages=4, tma=True),
 ]
+
+
+def write_json(path: Path, data) -> Path:
+    """`data` as JSON at `path` (a shapes file, a model config); returns the path."""
+    path.write_text(json.dumps(data))
+    return path

@@ -1,7 +1,6 @@
 """Tuning with several workers through one Optuna storage (tune/distributed.py, tune/parallel.py),
 under the interpreter: worker processes stand in for GPUs and for machines."""
 
-import json
 import multiprocessing
 import os
 import signal
@@ -10,6 +9,7 @@ import sys
 import time
 
 import pytest
+from _helpers import write_json
 from click.testing import CliRunner
 
 from autofuse.cli import main
@@ -24,12 +24,6 @@ SHAPES = {"dtype": "float32", "tokens": [5, 37],
 KEYS = 8  # per M: gated_up, down, mlp (M <= 64), linear; M = 5 and 37
 
 
-def _write(tmp_path, data, name="s.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(data))
-    return path
-
-
 def _claims(storage):
     """{job index: [(generation, attrs)]} of every run in the storage."""
     out = {}
@@ -40,7 +34,7 @@ def _claims(storage):
 
 
 def test_two_workers_share_one_journal_and_tune_every_key_once(tmp_path):
-    shapes = _write(tmp_path, SHAPES)
+    shapes = write_json(tmp_path / "s.json", SHAPES)
     result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "2", "--devices", "cpu,cpu"])
     assert result.exit_code == 0, result.output
     claims = _claims(tmp_path / "autofuse-cache" / "tune-journal.log")
@@ -61,7 +55,7 @@ def _worker(shapes, storage, cache, name, *extra):
 
 def test_a_killed_workers_key_is_finished_by_the_other(tmp_path):
     one_key = {"dtype": "float32", "tokens": [37], "linears": [{"in_features": 24, "out_features": 40}]}
-    shapes, storage, cache = _write(tmp_path, one_key), tmp_path / "journal.log", tmp_path / "cache"
+    shapes, storage, cache = write_json(tmp_path / "s.json", one_key), tmp_path / "journal.log", tmp_path / "cache"
     args = ["--trials", "40", "--stale-after", "2"]
     a = _worker(shapes, storage, cache, "A", *args)
     deadline = time.time() + 120
@@ -89,7 +83,7 @@ def test_a_killed_workers_key_is_finished_by_the_other(tmp_path):
 def test_two_machines_join_one_run_through_the_storage(tmp_path):
     # Two coordinators with their own caches (two machines) and one storage: each key is tuned
     # once, and both caches end with every winner.
-    shapes, storage = _write(tmp_path, SHAPES), tmp_path / "shared.log"
+    shapes, storage = write_json(tmp_path / "s.json", SHAPES), tmp_path / "shared.log"
     env = [dict(os.environ, AUTOFUSE_CACHE_DIR=str(tmp_path / f"machine{i}"), TRITON_INTERPRET="1") for i in (0, 1)]
     cmd = [sys.executable, "-m", "autofuse.cli", "tune", "--shapes", str(shapes), "--trials", "2", "--devices",
            "cpu", "--storage", str(storage)]
@@ -117,7 +111,8 @@ def test_a_key_is_claimed_by_exactly_one_of_many_racing_processes(tmp_path):
 
 
 def test_sqlite_storage_works_too(tmp_path):
-    shapes = _write(tmp_path, {"dtype": "float32", "tokens": [5], "linears": [{"in_features": 24, "out_features": 40}]})
+    shapes = write_json(tmp_path / "s.json",
+                        {"dtype": "float32", "tokens": [5], "linears": [{"in_features": 24, "out_features": 40}]})
     url = f"sqlite:///{tmp_path / 'runs.db'}"
     result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1", "--devices", "cpu",
                                        "--storage", url])
@@ -132,7 +127,8 @@ def test_bad_device_lists_are_refused(text, message):
 
 
 def test_cli_refuses_a_repeated_gpu_in_one_line(tmp_path):
-    result = CliRunner().invoke(main, ["tune", "--shapes", str(_write(tmp_path, SHAPES)), "--devices", "1,1"])
+    shapes = write_json(tmp_path / "s.json", SHAPES)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--devices", "1,1"])
     assert result.exit_code == 2 and "lists a GPU twice" in result.output and "Traceback" not in result.output
 
 

@@ -1,11 +1,10 @@
 """autofuse.fuse on tiny, randomly initialised Hugging Face models built from configs (no downloads)."""
 
-import json
 
 import pytest
 import torch
 import transformers
-from _helpers import relative_error
+from _helpers import relative_error, write_json
 from click.testing import CliRunner
 
 import autofuse
@@ -136,15 +135,9 @@ def test_fuse_with_tune_tunes_the_model_shapes(device):
     assert sources and all(s == "user-cache" for s in sources.values()), sources
 
 
-def _write_config(tmp_path, config):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
 def test_tune_model_derives_the_shapes_from_a_config(tmp_path):
     config = _gemma().config.to_dict()
-    _write_config(tmp_path, config)
+    write_json(tmp_path / "config.json", config)
     result = CliRunner().invoke(main, ["tune", "--model", str(tmp_path), "--tokens", "8", "--trials", "1",
                                        "--dtype", "float32"])
     assert result.exit_code == 0, result.output
@@ -157,7 +150,7 @@ def test_tune_model_derives_the_shapes_from_a_config(tmp_path):
     ({"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "hidden_act": "tanh"}, "unknown activation"),
 ])
 def test_tune_model_rejects_configs_it_cannot_fuse_in_one_line(tmp_path, config, message):
-    path = _write_config(tmp_path, config)
+    path = write_json(tmp_path / "config.json", config)
     result = CliRunner().invoke(main, ["tune", "--model", str(path), "--tokens", "8"])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 

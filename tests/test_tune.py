@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from _helpers import write_json
 from click.testing import CliRunner
 
 import autofuse
@@ -30,12 +31,6 @@ def _fresh_index():
     resolve.invalidate()
 
 
-def _write(tmp_path, name, data):
-    path = tmp_path / name
-    path.write_text(json.dumps(data))
-    return path
-
-
 def _tune(args):
     result = CliRunner().invoke(main, ["tune", *args])
     assert result.exit_code == 0, result.output
@@ -43,7 +38,7 @@ def _tune(args):
 
 
 def test_tune_end_to_end_and_modules_use_the_winners(tmp_path):
-    shapes = _write(tmp_path, "s.json", TINY)
+    shapes = write_json(tmp_path / "s.json", TINY)
     out = _tune(["--shapes", str(shapes), "--trials", "3"])
     # Per M: gated_up, down, the one-launch mlp (M <= 64 for both token counts) and the Linear.
     assert "tuning 8 keys with optuna" in out
@@ -93,16 +88,16 @@ def test_mlp_takes_the_one_launch_kernel_only_where_it_was_timed_faster(fused_fa
 
 
 def test_bad_shapes_and_tokens_are_one_line_errors(tmp_path):
-    bad = _write(tmp_path, "bad.json", {"mlps": [{"d_model": 8, "d_ff": 0}]})
+    bad = write_json(tmp_path / "bad.json", {"mlps": [{"d_model": 8, "d_ff": 0}]})
     result = CliRunner().invoke(main, ["tune", "--shapes", str(bad)])
     assert result.exit_code == 2 and "bad.json.mlps[0].d_ff: must be a positive integer, got 0" in result.output
-    good = _write(tmp_path, "s.json", TINY)
+    good = write_json(tmp_path / "s.json", TINY)
     result = CliRunner().invoke(main, ["tune", "--shapes", str(good), "--tokens", "1,x"])
     assert result.exit_code == 2 and "--tokens must be comma-separated" in result.output
 
 
 def test_export_import_round_trip_into_a_fresh_cache(tmp_path, monkeypatch):
-    _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "37"])
+    _tune(["--shapes", str(write_json(tmp_path / "s.json", TINY)), "--trials", "2", "--tokens", "37"])
     exported = tmp_path / "h.json"
     result = CliRunner().invoke(main, ["cache", "export", "-o", str(exported)])
     assert result.exit_code == 0 and "exported 4 configs" in result.output
@@ -123,7 +118,7 @@ def test_export_import_round_trip_into_a_fresh_cache(tmp_path, monkeypatch):
 
 
 def _exported(tmp_path):
-    _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "3"])
+    _tune(["--shapes", str(write_json(tmp_path / "s.json", TINY)), "--trials", "2", "--tokens", "3"])
     path = tmp_path / "e.json"
     assert CliRunner().invoke(main, ["cache", "export", "-o", str(path)]).exit_code == 0
     return path
@@ -226,7 +221,7 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
     files = []
     for i in range(4):
         # Each file has its own MLP plus one Linear shared by all four: both kinds of overlap.
-        files.append(_write(tmp_path, f"s{i}.json", {
+        files.append(write_json(tmp_path / f"s{i}.json", {
             "tokens": [5], "mlps": [{"name": f"m{i}", "d_model": 16 + 8 * i, "d_ff": 48}],
             "linears": [{"in_features": 24, "out_features": 40}]}))
     procs = [_tune_process(f, cache, "--trials", "3") for f in files]
@@ -243,7 +238,7 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
 
 def test_a_killed_run_resumes_without_repeating_work(tmp_path):
     cache = tmp_path / "c"
-    shapes = _write(tmp_path, "one.json", {"tokens": [64], "mlps": [{"d_model": 64, "d_ff": 128}]})
+    shapes = write_json(tmp_path / "one.json", {"tokens": [64], "mlps": [{"d_model": 64, "d_ff": 128}]})
 
     def key_trials():
         return sum(len(Store(cache).trials(w)) for w in _keys(cache, shapes))
@@ -275,7 +270,7 @@ def _keys(cache, shapes_path):
 
 
 def test_cache_show_clear_and_kernel(tmp_path):
-    _tune(["--shapes", str(_write(tmp_path, "s.json", TINY)), "--trials", "2", "--tokens", "3"])
+    _tune(["--shapes", str(write_json(tmp_path / "s.json", TINY)), "--trials", "2", "--tokens", "3"])
     ls = CliRunner().invoke(main, ["cache", "ls"])
     assert ls.exit_code == 0 and "4 tuned keys" in ls.output
     key_id = next(line.strip() for line in ls.output.splitlines() if line.strip().startswith("op=gated_up"))
@@ -303,7 +298,7 @@ def test_every_shipped_file_is_valid():
 
 
 def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
-    shapes = _write(tmp_path, "s.json", {"dtype": "float32", "tokens": [37],
+    shapes = write_json(tmp_path / "s.json", {"dtype": "float32", "tokens": [37],
                                          "mlps": [{"name": "m", "d_model": 40, "d_ff": 72, "activation": "silu"}]})
     out = _tune(["--shapes", str(shapes), "--trials", "2", "--train"])
     assert "m gated_bwd" in out
@@ -333,7 +328,7 @@ def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
 
 
 def test_ops_option_tunes_only_the_named_ops(tmp_path):
-    shapes = _write(tmp_path, "s.json", {"dtype": "float32", "tokens": [37],
+    shapes = write_json(tmp_path / "s.json", {"dtype": "float32", "tokens": [37],
                                          "mlps": [{"name": "m", "d_model": 40, "d_ff": 72, "activation": "silu"}]})
     _tune(["--shapes", str(shapes), "--trials", "1", "--train", "--ops", "gated_bwd"])
     assert {w.key.op for w in Store().winners()} == {"gated_bwd"}
@@ -341,7 +336,7 @@ def test_ops_option_tunes_only_the_named_ops(tmp_path):
 
 @pytest.mark.parametrize("ops, message", [("gated_up,wrong", "unknown op(s) wrong"), ("gated_bwd", "add --train")])
 def test_ops_option_rejects_bad_selections_without_a_traceback(tmp_path, ops, message):
-    shapes = _write(tmp_path, "s.json", TINY)
+    shapes = write_json(tmp_path / "s.json", TINY)
     result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--ops", ops])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
