@@ -86,22 +86,21 @@ def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_di
             param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
     x = torch.randn(M, k, device=device, dtype=dtype)
     fns = {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
+    on_gpu = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     rows = []
     for provider in providers:
         fn = fns[provider]
         with torch.no_grad():
             for _ in range(3):  # compile, resolve, warm caches
                 fn(x)
-            if device.type == "cuda":
+            if on_gpu:
                 torch.cuda.synchronize(device)
             host = host_us_per_call(lambda fn=fn: fn(x), calls=30)
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
             with torch.profiler.profile(activities=activities) as prof:
                 for _ in range(iters):
                     fn(x)
-                if device.type == "cuda":
+                if on_gpu:
                     torch.cuda.synchronize(device)
         trace = out_dir / f"{shape.name}-M{M}-{provider.replace('.', '_')}.json"
         prof.export_chrome_trace(str(trace))
@@ -114,7 +113,6 @@ def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_di
             per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time_total / iters
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:5]
         ranges = sorted({e.name for e in prof.events() if e.name.startswith("autofuse::")})
-        on_gpu = device.type == "cuda"
         choices = module._config_table(M) if provider == "autofuse" else None
         rows.append(ProfileRow(shape.name, M, provider, len(kernels) / iters if on_gpu else None,
                                sum(per_kernel.values()) if on_gpu else None, host,
