@@ -1,12 +1,15 @@
-"""autofuse: tuned, fused Triton kernels for the MLP blocks of transformer models."""
+"""autofuse: tuned, fused Triton kernels for the MLP blocks of transformer models.
 
-from .configs import KernelConfig
+Adding an op: CONTRIBUTING.md walks through the one module (autofuse/ops/<op>.py) and template an op needs.
+"""
+
+from ._version import __version__
+from .configs import KernelConfig, Library
 from .errors import AutofuseError
 from .hf import FusedHFMLP, FuseReport, fuse
-from .kernels import show_kernel
 from .modules import FusedLinear, FusedMLP, get_linear, get_mlp
-
-__version__ = "0.1.0"
+from .ops import show_kernel
+from .tune.model import tune_model
 
 __all__ = [
     "AutofuseError",
@@ -15,9 +18,11 @@ __all__ = [
     "FusedLinear",
     "FusedMLP",
     "KernelConfig",
+    "Library",
     "__version__",
     "fuse",
     "get_linear",
     "get_mlp",
     "show_kernel",
+    "tune_model",
 ]

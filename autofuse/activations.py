@@ -1,4 +1,5 @@
-"""Activation names autofuse accepts, and their PyTorch definitions (used by references and eager baselines)."""
+"""Activation names autofuse accepts, their PyTorch definitions (used by references and eager library paths)
+and derivatives (the training backward)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def canonical_activation(name: object, allowed: tuple[str, ...]) -> str:
     if canonical not in allowed:
         raise AutofuseError(f"unknown activation {name!r}; choose one of {', '.join(allowed)}")
     return canonical
+
+
+def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """d act(pre) / d pre * grad, computed as eager autograd computes it."""
+    if activation == "none":
+        return grad
+    if activation == "relu":
+        return torch.where(pre > 0, grad, torch.zeros_like(grad))
+    if activation in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(grad, pre, approximate="tanh" if activation == "gelu_tanh" else "none")
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, pre)
+    raise ValueError(f"no derivative for activation {activation!r}")

@@ -1,7 +1,12 @@
-"""Typed kernel configs, their validation, and the built-in heuristic used when nothing is tuned.
+"""What a tuned key may choose, validated, and the built-in heuristic used when nothing is tuned.
 
-A KernelConfig holds the numbers that change a kernel's speed but not its source: tile sizes,
-GROUP_M, warps and pipeline stages. Configs are stored as plain JSON dicts and validated on load.
+A choice has one of two kinds:
+- KernelConfig: one of autofuse's Triton kernels with the numbers that change its speed but not its
+  source (tile sizes, GROUP_M, warps, pipeline stages, split-K, TMA); stored as a JSON object.
+- Library: a library path the op can run instead (cuBLAS through PyTorch, plus pointwise work),
+  named by its candidate name; spelled `library:<name>` in records, the CLI and profiler ranges.
+Both are validated on load; `choice_from_json` reads either (and "baseline", the spelling of the
+eager library path in records written before choice kinds existed).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class KernelConfig:
     def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
 
+    to_json = to_dict
+
     @classmethod
     def from_dict(cls, data: Any) -> KernelConfig:
         """Build from JSON data; raise ValueError on unknown fields, missing tile sizes or bad values."""
@@ -76,21 +83,80 @@ class KernelConfig:
         return f"{tiles} g{self.group_m} w{self.num_warps} s{self.num_stages}{variant}"
 
 
-# Per template: activation tiles ([BLOCK_M, BLOCK_K]) and weight tiles ([BLOCK_K, BLOCK_N]) loaded per
-# K step; each weight tile feeds one float32 accumulator. mlp_decode: its first product dominates.
-# Templates not listed (linear; gated_bwd: dY and the down weight): one of each.
-OPERAND_TILES = {"gated_up": (1, 2), "mlp_decode": (1, 2)}
 
 
-def accumulators(template: str) -> int:
-    """float32 accumulator tiles [BLOCK_M, BLOCK_N] a program of `template` holds."""
-    return OPERAND_TILES.get(template, (1, 1))[1]
+_LIBRARY_PREFIX = "library:"
+_LEGACY_EAGER = "baseline"  # records written before choice kinds: the eager library path won
 
 
-def shared_memory_bytes(config: KernelConfig, template: str, dtype: torch.dtype) -> int:
-    """Estimate of the shared memory a config's software pipeline needs: the template's activation and
-    weight tiles (OPERAND_TILES), per stage. Used to drop configs that would fail with OutOfResources."""
-    activations, weights = OPERAND_TILES.get(template, (1, 1))
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A library path as a choice: the op runs the named library candidate of its OpSpec."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.replace("_", "").isalnum() or len(self.name) > 40:
+            raise ValueError(f"a library candidate is named in letters, digits and '_', got {self.name!r}")
+
+    def short(self) -> str:
+        return f"{_LIBRARY_PREFIX}{self.name}"
+
+    def to_json(self) -> str:
+        return self.short()
+
+    def __str__(self) -> str:
+        return self.short()
+
+
+EAGER = Library("eager")  # every op's first library candidate: what a PyTorch model runs
+
+
+def choice_from_json(data: Any) -> KernelConfig | Library:
+    """A stored choice: a KernelConfig object, `library:<name>`, or the legacy "baseline" (eager)."""
+    if isinstance(data, str):
+        if data == _LEGACY_EAGER:
+            return EAGER
+        if data.startswith(_LIBRARY_PREFIX):
+            return Library(data[len(_LIBRARY_PREFIX):])
+        raise ValueError(f"a choice is a kernel config object or 'library:<name>', got {data[:60]!r}")
+    return KernelConfig.from_dict(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """The values each knob of a kernel config may take; the tuner searches their product, filtered
+    (autofuse/tune/space.py) before anything compiles."""
+
+    block_m: tuple[int, ...] = (16, 32, 64, 128, 256)
+    block_n: tuple[int, ...] = (16, 32, 64, 128, 256)
+    block_k: tuple[int, ...] = (32, 64, 128, 256)
+    group_m: tuple[int, ...] = (1, 8, 16)
+    num_warps: tuple[int, ...] = (2, 4, 8)
+    num_stages: tuple[int, ...] = (2, 3, 4, 5)
+    split_k: tuple[int, ...] = (1, 2, 4, 8, 16)
+    tma: tuple[bool, ...] = (False, True)
+
+    def dimensions(self) -> dict[str, tuple]:
+        return dataclasses.asdict(self)
+
+    def size(self) -> int:
+        n = 1
+        for values in self.dimensions().values():
+            n *= len(values)
+        return n
+
+
+# Under the interpreter every program costs milliseconds: a tiny space of large tiles.
+INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
+                                num_warps=(4,), num_stages=(1, 2), split_k=(1, 2), tma=(False, True))
+
+
+def shared_memory_bytes(config: KernelConfig, operand_tiles: tuple[int, int], dtype: torch.dtype) -> int:
+    """Estimate of the shared memory a config's software pipeline needs: `operand_tiles` activation
+    tiles [BLOCK_M, BLOCK_K] and weight tiles [BLOCK_K, BLOCK_N] per stage (an OpSpec's). Used to
+    drop configs that would fail with OutOfResources."""
+    activations, weights = operand_tiles
     per_stage = (activations * config.block_m + weights * config.block_n) * config.block_k * dtype.itemsize
     # Triton keeps up to num_stages tiles in flight; count them all (Inductor estimates the same way).
     return config.num_stages * per_stage
@@ -106,9 +172,10 @@ def clamp_to_problem(config: KernelConfig, M: int, N: int, K: int) -> KernelConf
     )
 
 
-def fit_shared_memory(config: KernelConfig, template: str, dtype: torch.dtype, limit: int) -> KernelConfig:
+def fit_shared_memory(config: KernelConfig, operand_tiles: tuple[int, int], dtype: torch.dtype,
+                      limit: int) -> KernelConfig:
     """Drop pipeline stages, then halve BLOCK_K, until the estimate fits under `limit` bytes."""
-    while shared_memory_bytes(config, template, dtype) > limit:
+    while shared_memory_bytes(config, operand_tiles, dtype) > limit:
         if config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         elif config.block_k > 16:
@@ -120,44 +187,45 @@ def fit_shared_memory(config: KernelConfig, template: str, dtype: torch.dtype, l
     return config
 
 
-def heuristic_config(
-    template: str, M: int, N: int, K: int, dtype: torch.dtype, *, interpret: bool, shared_memory_limit: int,
-    multiprocessors: int = 108, tma: bool = False,
-) -> KernelConfig:
-    """A sound default for (template, M, N, K, dtype): the fallback when no tuned config exists.
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What a heuristic needs to know of where it runs."""
+
+    interpret: bool
+    shared_memory_limit: int = 0
+    multiprocessors: int = 108
+    tma: bool = False  # TMA kernels can serve this problem here (device.tma_usable)
+
+
+def gemm_heuristic(M: int, N: int, K: int, dtype: torch.dtype, device: Device, *, operand_tiles: tuple[int, int],
+                   narrow_n: bool, split_k: bool) -> KernelConfig:
+    """A sound default for a GEMM-shaped kernel: the fallback when no tuned config exists.
 
     Under the interpreter each program costs milliseconds, so the largest tiles win there; on a GPU
     the tile grows with M (small M is weight-streaming bound: narrow M, long K tiles; large M is
-    compute bound: 128-wide tiles, deep pipelines).
+    compute bound: 128-wide tiles, deep pipelines). `narrow_n`: the kernel holds two accumulators or
+    an epilogue that loads two more tiles, so its N tiles stay narrower. `split_k`: the kernel has a
+    split-K variant, used at small M to fill the SMs.
     """
-    if template == "mlp_decode":  # N = d_ff, K = d_model; only small M is ever run this way
-        config = KernelConfig(16 if M <= 16 else 32 if M <= 32 else 64, 64, 128, group_m=1, num_warps=4,
-                              num_stages=1 if interpret else 4)
-        config = clamp_to_problem(config, M, N, K)
-        return config if interpret else fit_shared_memory(config, template, dtype, shared_memory_limit)
-    if interpret:
-        config = KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1)
-        return clamp_to_problem(config, M, N, K)
+    if device.interpret:
+        return clamp_to_problem(KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1), M, N, K)
     wide = dtype.itemsize <= 2  # 16-bit operands: twice the K per byte of shared memory
-    # gated_up holds two accumulators, gated_bwd loads two more tiles (G, U) in its epilogue: narrower N.
-    gated = template in ("gated_up", "gated_bwd")
     if M <= 64:
-        # Small M streams the weights: narrow M tiles, long K tiles, deep pipelines.
         block_m = 16 if M <= 16 else 32 if M <= 32 else 64
         config = KernelConfig(block_m, 64, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
     elif M <= 256:
-        config = KernelConfig(64, 64 if gated else 128, 64 if wide else 32, group_m=8, num_warps=4, num_stages=4)
-    elif tma and wide:
-        # Hopper, large M: the persistent TMA kernels (H200, bf16, M=4096: 128x256 linear 864 us and
-        # 128x128 gated 1020 us against 956 and 1025 us for the best one-tile-per-program configs).
-        config = KernelConfig(128, 128 if gated else 256, 64, group_m=8, num_warps=8, num_stages=4 if gated else 3,
-                              tma=True)
+        config = KernelConfig(64, 64 if narrow_n else 128, 64 if wide else 32, group_m=8, num_warps=4, num_stages=4)
+    elif device.tma and wide:
+        # Hopper, large M: the persistent TMA kernels (RESULTS.md, issue 4: faster than the best
+        # one-tile-per-program configs at M = 4096).
+        config = KernelConfig(128, 128 if narrow_n else 256, 64, group_m=8, num_warps=8,
+                              num_stages=4 if narrow_n else 3, tma=True)
     else:
-        config = KernelConfig(128, 128, 64 if wide else 32, group_m=8, num_warps=8, num_stages=3 if gated else 4)
+        config = KernelConfig(128, 128, 64 if wide else 32, group_m=8, num_warps=8, num_stages=3 if narrow_n else 4)
     config = clamp_to_problem(config, M, N, K)
-    if M <= 256 and template != "gated_bwd":  # the backward kernel has no split-K variant
-        config = _split_to_fill(config, M, N, K, multiprocessors)
-    return fit_shared_memory(config, template, dtype, shared_memory_limit)
+    if M <= 256 and split_k:
+        config = _split_to_fill(config, M, N, K, device.multiprocessors)
+    return fit_shared_memory(config, operand_tiles, dtype, device.shared_memory_limit)
 
 
 def _split_to_fill(config: KernelConfig, M: int, N: int, K: int, multiprocessors: int) -> KernelConfig:
@@ -165,7 +233,7 @@ def _split_to_fill(config: KernelConfig, M: int, N: int, K: int, multiprocessors
     has fewer tiles than SMs), keeping at least two K blocks per program."""
     tiles = -(-M // config.block_m) * -(-N // config.block_n)
     k_blocks = -(-K // config.block_k)
-    split_k = 1
-    while tiles * split_k < multiprocessors and split_k < 16 and k_blocks >= 4 * split_k:
-        split_k *= 2
-    return dataclasses.replace(config, split_k=split_k)
+    split = 1
+    while tiles * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
+        split *= 2
+    return dataclasses.replace(config, split_k=split)

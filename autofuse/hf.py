@@ -11,6 +11,7 @@ never imported here: only the activation modules are recognised by their class n
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ from .activations import GATED_ACTIVATIONS
 from .device import interpreting
 from .errors import AutofuseError
 from .modules import FusedMLP
+
+logger = logging.getLogger("autofuse")
 
 # transformers.activations classes (and torch's) by name -> autofuse activation.
 _ACTIVATION_CLASSES = {
@@ -131,11 +134,10 @@ class FusedHFMLP(nn.Module):
         return f"d_model={g.in_features}, d_ff={g.out_features}, activation={self.activation}, autofuse"
 
 
-def fuse(model: nn.Module, *, tune: bool = False, tokens: tuple[int, ...] | None = None,
-         trials: int = 20, verbose: bool = True) -> FuseReport:
+def fuse(model: nn.Module, *, verbose: bool = True) -> FuseReport:
     """Replace every gated MLP block of `model` that autofuse can run by a FusedHFMLP (in place) and
-    return the report (printed when `verbose`). `tune=True` then tunes the replaced shapes at
-    `tokens` on the model's GPU (`trials` per key), as `autofuse tune` would."""
+    return the report (logged; also printed when `verbose`). `autofuse.tune_model(model)` then tunes
+    the replaced shapes on the model's GPU, as `autofuse tune --model` would."""
     report = FuseReport()
     found = []
     for path, module in model.named_modules():
@@ -162,26 +164,7 @@ def fuse(model: nn.Module, *, tune: bool = False, tokens: tuple[int, ...] | None
         g = replacement._fused.gate_proj
         report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
                                       f"{' bias' if g.bias is not None else ''}"))
-    if tune and found:
-        _tune_replaced(model, tokens, trials)
+    logger.info("%s", report)
     if verbose:
-        print(report)
+        print(report)  # asked for: the report on the terminal, whatever the logging setup
     return report
-
-
-def _tune_replaced(model: nn.Module, tokens: tuple[int, ...] | None, trials: int) -> None:
-    from .shapes import DEFAULT_TOKENS, MLPShape, ShapeSet
-    from .tune.driver import tune_shapes
-
-    blocks = [m for m in model.modules() if isinstance(m, FusedHFMLP)]
-    weight = blocks[0]._fused.gate_proj.weight
-    mlps = {}
-    for block in blocks:
-        g = block._fused.gate_proj
-        shape = MLPShape(f"{g.in_features}x{g.out_features}", g.in_features, g.out_features, block.activation,
-                         g.bias is not None)
-        mlps.setdefault((shape.d_model, shape.d_ff, shape.activation, shape.bias), shape)
-    shapes = ShapeSet(weight.dtype, tuple(tokens or DEFAULT_TOKENS), tuple(mlps.values()), ())
-    tune_shapes(shapes, weight.device, trials=trials)
-    for block in blocks:
-        block._fused.clear_config_table()

@@ -14,13 +14,21 @@ from typing import Any
 
 import torch
 
-from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
+from . import ops
+from .configs import next_power_of_2
+from .device import cuda_index, interpreting
+from .render import template_hash
 
-# op -> the template that implements it. "down" is the MLP's down projection: the linear template
-# with no activation, keyed apart so a shapes file's MLP and Linear entries never collide. "mlp" is
-# the whole gated MLP in one launch (small M), keyed by n = d_ff, k = d_model.
-OP_TEMPLATES = {"linear": "linear", "gated_up": "gated_up", "down": "linear", "mlp": "mlp_decode",
-                "gated_bwd": "gated_bwd"}  # gated_bwd: the gated MLP's backward kernel, n = d_ff, k = d_model
+# How a token count M maps to a tuned bucket: M itself where a key was tuned for it, else the next
+# power of two up to MAX_M_BUCKET. Stored in every export under this name.
+M_BUCKET_RULE = "pow2+tokens"
+MAX_M_BUCKET = 16384
+
+
+def m_bucket(M: int) -> int:
+    return min(next_power_of_2(max(M, 1)), MAX_M_BUCKET)
+
+
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -36,7 +44,7 @@ class Environment:
 
 @cache
 def _environment(device_index: int | None, interpret: bool) -> Environment:
-    import triton
+    import triton  # here, not at the top: Triton is imported only once a kernel is keyed or built
 
     cuda = torch.version.cuda or "none"
     if interpret or device_index is None:
@@ -46,8 +54,6 @@ def _environment(device_index: int | None, interpret: bool) -> Environment:
 
 
 def current_environment(device: torch.device) -> Environment:
-    from .device import cuda_index, interpreting
-
     if interpreting() or device.type != "cuda":
         return _environment(None, True)
     return _environment(cuda_index(device), False)
@@ -55,7 +61,7 @@ def current_environment(device: torch.device) -> Environment:
 
 @dataclasses.dataclass(frozen=True)
 class TuningKey:
-    op: str  # "linear" | "gated_up" | "down" | "mlp" | "gated_bwd"
+    op: str  # a registered op's name (autofuse/ops)
     template_hash: str
     n: int
     k: int
@@ -70,11 +76,10 @@ class TuningKey:
     cuda: str
 
     def __post_init__(self) -> None:
-        if self.op not in OP_TEMPLATES:
-            raise ValueError(f"op must be one of {', '.join(OP_TEMPLATES)}, got {self.op!r}")
-        allowed = (GATED_ACTIVATIONS if self.op in ("gated_up", "mlp", "gated_bwd") else ("none",) if self.op == "down"
-                   else LINEAR_ACTIVATIONS)
-        if self.activation not in allowed:
+        if not isinstance(self.op, str) or self.op not in ops.names(tunable=True):
+            raise ValueError(f"op must be one of {', '.join(ops.names(tunable=True))}, got {self.op!r}")
+        spec = ops.get(self.op)
+        if self.activation not in spec.activations:
             raise ValueError(f"activation {self.activation!r} is not valid for op {self.op!r}")
         if self.dtype not in DTYPE_NAMES.values():
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {self.dtype!r}")
@@ -85,24 +90,24 @@ class TuningKey:
         for name in ("bias", "residual"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false")
-        if self.residual and self.op != "linear":
-            raise ValueError("only op 'linear' takes a residual")
+        if self.residual and not spec.residual:
+            raise ValueError(f"op {self.op!r} takes no residual")
         for name in ("template_hash", "gpu", "capability", "triton", "cuda"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value or "|" in value:
                 raise ValueError(f"{name} must be a non-empty string without '|', got {value!r}")
 
     @property
+    def spec(self) -> ops.OpSpec:
+        return ops.get(self.op)
+
+    @property
     def template(self) -> str:
-        return OP_TEMPLATES[self.op]
+        return self.spec.template
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return {v: k for k, v in DTYPE_NAMES.items()}[self.dtype]
-
-    @property
-    def environment(self) -> Environment:
-        return Environment(self.gpu, self.capability, self.triton, self.cuda)
 
     def problem(self) -> tuple:
         """Everything but the M bucket and the shape: keys equal here may share configs as neighbours."""
@@ -149,10 +154,8 @@ def _text(value: Any) -> str:
 
 def make_key(op: str, n: int, k: int, m_bucket: int, dtype: torch.dtype, activation: str, bias: bool,
              residual: bool, environment: Environment) -> TuningKey:
-    from .render import template_hash
-
     return TuningKey(
-        op=op, template_hash=template_hash(OP_TEMPLATES[op]), n=n, k=k, m_bucket=m_bucket,
+        op=op, template_hash=template_hash(ops.get(op)), n=n, k=k, m_bucket=m_bucket,
         dtype=DTYPE_NAMES[dtype], activation=activation, bias=bias, residual=residual,
         gpu=environment.gpu, capability=environment.capability, triton=environment.triton, cuda=environment.cuda,
     )

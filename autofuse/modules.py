@@ -12,14 +12,14 @@ import math
 import torch
 from torch import nn
 
-from . import ops  # noqa: F401 - registers torch.ops.autofuse.*
+from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
-from .autograd import LinearFunction, MLPFunction
-from .configs import KernelConfig
+from .configs import KernelConfig, Library
 from .device import check_device
+from .dispatch import linear_choices, mlp_choices, run_linear, run_mlp, table_key
 from .errors import AutofuseError
-from .forward import linear_choices, mlp_choices, run_linear, run_mlp, table_key
 from .resolve import Choice, resolve
+from .training import LinearFunction, MLPFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -99,11 +99,11 @@ class _FusedBase(nn.Module):
     def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
         raise NotImplementedError
 
-    def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | str]:
-        """The kernel config each of this module's kernels uses for a batch of M rows, or
-        "baseline" where tuning found eager PyTorch faster (then that op runs eagerly)."""
+    def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library]:
+        """What each of this module's ops runs for a batch of M rows: a KernelConfig, or a Library
+        path (e.g. Library("eager"), printed library:eager) where tuning found it faster."""
         table = self._config_table(_check_size("M", M), residual)
-        return {op: "baseline" if c.config is None else c.config for op, c in table.items()}
+        return {op: c.config for op, c in table.items()}
 
     def config_sources(self, M: int, residual: bool = False) -> dict[str, str]:
         """Where each config for M came from: user-cache, shipped:<file>, nearest:<key>, heuristic."""
@@ -159,14 +159,10 @@ class FusedLinear(_FusedBase):
         if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (autofuse/ops.py)
             return torch.ops.autofuse.linear(x2d, weight, bias, r2d, activation, self.tuned).reshape(out_shape)
         table = self._config_table(x2d.shape[0], r2d is not None)
-        config = table["linear"].config
-
-        def run():
-            return run_linear(x2d, weight, bias, r2d, activation, table)
-
         if _needs_grad(x2d, weight, bias, r2d):
+            config = table["linear"].kernel
             return LinearFunction.apply(x2d, weight, bias, r2d, activation, config).reshape(out_shape)
-        return run().reshape(out_shape)
+        return run_linear(x2d, weight, bias, r2d, activation, table).reshape(out_shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -213,27 +209,23 @@ class FusedMLP(_FusedBase):
         if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (autofuse/ops.py)
             return torch.ops.autofuse.mlp(x2d, *params, activation, self.tuned).reshape(out_shape)
         configs = self._config_table(x2d.shape[0])
-
-        def run():
-            return run_mlp(x2d, *params, activation, configs)
-
         if _needs_grad(x2d, *params):
             down_config, backward_config = self._training_configs(x2d.shape[0], wg)
             return MLPFunction.apply(x2d, wg, bg, wu, bu, wd, bd, activation, down_config,
                                      backward_config).reshape(out_shape)
-        return run().reshape(out_shape)
+        return run_mlp(x2d, *params, activation, configs).reshape(out_shape)
 
     def _training_configs(self, M: int, weight: torch.Tensor) -> tuple[KernelConfig | None, KernelConfig | None]:
-        """For a forward that builds a graph (see autograd.MLPFunction): the down projection's config and
-        the gated backward kernel's (tuned with `autofuse tune --train`); None where tuning found
-        PyTorch faster. Resolved once per table key, like the forward's."""
+        """For a forward that builds a graph (see training.MLPFunction): the down projection's config and
+        the gated backward kernel's (tuned with `autofuse tune --train`); None where tuning chose a
+        library path. Resolved once per table key, like the forward's."""
         key = self._table_key(M, weight)
         if key not in self._training_table:
             bias = self.gate_proj.bias is not None
             common = dict(dtype=weight.dtype, device=weight.device, bias=bias, tuned=self.tuned)
             self._training_table[key] = (
-                resolve("down", M, self.d_model, self.d_ff, activation="none", **common).config,
-                resolve("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common).config,
+                resolve("down", M, self.d_model, self.d_ff, activation="none", **common).kernel,
+                resolve("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common).kernel,
             )
         return self._training_table[key]
 

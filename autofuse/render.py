@@ -1,10 +1,11 @@
 """Render kernel templates and import the result as Triton kernels.
 
 Jinja decides structure (bias, residual, activation, masked K, interpreter upcasts); block sizes,
-GROUP_M, warps and stages stay constexprs and launch options. The rendered source is written to a
-file named by its content hash and imported from there: Triton reads a kernel's source back from
-its file, and one file per distinct source means each kernel is generated once per process and
-compiled once per config by Triton's own cache.
+GROUP_M, warps and stages stay constexprs and launch options. A kernel's parameter list comes from
+its op's operands (ops/spec.py), written by the `signature` macro of _common.py.jinja. The rendered
+source is written to a file named by its content hash and imported from there: Triton reads a
+kernel's source back from its file, and one file per distinct source means each kernel is generated
+once per process and compiled once per config by Triton's own cache.
 """
 
 from __future__ import annotations
@@ -15,31 +16,24 @@ import importlib.util
 import os
 import sys
 import tempfile
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 
 import jinja2
 
-from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from .device import check_interpreter_consistency, interpreting
+from .opspec import OpSpec, Parameter, parameters, signature_lines
 from .resources import templates_dir, user_cache_dir
-
-TEMPLATES = {"linear": LINEAR_ACTIVATIONS, "gated_up": GATED_ACTIVATIONS, "mlp_decode": GATED_ACTIVATIONS,
-             "gated_bwd": GATED_ACTIVATIONS, "gated_act": GATED_ACTIVATIONS}
-# Files whose text makes up a family's kernels, where it is not <family>.py.jinja (+ _tma) + _common.
-_FAMILY_FILES = {"gated_bwd": ("gated_bwd.py.jinja", "gated_bwd_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja")}
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Everything that changes a kernel's source. Numbers that only change its speed live in KernelConfig."""
 
-    # "linear", "gated_up", "mlp_decode", "gated_bwd" (the gated MLP's backward GEMM) or "gated_act"
-    # (the pointwise act(G) * U of the training forward)
-    template: str
+    op: OpSpec
     activation: str
     has_bias: bool = False
-    has_residual: bool = False  # linear only
+    has_residual: bool = False
     even_k: bool = False  # K % BLOCK_K == 0: the K loop needs no mask
     input_precision: str | None = None  # for float32 operands: "ieee" or "tf32"; None for 16-bit
     upcast_operands: bool = False  # under the interpreter, bf16 arithmetic is wrong: dot in float32
@@ -47,40 +41,34 @@ class KernelSpec:
     tma: bool = False  # persistent kernel over TMA tensor descriptors (templates/<template>_tma.py.jinja)
 
     def __post_init__(self) -> None:
-        if self.template not in TEMPLATES:
-            raise ValueError(f"unknown template {self.template!r}; known: {', '.join(TEMPLATES)}")
-        if self.activation not in TEMPLATES[self.template]:
-            raise ValueError(f"template {self.template!r} has no activation {self.activation!r}")
-        if self.has_residual and self.template != "linear":
-            raise ValueError("only the linear template takes a residual")
-        if self.tma and self.split_k:
-            raise ValueError("the TMA kernels have no split-K variant")
-        if self.template in ("mlp_decode", "gated_act") and self.tma:
-            raise ValueError(f"the {self.template} kernel has no TMA variant")
-        if self.template in ("mlp_decode", "gated_bwd", "gated_act") and self.split_k:
-            raise ValueError(f"the {self.template} kernel has no split-K variant")
+        if self.activation not in self.op.activations:
+            raise ValueError(f"op {self.op.name!r} has no activation {self.activation!r}; "
+                             f"it has {', '.join(self.op.activations)}")
+        refused = self.op.variants_allowed(self.has_residual, self.split_k, self.tma)
+        if refused:
+            raise ValueError(refused)
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 
     @property
     def kernel_name(self) -> str:
         # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias.
-        parts = ["autofuse", self.template, self.activation]
-        if self.has_bias:
-            parts.append("bias")
-        if self.has_residual:
-            parts.append("res")
-        if self.split_k:
-            parts.append("splitk")
-        if self.tma:
-            parts.append("tma")
-        return "_".join(parts)
+        flags = (("bias", self.has_bias), ("res", self.has_residual), ("splitk", self.split_k), ("tma", self.tma))
+        return "_".join(["autofuse", self.op.template, self.activation] + [name for name, on in flags if on])
+
+    @property
+    def parameters(self) -> tuple[Parameter, ...]:
+        flags = {"has_bias": self.has_bias, "has_residual": self.has_residual, "tma": self.tma}
+        workspace = self.split_k or self.op.always_workspace
+        return parameters(self.op.operands, self.op.sizes, workspace, flags)
 
 
-@lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+@cache
+def _environment(template_dir: Path | None) -> jinja2.Environment:
+    folders = [str(template_dir)] if template_dir is not None else []
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        # An op defined outside autofuse keeps its templates in its own folder and still imports ours.
+        loader=jinja2.FileSystemLoader([*folders, str(templates_dir())]),
         undefined=jinja2.StrictUndefined,  # a missing variable fails loudly instead of rendering blank
         trim_blocks=True,
         lstrip_blocks=True,
@@ -91,24 +79,27 @@ def _environment() -> jinja2.Environment:
 
 def render(spec: KernelSpec) -> str:
     """The Python source of the kernel described by `spec`."""
-    template = _environment().get_template(f"{spec.template}{'_tma' if spec.tma else ''}.py.jinja")
-    fields = dataclasses.asdict(spec)
-    fields.pop("template")
-    fields.pop("tma")
-    return template.render(kernel_name=spec.kernel_name, **fields)
+    template = _environment(spec.op.template_dir).get_template(
+        f"{spec.op.template}{'_tma' if spec.tma else ''}.py.jinja")
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("op", "tma")}
+    lines = signature_lines(spec.parameters, spec.op.kernel_constexprs(spec.split_k, spec.tma))
+    return template.render(kernel_name=spec.kernel_name, signature=lines, **fields)
 
 
 @cache
-def template_hash(template: str) -> str:
-    """Hash of a template family's source files, so tuned configs can notice a changed template."""
-    return hash_template_files(templates_dir(), template)
+def template_hash(op: OpSpec) -> str:
+    """Hash of the source files of an op's kernels, so tuned configs can notice a changed template."""
+    return hash_template_files(op, templates_dir())
 
 
-def hash_template_files(folder: Path, template: str) -> str:
+def hash_template_files(op: OpSpec, folder: Path) -> str:
+    """The hash of `op`'s template files as found in `op.template_dir`, then `folder`."""
     digest = hashlib.sha256()
-    for name in _FAMILY_FILES.get(template, (f"{template}.py.jinja", f"{template}_tma.py.jinja", "_common.py.jinja")):
-        if (folder / name).is_file():  # not every family has a TMA variant
-            digest.update(name.encode() + (folder / name).read_bytes())
+    for name in op.template_files:
+        for where in (op.template_dir, folder):
+            if where is not None and (Path(where) / name).is_file():  # not every family has a TMA variant
+                digest.update(name.encode() + (Path(where) / name).read_bytes())
+                break
     return digest.hexdigest()[:16]
 
 
@@ -117,12 +108,22 @@ def generated_dir() -> Path:
     return user_cache_dir() / "kernels"
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A loaded kernel: the Triton JIT function and its positional parameters (what to pass, in order)."""
+
+    fn: object
+    parameters: tuple[Parameter, ...]
+
+
+@cache
+def load_kernel(spec: KernelSpec) -> Kernel:
+    """The kernel for `spec`, rendered and imported once per distinct source. Memoised: rendering
+    costs ~100 us, a launch must not pay it."""
+    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters)
+
+
 _loaded: dict[str, object] = {}
-
-
-def load_kernel(spec: KernelSpec):
-    """The Triton JIT function for `spec`, rendered and imported once per distinct source."""
-    return load_source(render(spec), spec.kernel_name)
 
 
 def load_source(source: str, name: str):

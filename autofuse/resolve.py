@@ -12,48 +12,55 @@ Winners are read once per process into an in-memory index; modules resolve once 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
-import warnings
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from .configs import KernelConfig, clamp_to_problem, heuristic_config, next_power_of_2
+from . import ops
+from .configfile import read_export
+from .configs import Device, KernelConfig, Library, clamp_to_problem
 from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit, tma_usable
+from .errors import AutofuseError
+from .key import MAX_M_BUCKET, current_environment, m_bucket, make_key
+from .opspec import OpSpec
+from .resources import shipped_cache_dir, user_cache_dir
+from .store import open_store
 
-M_BUCKET_RULE = "pow2+tokens"  # M -> a tuned bucket equal to M, else the next power of two
-MAX_M_BUCKET = 16384
+logger = logging.getLogger("autofuse")
 
-
-def m_bucket(M: int) -> int:
-    return min(next_power_of_2(max(M, 1)), MAX_M_BUCKET)
+__all__ = ["MAX_M_BUCKET", "Choice", "heuristic_for", "invalidate", "m_bucket", "resolve", "resolve_tuned"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A resolved config: `config` None means eager PyTorch (the baseline won the tuning)."""
+    """What an op runs at one M: a kernel config or a library path, and where that choice came from."""
 
-    config: KernelConfig | None
+    config: KernelConfig | Library
     source: str  # "user-cache", "shipped:<file>", "nearest:<key id>", "heuristic"
     time_ms: float | None = None  # the tuned winner's time, where the choice is one
 
+    @property
+    def kernel(self) -> KernelConfig | None:
+        """The kernel config, or None where a library path runs."""
+        return self.config if isinstance(self.config, KernelConfig) else None
 
-def heuristic_for(template: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+
+def heuristic_for(spec: OpSpec, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
     if interpreting() or device.type != "cuda":
-        return heuristic_config(template, M, N, K, dtype, interpret=True, shared_memory_limit=0)
+        return spec.default_config(M, N, K, dtype, Device(interpret=True))
     index = cuda_index(device)
-    return heuristic_config(template, M, N, K, dtype, interpret=False, shared_memory_limit=shared_memory_limit(index),
-                            multiprocessors=multiprocessor_count(index), tma=tma_usable(device, K, dtype))
+    return spec.default_config(M, N, K, dtype, Device(False, shared_memory_limit(index), multiprocessor_count(index),
+                                                      tma_usable(device, K, dtype)))
 
 
 class TunedIndex:
     """Every winner this process can see, by key id, user cache first."""
 
     def __init__(self, cache_dir: str, extra_paths: str) -> None:
-        from .store import open_store
-
         self.user = {w.key.id(): w for w in open_store(cache_dir).winners()} if Path(cache_dir, "configs").exists() \
             else {}
         self.shipped: dict[str, tuple] = {}
@@ -66,8 +73,6 @@ class TunedIndex:
 
 
 def _shipped_files(extra_paths: str) -> list[Path]:
-    from .resources import shipped_cache_dir
-
     files = sorted(shipped_cache_dir().glob("*.json"))
     for entry in filter(None, extra_paths.split(os.pathsep)):
         p = Path(entry)
@@ -77,13 +82,10 @@ def _shipped_files(extra_paths: str) -> list[Path]:
 
 @cache
 def _read_shipped(path: Path) -> tuple:
-    from .errors import AutofuseError
-    from .export import read_export
-
     try:
         return tuple(read_export(path))
     except AutofuseError as e:  # a bad shipped file is skipped with one warning, never a crash
-        warnings.warn(f"autofuse: ignoring pretuned file: {e}", stacklevel=2)
+        logger.warning("autofuse: ignoring pretuned file: %s", e)
         return ()
 
 
@@ -91,9 +93,7 @@ _indexes: dict[tuple[str, str], TunedIndex] = {}
 
 
 def tuned_index() -> TunedIndex:
-    from .store import cache_dir
-
-    where = (str(cache_dir()), os.environ.get("AUTOFUSE_CACHE_PATH", ""))
+    where = (str(user_cache_dir()), os.environ.get("AUTOFUSE_CACHE_PATH", ""))
     if where not in _indexes:
         _indexes[where] = TunedIndex(*where)
     return _indexes[where]
@@ -118,8 +118,6 @@ def invalidate() -> None:
 def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
                   bias: bool, residual: bool = False) -> Choice | None:
     """The tuned winner for op at M (the user's cache, then shipped files; M, then its bucket), or None."""
-    from .key import current_environment, make_key
-
     env = current_environment(device)
     index = tuned_index()
     for bucket in dict.fromkeys((M, m_bucket(M))):
@@ -135,12 +133,10 @@ def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: t
 
 def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
             bias: bool, residual: bool = False, tuned: bool = True) -> Choice:
-    """The config for one op at M. `tuned=False` skips every cache: the built-in heuristic only."""
-    from .key import OP_TEMPLATES, current_environment, make_key
-
-    template = OP_TEMPLATES[op]
+    """The choice for one op at M. `tuned=False` skips every cache: the built-in heuristic only."""
+    spec = ops.get(op)
     if not tuned:
-        return Choice(heuristic_for(template, m_bucket(M), N, K, dtype, device), "heuristic")
+        return Choice(heuristic_for(spec, m_bucket(M), N, K, dtype, device), "heuristic")
     found = resolve_tuned(op, M, N, K, dtype, device, activation=activation, bias=bias, residual=residual)
     if found is not None:
         return found
@@ -152,10 +148,12 @@ def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.d
             return (abs(math.log2(w.key.n / N)) + abs(math.log2(w.key.k / K)), abs(math.log2(w.key.m_bucket / M)))
 
         nearest = min(neighbours, key=distance)
-        config = None if nearest.config is None else clamp_to_problem(nearest.config, M, N, K)
+        config = nearest.config
+        if isinstance(config, KernelConfig):
+            config = clamp_to_problem(config, M, N, K)
         return Choice(config, f"nearest:{nearest.key.id()}")
     _warn_once_if_tuned_elsewhere(index, key)
-    return Choice(heuristic_for(template, m_bucket(M), N, K, dtype, device), "heuristic")
+    return Choice(heuristic_for(spec, m_bucket(M), N, K, dtype, device), "heuristic")
 
 
 _warned_environments: set[tuple] = set()
@@ -172,6 +170,6 @@ def _warn_once_if_tuned_elsewhere(index: TunedIndex, key) -> None:
     if not winners or any((w.key.gpu, w.key.capability, w.key.triton, w.key.cuda) == here for w in winners):
         return
     _warned_environments.add(here)
-    warnings.warn(f"autofuse: no tuned configs for {key.gpu} / triton {key.triton} (tuned ones are for "
-                  f"{', '.join(sorted(elsewhere))}); using the built-in heuristic. Run `autofuse tune` on this "
-                  "GPU for tuned speed.", stacklevel=4)
+    logger.warning("autofuse: no tuned configs for %s / triton %s (tuned ones are for %s); using the built-in "
+                   "heuristic. Run `autofuse tune` on this GPU for tuned speed.", key.gpu, key.triton,
+                   ", ".join(sorted(elsewhere)))

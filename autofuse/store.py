@@ -2,7 +2,7 @@
 
 Two diskcache folders of plain JSON entries (diskcache's JSONDisk: nothing is pickled, nothing
 is unpickled), validated when read:
-  configs/  <key id>                 the winner for a key (a KernelConfig dict, or "baseline")
+  configs/  <key id>                 the winner for a key (a KernelConfig dict, or "library:<name>")
   trials/   <key id>|<config id>     one finished trial (typed outcome, time), written as it ends
 Writes are SQLite transactions, so several processes may tune into one cache at once, and a
 killed run leaves only whole entries behind.
@@ -17,17 +17,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .configs import KernelConfig
+from .configs import KernelConfig, Library, choice_from_json
 from .key import TuningKey
 from .resources import user_cache_dir
 
-BASELINE = "baseline"  # a key whose winner is eager PyTorch (no candidate beat it)
 TRIAL_STATUSES = ("ok", "infeasible", "compile_error", "out_of_resources", "wrong_result", "timeout", "error")
-
-
-def cache_dir() -> Path:
-    """Where the tuning cache lives: the user's autofuse folder."""
-    return user_cache_dir()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +29,9 @@ class Winner:
     """The tuned choice for one key, with what was measured when it was chosen."""
 
     key: TuningKey
-    config: KernelConfig | None  # None: the eager PyTorch baseline won
+    config: KernelConfig | Library  # a kernel, or a library path of the op (autofuse.configs)
     time_ms: float  # the winner's median time
-    baseline_ms: float  # eager PyTorch for the same op
+    baseline_ms: float  # the fastest library candidate for the same op
     heuristic_ms: float | None = None  # the built-in heuristic's config, when it was timed
     trials: int = 0
     tune_seconds: float = 0.0
@@ -46,7 +40,7 @@ class Winner:
     def to_record(self) -> dict[str, Any]:
         return {
             "key": self.key.to_dict(),
-            "config": BASELINE if self.config is None else self.config.to_dict(),
+            "config": self.config.to_json(),
             "time_ms": self.time_ms,
             "baseline_ms": self.baseline_ms,
             "heuristic_ms": self.heuristic_ms,
@@ -65,7 +59,9 @@ class Winner:
             raise ValueError(f"record fields wrong: missing {sorted(expected - set(record))}, "
                              f"unknown {sorted(set(record) - expected)}")
         key = TuningKey.from_dict(record["key"])
-        config = None if record["config"] == BASELINE else KernelConfig.from_dict(record["config"])
+        config = choice_from_json(record["config"])
+        if isinstance(config, Library) and config.name not in key.spec.library:
+            raise ValueError(f"op {key.op!r} has no library candidate {config.name!r}")
         for name in ("time_ms", "baseline_ms"):
             if not _positive_number(record[name]):
                 raise ValueError(f"{name} must be a positive number, got {record[name]!r}")
@@ -121,9 +117,9 @@ class Store:
     """The tuning cache of one directory."""
 
     def __init__(self, directory: Path | str | None = None) -> None:
-        import diskcache
+        import diskcache  # here, not at the top: `import autofuse` need not load SQLite
 
-        self.directory = Path(directory) if directory is not None else cache_dir()
+        self.directory = Path(directory) if directory is not None else user_cache_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
         settings = dict(
             disk=diskcache.JSONDisk,
@@ -166,9 +162,6 @@ class Store:
                 except ValueError:
                     continue
 
-    def delete_winner(self, key: TuningKey) -> bool:
-        return self._cache.delete(key.id())
-
     # trials
     def put_trial(self, key: TuningKey, trial: TrialRecord) -> None:
         self._trials.set(f"{key.id()}|{config_id(trial.config)}", trial.to_json())
@@ -201,7 +194,3 @@ class Store:
 @lru_cache(maxsize=8)
 def open_store(directory: str) -> Store:
     return Store(directory)
-
-
-def default_store() -> Store:
-    return open_store(str(cache_dir()))

@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from _helpers import DTYPES, relative_error
 
 import autofuse
-from autofuse import launch
 from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS
-from autofuse.autograd import gated_backward_eager
 from autofuse.configs import KernelConfig
+from autofuse.ops.gated_act import gated_activation
+from autofuse.ops.gated_bwd import gated_backward, gated_backward_eager
 
 # Norm-relative error allowed for a gradient against float64. A gradient passes through several
 # roundings in the dtype (the upstream gradient, dH, dG/dU, the GEMM outputs), each up to one unit
@@ -214,10 +214,10 @@ def test_gated_backward_kernel_block_configs(dtype, config, D, device):
     eager = gated_backward_eager(dy, gu, wd, "gelu")
     poisoned = (torch.full((M, 2 * F_), float("nan"), dtype=dtype, device=device),
                 torch.full((M, F_), float("nan"), dtype=dtype, device=device))
-    fresh = launch.gated_backward(dy, gu, wd, "gelu", config, out=poisoned)
-    in_place = launch.gated_backward(dy, gu.clone(), wd, "gelu", config)  # out=None: dGU over gu's copy
+    fresh = gated_backward(dy, gu, wd, "gelu", config, out=poisoned)
+    in_place = gated_backward(dy, gu.clone(), wd, "gelu", config)  # out=None: dGU over gu's copy
     aliased_gu = gu.clone()
-    aliased = launch.gated_backward(dy, aliased_gu, wd, "gelu", config, out=(aliased_gu, None))
+    aliased = gated_backward(dy, aliased_gu, wd, "gelu", config, out=(aliased_gu, None))
     assert aliased[0].data_ptr() == aliased_gu.data_ptr()
     for dgu_h in (fresh, in_place, aliased):
         for got, r, e in zip(dgu_h, ref, eager):
@@ -232,7 +232,7 @@ def test_gated_activation_kernel(dtype, activation, device):
     M, F_ = 37, 72
     gu = _saved_pre_activations(M, F_, dtype, device)
     out = torch.full((M, F_), float("nan"), dtype=dtype, device=device)
-    h = launch.gated_activation(gu, activation, out=out)
+    h = gated_activation(gu, activation, out=out)
     g, u = gu.double()[:, :F_], gu.double()[:, F_:]
     ref = TORCH_ACTIVATIONS[activation](g) * u
     eager = TORCH_ACTIVATIONS[activation](gu[:, :F_]) * gu[:, F_:]

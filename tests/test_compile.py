@@ -11,9 +11,9 @@ import pytest
 _HERE = Path(__file__).parent
 
 
-def _spec(template, activation, bias=False, residual=False, even_k=True, split_k=False, tma=False,
+def _spec(op, activation, bias=False, residual=False, even_k=True, split_k=False, tma=False,
           input_precision=None):
-    return dict(template=template, activation=activation, has_bias=bias, has_residual=residual, even_k=even_k,
+    return dict(op=op, activation=activation, has_bias=bias, has_residual=residual, even_k=even_k,
                 split_k=split_k, tma=tma, input_precision=input_precision)
 
 
@@ -36,9 +36,9 @@ CASES = [
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("gated_up", "silu", bias=True, tma=True, input_precision="tf32"), dtype="float32",
          capability=90, block=(64, 64, 32), split_k=1, num_warps=4, num_stages=3),
-    dict(spec=_spec("mlp_decode", "gelu_tanh"), dtype="bfloat16", capability=90,
+    dict(spec=_spec("mlp", "gelu_tanh"), dtype="bfloat16", capability=90,
          block=(16, 64, 128), split_k=1, num_warps=4, num_stages=4),
-    dict(spec=_spec("mlp_decode", "silu", bias=True, even_k=False), dtype="float16", capability=80,
+    dict(spec=_spec("mlp", "silu", bias=True, even_k=False), dtype="float16", capability=80,
          block=(32, 32, 64), split_k=1, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_bwd", "gelu_tanh", even_k=False), dtype="bfloat16", capability=90,
          block=(128, 64, 64), split_k=1, num_warps=8, num_stages=3),

@@ -3,14 +3,25 @@
 import pytest
 import torch
 
+from autofuse import ops
 from autofuse.configs import (
+    Device,
     KernelConfig,
+    Library,
+    choice_from_json,
     clamp_to_problem,
     fit_shared_memory,
-    heuristic_config,
     shared_memory_bytes,
 )
-from autofuse.resolve import m_bucket
+from autofuse.key import m_bucket
+
+
+def heuristic_config(op, M, N, K, dtype, *, interpret, shared_memory_limit, multiprocessors=108, tma=False):
+    return ops.get(op).default_config(M, N, K, dtype, Device(interpret, shared_memory_limit, multiprocessors, tma))
+
+
+def tiles(op):
+    return ops.get(op).operand_tiles
 
 
 def test_round_trip_through_json_dict():
@@ -44,9 +55,9 @@ def test_clamp_to_problem_never_goes_below_16():
 
 def test_shared_memory_fit():
     big = KernelConfig(128, 256, 128, num_stages=5)
-    assert shared_memory_bytes(big, "gated_up", torch.bfloat16) > 227 * 1024
-    fitted = fit_shared_memory(big, "gated_up", torch.bfloat16, 227 * 1024)
-    assert shared_memory_bytes(fitted, "gated_up", torch.bfloat16) <= 227 * 1024
+    assert shared_memory_bytes(big, tiles("gated_up"), torch.bfloat16) > 227 * 1024
+    fitted = fit_shared_memory(big, tiles("gated_up"), torch.bfloat16, 227 * 1024)
+    assert shared_memory_bytes(fitted, tiles("gated_up"), torch.bfloat16) <= 227 * 1024
     assert fitted.num_stages >= 2
 
 
@@ -56,7 +67,7 @@ def test_shared_memory_fit():
 @pytest.mark.parametrize("limit", [99 * 1024, 227 * 1024])
 def test_heuristic_fits_every_gpu_limit(template, dtype, M, limit):
     config = heuristic_config(template, M, 16384, 2048, dtype, interpret=False, shared_memory_limit=limit)
-    assert shared_memory_bytes(config, template, dtype) <= limit
+    assert shared_memory_bytes(config, tiles(template), dtype) <= limit
     assert config.block_m <= max(16, M)
 
 
@@ -112,4 +123,14 @@ def test_large_m_heuristic_takes_tma_where_the_gpu_has_it():
         ampere = heuristic_config(template, 4096, 16384, 4096, torch.bfloat16, interpret=False,
                                   shared_memory_limit=163 * 1024, multiprocessors=108, tma=False)
         assert hopper.tma and not ampere.tma
-        assert shared_memory_bytes(hopper, template, torch.bfloat16) <= 227 * 1024
+        assert shared_memory_bytes(hopper, tiles(template), torch.bfloat16) <= 227 * 1024
+
+
+def test_choices_of_both_kinds_round_trip_and_the_legacy_spelling_loads():
+    config = KernelConfig(64, 64, 64, split_k=2)
+    assert choice_from_json(config.to_json()) == config
+    assert choice_from_json("library:eager") == Library("eager") and Library("eager").short() == "library:eager"
+    assert choice_from_json("baseline") == Library("eager")  # records written before choice kinds
+    for bad in ("eager", "library:", "library:x y", "library:" + "a" * 41, 3):
+        with pytest.raises(ValueError):
+            choice_from_json(bad)

@@ -1,4 +1,4 @@
-"""Tuning with several workers through one Optuna storage (tune/distributed.py, tune/parallel.py),
+"""Tuning with several workers through one Optuna storage (tune/worklist.py, tune/coordinator.py),
 under the interpreter: worker processes stand in for GPUs and for machines."""
 
 import multiprocessing
@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from autofuse.cli import main
 from autofuse.errors import AutofuseError
 from autofuse.store import Store
-from autofuse.tune import distributed
-from autofuse.tune.parallel import parse_devices
+from autofuse.tune import worklist
+from autofuse.tune.coordinator import parse_devices
 
 SHAPES = {"dtype": "float32", "tokens": [5, 37],
           "mlps": [{"name": "m", "d_model": 24, "d_ff": 40, "activation": "silu"}],
@@ -27,7 +27,7 @@ KEYS = 8  # per M: gated_up, down, mlp (M <= 64), linear; M = 5 and 37
 def _claims(storage):
     """{job index: [(generation, attrs)]} of every run in the storage."""
     out = {}
-    for study in distributed.open_storage(str(storage)).get_all_studies():
+    for study in worklist.open_storage(str(storage)).get_all_studies():
         _, _, index, generation = study.study_name.split("/")
         out.setdefault(int(index), []).append((int(generation), dict(study.user_attrs)))
     return out
@@ -99,7 +99,7 @@ def test_two_machines_join_one_run_through_the_storage(tmp_path):
 
 def _claim_once(args):
     storage, worker = args
-    work_list = distributed.WorkList(distributed.open_storage(storage), "race", [])
+    work_list = worklist.WorkList(worklist.open_storage(storage), "race", [])
     return work_list.try_claim(0, 0, worker) is not None
 
 

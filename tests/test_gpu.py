@@ -5,6 +5,8 @@ import torch
 from _helpers import DTYPES, TOLERANCES, assert_matches_reference
 
 import autofuse
+from autofuse.ops.linear import linear
+from autofuse.ops.mlp import mlp_decode
 from autofuse.reference import eager_linear, eager_mlp, linear_reference, mlp_reference
 
 pytestmark = pytest.mark.gpu
@@ -80,17 +82,16 @@ def _graph_matches_eager(run, x):
 
 
 def test_split_k_and_one_launch_mlp_are_capturable_in_a_cuda_graph():
-    from autofuse import launch
     from autofuse.configs import KernelConfig
 
     w = torch.randn(2048, 16384, dtype=torch.bfloat16, device="cuda") / 128
     split = KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=8)
-    _graph_matches_eager(lambda x: launch.linear(x, w, None, None, "none", split),
+    _graph_matches_eager(lambda x: linear(x, w, None, None, "none", split),
                          torch.randn(4, 16384, dtype=torch.bfloat16, device="cuda"))
     wg, wu = (torch.randn(2048, 768, dtype=torch.bfloat16, device="cuda") / 28 for _ in range(2))
     wd = torch.randn(768, 2048, dtype=torch.bfloat16, device="cuda") / 45
     fused = KernelConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=3)
-    _graph_matches_eager(lambda x: launch.mlp_decode(x, wg, wu, wd, None, None, None, "gelu_tanh", fused),
+    _graph_matches_eager(lambda x: mlp_decode(x, wg, wu, wd, None, None, None, "gelu_tanh", fused),
                          torch.randn(1, 768, dtype=torch.bfloat16, device="cuda"))
 
 
@@ -99,7 +100,6 @@ def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
     # launching thread; the tuner compiles in a worker thread, and so may a user's server.
     import threading
 
-    from autofuse import launch
     from autofuse.configs import KernelConfig
 
     x = torch.randn(1024, 2048, dtype=torch.bfloat16, device="cuda")
@@ -109,7 +109,7 @@ def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
 
     def work():
         try:
-            result["y"] = launch.linear(x, w, None, None, "gelu", config)
+            result["y"] = linear(x, w, None, None, "gelu", config)
             torch.cuda.synchronize()
         except Exception as e:  # reported below, in the test's thread
             result["error"] = e

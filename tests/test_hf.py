@@ -128,9 +128,10 @@ def test_the_original_forward_runs_where_the_kernels_would_differ(device):
         assert block._needs_original(x)
 
 
-def test_fuse_with_tune_tunes_the_model_shapes(device):
+def test_tune_model_tunes_the_fused_model_shapes(device):
     model = _gemma().to(device).eval()
-    autofuse.fuse(model, tune=True, tokens=(16,), trials=1, verbose=False)
+    autofuse.fuse(model, verbose=False)
+    assert autofuse.tune_model(model, tokens=(16,), trials=1) == 3  # gated_up, down, mlp: one shape, one M
     sources = model.model.layers[0].mlp._fused.config_sources(16)
     assert sources and all(s == "user-cache" for s in sources.values()), sources
 

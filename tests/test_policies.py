@@ -5,16 +5,17 @@ import os
 import pytest
 import torch
 
-from autofuse import launch
-from autofuse.configs import KernelConfig
+from autofuse.configs import INTERPRETER_SPACE, KernelConfig, Library, SearchSpace
 from autofuse.key import current_environment, make_key
+from autofuse.ops import linear as linear_module
+from autofuse.ops.linear import linear
 from autofuse.store import Store, TrialRecord
 from autofuse.tune.driver import Job, tune_key
 from autofuse.tune.objective import Evaluator
 from autofuse.tune.policies import ExhaustivePolicy, OptunaPolicy, RandomPolicy
-from autofuse.tune.space import INTERPRETER_SPACE, Problem, SearchSpace, candidates, feasible
+from autofuse.tune.space import Problem, candidates, feasible
 
-PROBLEM = Problem("gated_up", 37, 72, 40, torch.bfloat16)
+PROBLEM = Problem((1, 2), 37, 72, 40, torch.bfloat16)
 
 
 def _fake_evaluate(log):
@@ -47,11 +48,11 @@ def test_optuna_respects_budget_skips_done_and_never_repeats():
 
 def test_filters_drop_what_cannot_fit_before_compiling():
     space = SearchSpace()
-    big = Problem("gated_up", 4096, 16384, 2048, torch.bfloat16)
+    big = Problem((1, 2), 4096, 16384, 2048, torch.bfloat16)
     assert feasible(KernelConfig(256, 256, 128, num_warps=4, num_stages=5), big, 232448, False) is None
     kept = candidates(space, big, 232448, False)
     assert 0 < len(kept) < space.size()
-    small = Problem("linear", 1, 40, 24, torch.float16)
+    small = Problem((1, 1), 1, 40, 24, torch.float16)
     assert all(c.block_m == 16 and c.block_n <= 64 and c.block_k <= 32 for c in candidates(space, small, 232448, False))
 
 
@@ -67,7 +68,7 @@ def _key(dtype=torch.float16):
 
 @cpu_interpreter_only
 def test_a_wrong_kernel_is_recorded_as_wrong_and_never_wins(monkeypatch):
-    real = launch.linear
+    real = linear
 
     def broken(x, w, b, r, act, config, out=None):
         y = real(x, w, b, r, act, config, out=out)
@@ -75,7 +76,7 @@ def test_a_wrong_kernel_is_recorded_as_wrong_and_never_wins(monkeypatch):
             y[0, 0] += 1.0
         return y
 
-    monkeypatch.setattr(launch, "linear", broken)
+    monkeypatch.setattr(linear_module, "linear", broken)
     evaluator = Evaluator(_key(), 37, torch.device("cpu"))
     record = evaluator.evaluate(KernelConfig(16, 64, 64, num_stages=1))
     assert record.status == "wrong_result" and "relative error" in record.detail
@@ -87,7 +88,7 @@ def test_a_wrong_kernel_is_recorded_as_wrong_and_never_wins(monkeypatch):
 
 @cpu_interpreter_only
 def test_unwritten_output_is_caught(monkeypatch):
-    monkeypatch.setattr(launch, "linear", lambda x, w, b, r, act, config, out=None: out)  # writes nothing
+    monkeypatch.setattr(linear_module, "linear", lambda x, w, b, r, act, config, out=None: out)  # writes nothing
     record = Evaluator(_key(), 37, torch.device("cpu")).evaluate(KernelConfig(32, 64, 64, num_stages=1))
     assert record.status == "wrong_result" and "unwritten" in record.detail
 
@@ -100,16 +101,16 @@ def test_a_crashing_candidate_is_a_typed_failure(monkeypatch):
     def crash(*args, **kwargs):
         raise OutOfResources("out of resource: shared memory, Required: 300000, Hardware limit: 232448")
 
-    monkeypatch.setattr(launch, "linear", crash)
+    monkeypatch.setattr(linear_module, "linear", crash)
     record = Evaluator(_key(), 37, torch.device("cpu")).evaluate(KernelConfig(32, 64, 64, num_stages=1))
     assert record.status == "out_of_resources" and "shared memory" in record.detail
 
     def fail(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(launch, "linear", fail)
+    monkeypatch.setattr(linear_module, "linear", fail)
     result = tune_key(Job(_key(), 37, "t"), Store(), torch.device("cpu"), policy="random", trials=3)
-    assert result.winner.config is None  # nothing worked: the eager baseline is the winner
+    assert result.winner.config == Library("eager")  # nothing worked: the eager library path is the winner
     assert result.failures == {"error": 3}
 
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import autofuse
-from autofuse import render
+from autofuse import ops, render
 from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from autofuse.render import KernelSpec
+
+LINEAR, GATED_UP = ops.get("linear"), ops.get("gated_up")
 
 
 def _all_specs():
@@ -18,11 +20,11 @@ def _all_specs():
             for res in (False, True):
                 for even_k in (False, True):
                     for upcast in (False, True):
-                        yield KernelSpec("linear", act, bias, res, even_k, None, upcast)
+                        yield KernelSpec(LINEAR, act, bias, res, even_k, None, upcast)
     for act in GATED_ACTIVATIONS:
         for bias in (False, True):
             for prec in (None, "ieee", "tf32"):
-                yield KernelSpec("gated_up", act, bias, False, False, prec, False)
+                yield KernelSpec(GATED_UP, act, bias, False, False, prec, False)
 
 
 def _spec_id(s):
@@ -42,25 +44,27 @@ def test_every_spec_renders_valid_python(spec):
 
 
 def test_missing_variable_fails_loudly():
-    template = render._environment().get_template("linear.py.jinja")
+    template = render._environment(None).get_template("linear.py.jinja")
     with pytest.raises(jinja2.UndefinedError):
         template.render(activation="none")
 
 
 def test_spec_rejects_nonsense():
     with pytest.raises(ValueError, match="no activation"):
-        KernelSpec("gated_up", "none")
+        KernelSpec(GATED_UP, "none")
     with pytest.raises(ValueError, match="residual"):
-        KernelSpec("gated_up", "silu", has_residual=True)
-    with pytest.raises(ValueError, match="unknown template"):
-        KernelSpec("conv", "none")
+        KernelSpec(GATED_UP, "silu", has_residual=True)
+    with pytest.raises(ValueError, match="split-K"):
+        KernelSpec(ops.get("mlp"), "silu", split_k=True)
+    with pytest.raises(autofuse.AutofuseError, match="unknown op"):
+        ops.get("conv")
 
 
 def test_show_kernel_returns_the_source_that_runs():
     source = autofuse.show_kernel("gated_up", activation="silu", bias=True)
     assert "def autofuse_gated_up_silu_bias(" in source
     assert "acc_gate" in source and "acc_up" in source
-    assert source == render.render(KernelSpec("gated_up", "silu", has_bias=True, even_k=True,
+    assert source == render.render(KernelSpec(GATED_UP, "silu", has_bias=True, even_k=True,
                                               upcast_operands=render.os.environ.get("TRITON_INTERPRET") == "1"))
 
 
@@ -74,7 +78,8 @@ def test_show_kernel_bad_input():
 def test_generated_once_per_source(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(render, "_loaded", {})  # other tests in this process may have loaded this variant
-    spec = KernelSpec("linear", "relu", has_bias=True)
+    render.load_kernel.cache_clear()
+    spec = KernelSpec(LINEAR, "relu", has_bias=True)
     first = render.load_kernel(spec)
     assert render.load_kernel(spec) is first
     files = list((tmp_path / "kernels").glob("*.py"))
@@ -83,15 +88,15 @@ def test_generated_once_per_source(tmp_path, monkeypatch):
 
 
 def test_template_hash_changes_with_the_template(tmp_path):
-    before = render.template_hash("linear")
-    assert before == render.template_hash("linear") and before != render.template_hash("gated_up")
+    before = render.template_hash(LINEAR)
+    assert before == render.template_hash(ops.get("down")) and before != render.template_hash(GATED_UP)
     copy = tmp_path / "templates"
     copy.mkdir()
     for f in render.templates_dir().iterdir():
         (copy / f.name).write_text(f.read_text())
     (copy / "linear.py.jinja").write_text((copy / "linear.py.jinja").read_text() + "\n# changed\n")
-    assert render.hash_template_files(copy, "linear") != before
-    assert render.hash_template_files(copy, "gated_up") == render.template_hash("gated_up")
+    assert render.hash_template_files(LINEAR, copy) != before
+    assert render.hash_template_files(GATED_UP, copy) == render.template_hash(GATED_UP)
 
 
 def test_interpreted_kernel_matches_torch_for_float32():

@@ -6,6 +6,9 @@ from _helpers import DTYPES, assert_matches_reference
 
 from autofuse import launch
 from autofuse.configs import KernelConfig
+from autofuse.ops.gated_up import gated_up
+from autofuse.ops.linear import linear
+from autofuse.ops.mlp import mlp_decode
 from autofuse.reference import eager_gated, eager_linear, gated_reference, linear_reference
 
 SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=4)
@@ -30,7 +33,7 @@ def test_linear_repeated_launches_stay_correct(dtype, device):
     b = torch.randn(N, dtype=dtype, device=device)
     for _ in range(3):
         x = torch.randn(M, K, dtype=dtype, device=device)
-        out = launch.linear(x, w, b, None, "gelu", SPLIT)
+        out = linear(x, w, b, None, "gelu", SPLIT)
         args = (x, w, b, None, "gelu")
         assert_matches_reference(out, linear_reference(*args), eager_linear(*args))
         assert _workspaces_are_zero()
@@ -42,7 +45,7 @@ def test_gated_repeated_launches_stay_correct(dtype, device):
     wg, wu = (torch.randn(N, K, dtype=dtype, device=device) / K**0.5 for _ in range(2))
     for _ in range(3):
         x = torch.randn(M, K, dtype=dtype, device=device)
-        out = launch.gated_up(x, wg, wu, None, None, "silu", SPLIT)
+        out = gated_up(x, wg, wu, None, None, "silu", SPLIT)
         args = (x, wg, wu, None, None, "silu")
         assert_matches_reference(out, gated_reference(*args), eager_gated(*args))
         assert _workspaces_are_zero()
@@ -54,19 +57,19 @@ def test_more_slices_than_k_blocks(device):
     x = torch.randn(5, 32, device=device)
     w = torch.randn(24, 32, device=device)
     out = torch.full((5, 24), float("nan"), device=device)
-    launch.linear(x, w, None, None, "none", SPLIT, out=out)
+    linear(x, w, None, None, "none", SPLIT, out=out)
     args = (x, w, None, None, "none")
     assert_matches_reference(out, linear_reference(*args), eager_linear(*args))
 
 
 def test_workspace_grows_and_keeps_old_buffers(device):
-    small = launch.linear(torch.randn(2, 32, device=device), torch.randn(16, 32, device=device), None, None,
+    small = linear(torch.randn(2, 32, device=device), torch.randn(16, 32, device=device), None, None,
                           "none", SPLIT)
     assert small.shape == (2, 16)
     before = {id(s) for s, _ in launch._workspaces.values()}
     x = torch.randn(40, 32, device=device)
     w = torch.randn(200, 32, device=device)  # 40 x 200 partial sums: more than any earlier launch
-    out = launch.linear(x, w, None, None, "none", SPLIT)
+    out = linear(x, w, None, None, "none", SPLIT)
     assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))
     # The replaced buffer is retired, not freed (a captured CUDA graph may still point at it).
     assert before <= {id(s) for s, _ in [*launch._workspaces.values(), *launch._retired]}
@@ -74,13 +77,13 @@ def test_workspace_grows_and_keeps_old_buffers(device):
 
 def test_reset_workspaces_clears_a_dirty_workspace(device):
     x, (w,) = _operands(8, 32, 64, torch.float32, device)
-    launch.linear(x, w, None, None, "none", SPLIT)
+    linear(x, w, None, None, "none", SPLIT)
     for sums, counters in launch._workspaces.values():
         sums.fill_(1.0)  # what a broken or interrupted launch could leave
         counters.fill_(1)
     launch.reset_workspaces()
     assert _workspaces_are_zero()
-    out = launch.linear(x, w, None, None, "none", SPLIT)
+    out = linear(x, w, None, None, "none", SPLIT)
     assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))
 
 
@@ -116,7 +119,7 @@ def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, M, devic
     for _ in range(2):
         x = torch.randn(M, D, dtype=dtype, device=device)
         out = torch.full((M, D), float("nan"), dtype=dtype, device=device)
-        launch.mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config, out=out)
+        mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config, out=out)
         args = (x, wg, wu, wd, *biases, "gelu_tanh")
         assert_matches_reference(out, _mlp_reference(*args), _mlp_eager(*args))
         assert _workspaces_are_zero()
@@ -132,9 +135,9 @@ def test_per_call_workspaces_leave_the_persistent_ones_alone(dtype, device, monk
     wd = torch.randn(64, 40, dtype=dtype, device=device) / 40**0.5
     with launch.workspaces_per_call():
         for _ in range(2):
-            h = launch.gated_up(x, wg, wu, None, None, "silu", SPLIT)
-            y = launch.linear(h, wd, None, None, "none", SPLIT)
-            y1 = launch.mlp_decode(x[:1], wg, wu, wd, None, None, None, "silu", DECODE_CONFIGS[0])
+            h = gated_up(x, wg, wu, None, None, "silu", SPLIT)
+            y = linear(h, wd, None, None, "none", SPLIT)
+            y1 = mlp_decode(x[:1], wg, wu, wd, None, None, None, "silu", DECODE_CONFIGS[0])
     assert launch._workspaces == {} and launch._retired == []
     args = (x, wg, wu, None, None, "silu")
     assert_matches_reference(h, gated_reference(*args), eager_gated(*args))
@@ -146,7 +149,7 @@ def test_per_call_workspaces_leave_the_persistent_ones_alone(dtype, device, monk
 
 def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
     import autofuse
-    from autofuse import ops
+    from autofuse import custom_ops
 
     seen = []
 
@@ -156,8 +159,8 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
             return run(*args)
         return wrapped
 
-    monkeypatch.setattr(ops, "run_mlp", spy(ops.run_mlp))
-    monkeypatch.setattr(ops, "run_linear", spy(ops.run_linear))
+    monkeypatch.setattr(custom_ops, "run_mlp", spy(custom_ops.run_mlp))
+    monkeypatch.setattr(custom_ops, "run_linear", spy(custom_ops.run_linear))
     mlp = autofuse.get_mlp(32, 48, dtype=torch.float32, device=device)
     lin = autofuse.get_linear(32, 24, dtype=torch.float32, device=device)
     x = torch.randn(3, 32, device=device)

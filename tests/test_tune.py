@@ -1,6 +1,7 @@
 """The tuner end to end under the interpreter: CLI, store, resume, concurrency, export/import."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 import autofuse
 from autofuse import resolve
 from autofuse.cli import main
-from autofuse.configs import KernelConfig
+from autofuse.configs import KernelConfig, Library
 from autofuse.key import current_environment, make_key
 from autofuse.store import Store, Winner
 
@@ -142,7 +143,7 @@ def test_damaged_import_is_rejected_and_writes_nothing(tmp_path, monkeypatch, da
 
 
 def test_import_rejects_a_bad_record_even_with_a_valid_checksum(tmp_path, monkeypatch):
-    from autofuse.export import _checksum
+    from autofuse.configfile import _checksum
 
     path = _exported(tmp_path)
     document = json.loads(path.read_text())
@@ -178,7 +179,7 @@ def test_stale_keys_are_never_reused():
     assert lin.config_for(37) == {"linear": config} and lin.config_sources(37) == {"linear": "user-cache"}
 
 
-def test_shipped_files_and_a_bad_one(tmp_path, monkeypatch):
+def test_shipped_files_and_a_bad_one(tmp_path, monkeypatch, caplog):
     path = _exported(tmp_path)
     ship = tmp_path / "ship"
     ship.mkdir()
@@ -187,22 +188,23 @@ def test_shipped_files_and_a_bad_one(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("AUTOFUSE_CACHE_PATH", str(ship))
     resolve.invalidate()
-    with pytest.warns(UserWarning, match="ignoring pretuned file: broken.json"):
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
         lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
         assert lin.config_sources(3) == {"linear": "shipped:gpu.json"}
+    assert [r.getMessage() for r in caplog.records if "ignoring pretuned file: broken.json" in r.getMessage()]
 
 
 def test_baseline_winner_runs_eager_and_is_correct():
     from autofuse.reference import linear_reference
 
     store = Store()
-    store.put_winner(Winner(_key(m=4), None, 2.0, 1.0))
+    store.put_winner(Winner(_key(m=4), Library("eager"), 2.0, 1.0))
     resolve.invalidate()
     lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device="cpu")
     assert lin.config_for(4) == {"linear": KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=1)}
-    # The baseline record was keyed for bfloat16: a bf16 module picks it up and runs eagerly.
+    # The library record was keyed for bfloat16: a bf16 module picks it up and runs eagerly.
     lin16 = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
-    assert lin16.config_for(4) == {"linear": "baseline"}
+    assert lin16.config_for(4) == {"linear": Library("eager")}
     x = torch.randn(4, 40, dtype=torch.bfloat16)
     with torch.no_grad():
         out = lin16(x)
@@ -285,7 +287,7 @@ def test_cache_show_clear_and_kernel(tmp_path):
 
 
 def test_every_shipped_file_is_valid():
-    from autofuse.export import read_export
+    from autofuse.configfile import read_export
     from autofuse.render import template_hash
     from autofuse.resources import shipped_cache_dir
 
@@ -293,7 +295,7 @@ def test_every_shipped_file_is_valid():
     for path in files:
         winners = read_export(path)  # raises on anything malformed
         assert winners, f"{path.name} is empty"
-        stale = [w.key.id() for w in winners if w.key.template_hash != template_hash(w.key.template)]
+        stale = [w.key.id() for w in winners if w.key.template_hash != template_hash(w.key.spec)]
         assert not stale, f"{path.name} was tuned for other template versions: regenerate it ({stale[0]})"
 
 
@@ -314,7 +316,7 @@ def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
 def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
     env = current_environment(torch.device("cpu"))
     key = make_key("gated_bwd", 72, 40, 8, torch.float32, "silu", False, False, env)
-    Store().put_winner(Winner(key, None, 1.0, 1.0))  # the baseline won
+    Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0))  # the library path won
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
     assert mlp._training_configs(8, mlp.gate_proj.weight)[1] is None
     x = torch.randn(8, 40, requires_grad=True)
@@ -341,19 +343,20 @@ def test_ops_option_rejects_bad_selections_without_a_traceback(tmp_path, ops, me
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
-def test_a_gpu_without_tuned_configs_warns_once_and_runs_the_heuristic(monkeypatch):
+def test_a_gpu_without_tuned_configs_warns_once_and_runs_the_heuristic(monkeypatch, caplog):
     # A deployment on another GPU / Triton than the shipped files were tuned for: heuristic, one warning.
     from autofuse import key as key_module
     from autofuse import resolve as resolve_module
 
     elsewhere = key_module.Environment("NVIDIA H100 80GB HBM3", "9.0", "9.9.9", "13.0")
-    monkeypatch.setattr(key_module, "current_environment", lambda device: elsewhere)
+    monkeypatch.setattr(resolve_module, "current_environment", lambda device: elsewhere)
     monkeypatch.setattr(resolve_module, "_warned_environments", set())
     resolve_module.invalidate()
-    with pytest.warns(UserWarning, match="no tuned configs for NVIDIA H100 80GB HBM3 / triton 9.9.9") as caught:
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
         choices = [resolve_module.resolve("gated_up", M, 96, 64, torch.bfloat16, torch.device("cpu"),
                                           activation="gelu_tanh", bias=False) for M in (1, 4096)]
         resolve_module.resolve("down", 8, 64, 96, torch.bfloat16, torch.device("cpu"), activation="none", bias=False)
     assert [c.source for c in choices] == ["heuristic", "heuristic"] and choices[0].config is not None
-    assert len([w for w in caught if "no tuned configs" in str(w.message)]) == 1
-    assert "NVIDIA H200 / triton 3.6.0" in str(caught[0].message)  # names what the shipped file covers
+    caught = [r.getMessage() for r in caplog.records if "no tuned configs" in r.getMessage()]
+    assert len(caught) == 1 and "no tuned configs for NVIDIA H100 80GB HBM3 / triton 9.9.9" in caught[0]
+    assert "NVIDIA H200 / triton 3.6.0" in caught[0]  # names what the shipped file covers

@@ -1,29 +1,35 @@
 """Tune keys: expand a shapes file into keys, run a policy per key under a budget, keep the winner.
 
 Each trial is written to the store as it finishes, so a killed run loses at most the trial in
-flight and `resume=True` picks up where it stopped. The eager PyTorch baseline is timed for every
-key; when no candidate beats it the key's winner is the baseline, so a tuned module is never
-slower than eager. Under the interpreter timings mean nothing, so there the best candidate wins.
+flight and `resume=True` picks up where it stopped. Every library candidate of the op is timed
+too; when no kernel beats the fastest of them, the key's winner is that library path, so a tuned
+module is never slower than its library paths on the tuned key. Under the interpreter timings mean
+nothing, so there the best kernel wins.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 import time
 from collections.abc import Callable
 
 import torch
 
-from ..configs import KernelConfig
+from .. import ops
+from .. import resolve as resolve_module
+from ..configs import KernelConfig, Library
 from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
 from ..key import TuningKey, current_environment, make_key
 from ..resolve import heuristic_for
+from ..resources import user_cache_dir
 from ..shapes import ShapeSet
 from ..store import Store, TrialRecord, Winner
 from .objective import Evaluator
-from .policies import ExhaustivePolicy, OptunaPolicy, Policy, RandomPolicy
-from .space import MLP_MAX_M, Problem, SearchSpace, candidates, default_space
+from .policies import POLICIES, Policy, make_policy
+from .space import Problem
+
+logger = logging.getLogger("autofuse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,27 +42,22 @@ class Job:
 
 
 def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
-                    ops: set[str] | None = None) -> list[Job]:
-    """One job per key the shapes need; `train` adds each MLP's backward kernel; `ops` keeps only those ops."""
+                    only: set[str] | None = None) -> list[Job]:
+    """One job per key the shapes need: each registered op that serves an MLP or a Linear gets a key
+    per entry and M (within the op's max_m; training ops only with `train`); `only` keeps those ops."""
     env = current_environment(device)
+    entries = {"mlp": shapes.mlps, "linear": shapes.linears}
     jobs = []
     for M in shapes.tokens:
-        for mlp in shapes.mlps:
-            jobs.append(Job(make_key("gated_up", mlp.d_ff, mlp.d_model, M, shapes.dtype, mlp.activation, mlp.bias,
-                                     False, env), M, f"{mlp.name} gated_up"))
-            jobs.append(Job(make_key("down", mlp.d_model, mlp.d_ff, M, shapes.dtype, "none", mlp.bias, False, env),
-                            M, f"{mlp.name} down"))
-            if M <= MLP_MAX_M:  # the whole MLP in one launch competes with the two kernels above
-                jobs.append(Job(make_key("mlp", mlp.d_ff, mlp.d_model, M, shapes.dtype, mlp.activation, mlp.bias,
-                                         False, env), M, f"{mlp.name} mlp"))
-            if train:
-                jobs.append(Job(make_key("gated_bwd", mlp.d_ff, mlp.d_model, M, shapes.dtype, mlp.activation,
-                                         mlp.bias, False, env), M, f"{mlp.name} gated_bwd"))
-        for lin in shapes.linears:
-            jobs.append(Job(make_key("linear", lin.out_features, lin.in_features, M, shapes.dtype, lin.activation,
-                                     lin.bias, False, env), M, f"{lin.name} linear"))
+        for spec in ops.specs():
+            if not spec.serves or (spec.training and not train) or (spec.max_m is not None and M > spec.max_m):
+                continue
+            for entry in entries[spec.serves]:
+                n, k, activation = spec.dims(entry)
+                key = make_key(spec.name, n, k, M, shapes.dtype, activation, entry.bias, False, env)
+                jobs.append(Job(key, M, f"{entry.name} {spec.name}"))
     # One job per key: two shapes may share a projection.
-    unique = {job.key: job for job in jobs if ops is None or job.key.op in ops}
+    unique = {job.key: job for job in jobs if only is None or job.key.op in only}
     return list(unique.values())
 
 
@@ -80,111 +81,135 @@ class KeyResult:
     failures: dict[str, int]
 
 
-def make_policy(name: str, problem: Problem, device: torch.device, seed: int,
-                space: SearchSpace | None = None) -> Policy:
-    interpret = interpreting()
-    space = space or default_space(problem.template, interpret)
-    limit = 0 if interpret else shared_memory_limit(cuda_index(device))
-    if name == "optuna":
-        return OptunaPolicy(space, problem, limit, interpret, seed=seed)
-    found = candidates(space, problem, limit, interpret)
-    if name == "exhaustive":
-        return ExhaustivePolicy(found)
-    if name == "random":
-        return RandomPolicy(found, seed=seed)
-    raise ValueError(f"unknown policy {name!r}")
+class _Budget:
+    """Trials and seconds left for one key, and its progress reports."""
+
+    def __init__(self, job: Job, trials: int | None, time_budget_s: float | None, baseline_ms: float, resumed: int,
+                 done: dict, progress: Callable[[Progress], None] | None) -> None:
+        self.job, self.trials, self.time_budget_s, self.baseline_ms = job, trials, time_budget_s, baseline_ms
+        self.resumed, self.done, self.progress = resumed, done, progress
+        self.start = time.perf_counter()
+        self.new = 0
+
+    def left(self) -> bool:
+        if self.trials is not None and len(self.done) >= self.trials:
+            return False
+        return self.time_budget_s is None or self.elapsed() < self.time_budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def report(self) -> None:
+        if self.progress is None:
+            return
+        elapsed = self.elapsed()
+        remaining = None if self.trials is None else max(self.trials - len(self.done), 0)
+        eta = elapsed / self.new * remaining if self.new and remaining is not None else None
+        if self.time_budget_s is not None:
+            eta = min(eta if eta is not None else self.time_budget_s, max(self.time_budget_s - elapsed, 0.0))
+        times = [t.time_ms for t in self.done.values() if t.status == "ok"]
+        self.progress(Progress(self.job, len(self.done), self.trials, min(times) if times else None, self.baseline_ms,
+                               elapsed, eta, self.resumed))
 
 
-def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
-             time_budget_s: float | None = None, resume: bool = False, seed: int = 0,
-             space: SearchSpace | None = None, progress: Callable[[Progress], None] | None = None) -> KeyResult:
+def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
+               time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
+               progress: Callable[[Progress], None] | None = None) -> tuple[dict, dict[str, float], KernelConfig, int]:
+    """Time the op's library candidates, then the heuristic's config and the policy's picks, each
+    trial stored as it ends. Returns (trials by config, library times, the heuristic, resumed)."""
     key, M = job.key, job.M
     if not resume:
         store.clear_trials(key)
     done: dict[KernelConfig, TrialRecord] = {t.config: t for t in store.trials(key)}
     resumed = len(done)
-    start = time.perf_counter()
     evaluator = Evaluator(key, M, device, seed=seed)
     try:
-        baseline_ms = evaluator.baseline_ms()
-        problem = Problem(key.template, M, key.n, key.k, key.torch_dtype,
-                          tma=tma_usable(device, key.k, key.torch_dtype))
-        counter = {"new": 0}
-
-        def best_ms() -> float | None:
-            times = [t.time_ms for t in done.values() if t.status == "ok"]
-            return min(times) if times else None
-
-        def report() -> None:
-            if progress is None:
-                return
-            elapsed = time.perf_counter() - start
-            n_new = counter["new"]
-            remaining = None if trials is None else max(trials - len(done), 0)
-            eta = elapsed / n_new * remaining if n_new and remaining is not None else None
-            if time_budget_s is not None:
-                eta = min(eta if eta is not None else time_budget_s, max(time_budget_s - elapsed, 0.0))
-            progress(Progress(job, len(done), trials, best_ms(), baseline_ms, elapsed, eta, resumed))
+        library_ms = evaluator.library_ms()
+        budget = _Budget(job, trials, time_budget_s, min(library_ms.values()), resumed, done, progress)
 
         def evaluate(config: KernelConfig) -> TrialRecord:
             record = evaluator.evaluate(config)
             store.put_trial(key, record)  # persisted before the next trial starts
-            counter["new"] += 1
+            budget.new += 1
             done[config] = record
-            report()
+            budget.report()
             return record
 
-        def budget() -> bool:
-            if trials is not None and len(done) >= trials:
-                return False
-            return time_budget_s is None or time.perf_counter() - start < time_budget_s
-
-        report()
-        heuristic = heuristic_for(key.template, M, key.n, key.k, key.torch_dtype, device)
-        if heuristic not in done and budget():
+        budget.report()
+        heuristic = heuristic_for(key.spec, M, key.n, key.k, key.torch_dtype, device)
+        if heuristic not in done and budget.left():
             evaluate(heuristic)
-        make_policy(policy, problem, device, seed, space).run(evaluate, budget, done)
+        problem = Problem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
+                          tma=tma_usable(device, key.k, key.torch_dtype))
+        interpret = interpreting()
+        limit = 0 if interpret else shared_memory_limit(cuda_index(device))
+        _policy(policy, key, problem, limit, interpret, seed, space).run(evaluate, budget.left, done)
     finally:
         evaluator.close()
+    return done, library_ms, heuristic, resumed
 
+
+def _policy(name: str, key: TuningKey, problem: Problem, limit: int, interpret: bool, seed: int, space) -> Policy:
+    return make_policy(name, space or key.spec.search_space(interpret), problem, limit, interpret, seed)
+
+
+def choose_winner(job: Job, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
+                  policy: str) -> Winner:
+    """The fastest correct kernel if it beats the fastest library candidate (under the interpreter,
+    where timings say nothing, the best kernel), else that library candidate."""
     ok = [t for t in done.values() if t.status == "ok"]
     best = min(ok, key=lambda t: t.time_ms) if ok else None
+    library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
     heuristic_record = done.get(heuristic)
     heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
-    if best is not None and (interpreting() or best.time_ms < baseline_ms):
+    if best is not None and (interpreting() or best.time_ms < library_time):
         config, time_ms = best.config, best.time_ms
     else:
-        config, time_ms = None, baseline_ms
-    winner = Winner(key, config, time_ms, baseline_ms, heuristic_ms, len(done), time.perf_counter() - start, policy)
+        config, time_ms = Library(library), library_time
+    return Winner(job.key, config, time_ms, library_time, heuristic_ms, len(done), seconds, policy)
+
+
+def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
+             time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
+             progress: Callable[[Progress], None] | None = None) -> KeyResult:
+    """Run one key's trials, then choose and store its winner."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    start = time.perf_counter()
+    done, library_ms, heuristic, resumed = run_trials(
+        job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s, resume=resume, seed=seed,
+        space=space, progress=progress)
+    winner = choose_winner(job, done, library_ms, heuristic, time.perf_counter() - start, policy)
     store.put_winner(winner)
     failures: dict[str, int] = {}
     for t in done.values():
         if t.status != "ok":
             failures[t.status] = failures.get(t.status, 0) + 1
-    return KeyResult(winner, resumed, counter["new"], failures)
+    return KeyResult(winner, resumed, len(done) - resumed, failures)
 
 
-def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, ops: set[str] | None = None,
+def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, only: set[str] | None = None,
                 trials: int | None = 20, time_budget_s: float | None = None, policy: str = "optuna",
-                resume: bool = False, seed: int = 0) -> list[tuple[Job, KeyResult]]:
-    """Tune every key of `shapes` (only `ops` when given) into the user cache, one status line per
-    key on stderr; the runtime sees the winners at once."""
-    from .. import resolve as resolve_module
-    from ..store import cache_dir
-    from .progress import ProgressLine
-
-    store = Store(cache_dir())
-    jobs = jobs_for_shapes(shapes, device, train=train, ops=ops)
+                resume: bool = False, seed: int = 0,
+                progress_for: Callable[[int, int], Callable[[Progress], None]] | None = None
+                ) -> list[tuple[Job, KeyResult]]:
+    """Tune every key of `shapes` (only the ops in `only` when given) into the user cache; the runtime
+    sees the winners at once. `progress_for(i, n)` gives the i-th of n keys its progress callback
+    (the CLI's status line); each finished key is also logged."""
+    store = Store(user_cache_dir())
+    jobs = jobs_for_shapes(shapes, device, train=train, only=only)
     budget = f" or {time_budget_s:g} s" if time_budget_s else ""
-    print(f"tuning {len(jobs)} keys with {policy}, {trials} trials{budget} each, cache {store.directory}",
-          file=sys.stderr, flush=True)
+    logger.info("tuning %d keys with %s, %s trials%s each, cache %s", len(jobs), policy, trials, budget,
+                store.directory)
     results = []
     try:
         for i, job in enumerate(jobs, 1):
-            line = ProgressLine(f"[{i}/{len(jobs)}]")
+            progress = progress_for(i, len(jobs)) if progress_for else None
             result = tune_key(job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s,
-                              resume=resume, seed=seed, progress=line)
-            line.finish()
+                              resume=resume, seed=seed, progress=progress)
+            if progress is not None and hasattr(progress, "finish"):
+                progress.finish()
+            logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
             results.append((job, result))
     finally:
         resolve_module.invalidate()

@@ -1,7 +1,9 @@
 """One key's trial objective: compile (time-limited), verify on fresh random inputs, then time.
 
 Every outcome is a TrialRecord: a time for a correct config, or a typed failure (compile error,
-out of resources, wrong result, timeout). Nothing a candidate does can crash the tuning run.
+out of resources, wrong result, timeout). Nothing a candidate does can crash the tuning run. The
+operands, the kernel, the library candidates and the float64 reference all come from the key's
+OpSpec, so any registered op is tuned the same way.
 """
 
 from __future__ import annotations
@@ -12,29 +14,18 @@ from collections.abc import Callable
 import torch
 
 from .. import launch
-from ..autograd import gated_backward_eager
 from ..configs import KernelConfig
 from ..device import cuda_index, interpreting
 from ..key import TuningKey
-from ..reference import (
-    ERROR_BOUNDS,
-    eager_gated,
-    eager_linear,
-    eager_mlp,
-    gated_reference,
-    linear_reference,
-    mlp_reference,
-    relative_error,
-)
+from ..reference import ERROR_BOUNDS, relative_error
 from ..store import TrialRecord
 from ..timing import cpu_median_ms, gpu_median_ms, graph_replay_us
 
-# Up to this M, trials and the eager baseline are timed replayed from a CUDA graph (what a decode
-# step pays); above it, by do_bench's median with L2 flushed between runs.
+# Up to this M, trials and library candidates are timed replayed from a CUDA graph (what a decode
+# step pays); above it, by do_bench's median with L2 flushed between runs. At decode sizes do_bench's
+# flush and launch gaps would rank configs by overheads a graph-replayed step never pays
+# (RESULTS.md, issue 4).
 GRAPH_TIMED_MAX_M = 128
-
-# A candidate is correct when its relative error is within reference.ERROR_BOUNDS and every
-# element is finite (outputs are poisoned with NaN before the run).
 
 
 def _status_of(error: BaseException) -> str:
@@ -47,89 +38,54 @@ def _status_of(error: BaseException) -> str:
 
 
 class Evaluator:
-    """Operands, reference and launchers for one key at one M; evaluates configs on them."""
+    """Operands, reference and candidates for one key at one M; evaluates configs on them.
+
+    A candidate is correct when its relative error is within reference.ERROR_BOUNDS and every
+    element is finite (outputs are poisoned with NaN before the run)."""
 
     def __init__(self, key: TuningKey, M: int, device: torch.device, seed: int = 0,
                  compile_timeout_s: float = 120.0) -> None:
         self.key, self.M, self.device = key, M, device
+        self.spec = key.spec
         self.dtype = key.torch_dtype
         self.compile_timeout_s = compile_timeout_s
         self.interpret = interpreting()
         # Drawn where they are used: fresh inputs for every trial must not cost a host round trip.
         self._generator = torch.Generator(device=device).manual_seed(seed)
-        n, k = key.n, key.k
-        scale = k**-0.5  # like nn.Linear's init: outputs of order one
-        self.gu = None
-        if key.op == "gated_bwd":
-            # x stands for dY ([M, d_model]); the other operands are the down weight [d_model, d_ff]
-            # and the forward's saved pre-activations [G | U] (biases are already inside them).
-            self.weights, self.biases = [self._random(k, n) * n**-0.5], []
-            self.gu = self._random(M, 2 * n)
-        else:
-            self.weights = [self._random(n, k) * scale]
-            if key.op in ("gated_up", "mlp"):
-                self.weights.append(self._random(n, k) * scale)
-            if key.op == "mlp":  # the down projection: [d_model, d_ff]
-                self.weights.append(self._random(k, n) * n**-0.5)
-            self.biases = [self._random(w.shape[0]) for w in self.weights] if key.bias else [None] * len(self.weights)
-        self.residual = self._random(M, n) if key.residual else None
-        self.out_features = k if key.op == "mlp" else 3 * n if key.op == "gated_bwd" else n
-        self.x = self._random(M, k)
+        self.operands = self.spec.make_operands(key.n, key.k, M, key.bias, key.residual, self._random)
+        self._input = next(iter(self.operands))  # the activations, drawn fresh for every check
+        self.out_features = self.spec.output_width(key.n, key.k)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _random(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator, device=self.device).to(self.dtype)
 
-    # the op, three ways
-    def _launch(self, config: KernelConfig, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.key.op == "gated_bwd":  # one [M, 3 d_ff] result: dG | dU | H
-            n = self.key.n
-            out = launch._allocate((x.shape[0], 3 * n), x) if out is None else out
-            launch.gated_backward(x, self.gu, self.weights[0], self.key.activation, config,
-                                  out=(out[:, :2 * n], out[:, 2 * n:]))
-            return out
-        if self.key.op == "mlp":
-            return launch.mlp_decode(x, *self.weights, *self.biases, self.key.activation, config, out=out)
-        if self.key.op == "gated_up":
-            return launch.gated_up(x, *self.weights, *self.biases, self.key.activation, config, out=out)
-        return launch.linear(x, self.weights[0], self.biases[0], self.residual, self.key.activation, config, out=out)
+    def _with_input(self, x: torch.Tensor) -> dict:
+        return {**self.operands, self._input: x}
 
-    def baseline(self, x: torch.Tensor) -> torch.Tensor:
-        """What eager PyTorch runs for this op: cuBLAS GEMM(s) + pointwise."""
-        if self.key.op == "gated_bwd":
-            return gated_backward_eager(x, self.gu, self.weights[0], self.key.activation)
-        if self.key.op == "mlp":
-            return eager_mlp(x, *self.weights, *self.biases, self.key.activation)
-        if self.key.op == "gated_up":
-            return eager_gated(x, *self.weights, *self.biases, self.key.activation)
-        return eager_linear(x, self.weights[0], self.biases[0], self.residual, self.key.activation)
+    def _launch(self, config: KernelConfig, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.spec.run(self._with_input(x), self.key.activation, config, out=out)
+
+    def library(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The op's library candidate `name` on these operands."""
+        return self.spec.library[name](self._with_input(x), self.key.activation)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        if self.key.op == "gated_bwd":
-            dgu, h = gated_backward_eager(x.double(), self.gu.double(), self.weights[0].double(), self.key.activation)
-            return torch.cat([dgu, h], dim=1)
-        if self.key.op == "mlp":  # H rounded to the dtype, as the kernel and eager store it
-            return mlp_reference(x, *self.weights, *self.biases, self.key.activation, hidden_dtype=self.dtype)
-        if self.key.op == "gated_up":
-            return gated_reference(x, *self.weights, *self.biases, self.key.activation)
-        return linear_reference(x, self.weights[0], self.biases[0], self.residual, self.key.activation)
+        return self.spec.reference(self._with_input(x), self.key.activation, self.dtype)
 
-    # timing
     def _time(self, fn: Callable[[], object]) -> float:
         if self.interpret:
             return cpu_median_ms(fn, repeats=1)
         if self.M <= GRAPH_TIMED_MAX_M:
-            # Decode sizes run for a few microseconds: do_bench's flush and launch gaps would rank
-            # configs by overheads a CUDA-graph-replayed decode step never pays (H200: do_bench put
-            # gemma-2b's one-launch MLP ahead of the two-kernel path, graph replay the other way).
             return graph_replay_us(fn) / 1e3
         return gpu_median_ms(fn)
 
-    def baseline_ms(self) -> float:
+    def library_ms(self) -> dict[str, float]:
+        """Each library candidate of the op, timed like the trials."""
+        x = self.operands[self._input]
         with torch.no_grad():
-            return self._time(lambda: self.baseline(self.x))
+            return {name: self._time(lambda name=name: self.library(name, x)) for name in self.spec.library}
 
-    # one trial
     def evaluate(self, config: KernelConfig) -> TrialRecord:
         try:
             compiled = self._compile(config)
@@ -140,7 +96,8 @@ class Evaluator:
                 if wrong is not None:
                     self._clean_up()
                     return TrialRecord(config, "wrong_result", None, wrong)
-                return TrialRecord(config, "ok", self._time(lambda: self._launch(config, self.x)))
+                x = self.operands[self._input]
+                return TrialRecord(config, "ok", self._time(lambda: self._launch(config, x)))
         except Exception as e:  # any failure is a typed result, never a crash of the run
             self._clean_up()
             return TrialRecord(config, _status_of(e), None, f"{type(e).__name__}: {e}")
@@ -173,20 +130,18 @@ class Evaluator:
         return None
 
     def _compile_and_sync(self, config: KernelConfig) -> None:
-        torch.cuda.set_device(cuda_index(self.device))  # this worker thread needs the device's context current
-        with torch.no_grad():
-            self._launch(config, self.x)
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(cuda_index(self.device)), torch.no_grad():
+            self._launch(config, self.operands[self._input])
+            torch.cuda.synchronize(self.device)
 
     def _verify(self, config: KernelConfig) -> str | None:
         """None when correct on fresh inputs; otherwise what was wrong."""
-        x = self._random(self.M, self.key.k)
+        x = self._random(*self.operands[self._input].shape)
         out = torch.full((self.M, self.out_features), float("nan"), dtype=self.dtype, device=self.device)
         self._launch(config, x, out=out)
         if not torch.isfinite(out).all():
             return f"{(~torch.isfinite(out)).sum().item()} non-finite or unwritten elements"
-        ref = self._reference(x)
-        error = relative_error(out, ref)
+        error = relative_error(out, self._reference(x))
         if not error <= ERROR_BOUNDS[self.dtype]:
             return f"relative error {error:.3g} > {ERROR_BOUNDS[self.dtype]:.3g}"
         return None
@@ -194,4 +149,3 @@ class Evaluator:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-

@@ -11,24 +11,20 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from ..configs import KernelConfig
+from ..configs import KernelConfig, SearchSpace
 from ..store import TrialRecord
-from .space import Problem, SearchSpace, config_from, feasible
+from .space import Problem, candidates, config_from, feasible
 
 # evaluate(config) -> the trial's record; budget() -> False once trials or time are spent.
 Evaluate = Callable[[KernelConfig], TrialRecord]
 
 
 class Policy(Protocol):
-    name: str
-
     def run(self, evaluate: Evaluate, budget: Callable[[], bool], done: dict[KernelConfig, TrialRecord]) -> None: ...
 
 
 class _ListPolicy:
     """Walks a fixed list of candidates in order."""
-
-    name = "list"
 
     def __init__(self, candidates: Iterable[KernelConfig]) -> None:
         self.candidates = list(candidates)
@@ -42,11 +38,11 @@ class _ListPolicy:
 
 
 class ExhaustivePolicy(_ListPolicy):
-    name = "exhaustive"
+    """Every feasible config of the space, in the space's order."""
 
 
 class RandomPolicy(_ListPolicy):
-    name = "random"
+    """Every feasible config of the space, in a seeded random order."""
 
     def __init__(self, candidates: Iterable[KernelConfig], seed: int = 0) -> None:
         super().__init__(candidates)
@@ -57,7 +53,6 @@ class OptunaPolicy:
     """TPE over the space's dimensions (categorical), seeded. Trials already done (a resumed run)
     are handed to the study first, so the sampler learns from them and none is repeated."""
 
-    name = "optuna"
     _MAX_SAMPLES_PER_TRIAL = 50  # infeasible or repeated samples cost nothing, but bound them
 
     def __init__(self, space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool,
@@ -66,7 +61,7 @@ class OptunaPolicy:
         self.shared_memory_limit, self.interpret, self.seed = shared_memory_limit, interpret, seed
 
     def run(self, evaluate, budget, done) -> None:
-        import optuna
+        import optuna  # here, not at the top: only a tuning run that uses it pays its import
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         dims = self.space.dimensions()
@@ -104,4 +99,24 @@ class OptunaPolicy:
                                          state=optuna.trial.TrialState.PRUNED)
 
 
-POLICIES = ("optuna", "exhaustive", "random")
+def _optuna(space: SearchSpace, problem: Problem, limit: int, interpret: bool, seed: int) -> Policy:
+    return OptunaPolicy(space, problem, limit, interpret, seed=seed)
+
+
+def _exhaustive(space: SearchSpace, problem: Problem, limit: int, interpret: bool, seed: int) -> Policy:
+    return ExhaustivePolicy(candidates(space, problem, limit, interpret))
+
+
+def _random(space: SearchSpace, problem: Problem, limit: int, interpret: bool, seed: int) -> Policy:
+    return RandomPolicy(candidates(space, problem, limit, interpret), seed=seed)
+
+
+# Search policies by name: the tuner and the CLI's --policy read this map.
+POLICIES: dict[str, Callable[..., Policy]] = {"optuna": _optuna, "exhaustive": _exhaustive, "random": _random}
+
+
+def make_policy(name: str, space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool,
+                seed: int = 0) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](space, problem, shared_memory_limit, interpret, seed)

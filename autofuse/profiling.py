@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .modules import get_linear, get_mlp
 from .reference import eager_linear, eager_mlp
 from .shapes import LinearShape, MLPShape
 from .timing import host_us_per_call
@@ -40,7 +41,7 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
     if isinstance(shape, LinearShape):
         n, k = shape.out_features, shape.in_features
         weights, x, y = n * k, M * k, M * n
-        fused = provider == "autofuse" and choices and choices["linear"].config is not None
+        fused = provider == "autofuse" and choices and choices["linear"].kernel is not None
         extra = 0 if fused or shape.activation == "none" else 2 * M * n  # a pointwise kernel: Z in, Y out
         return (weights + x + y + extra) * itemsize / 1e6
     d, f = shape.d_model, shape.d_ff
@@ -53,7 +54,7 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
         hidden = 3 * M * f  # one pointwise kernel: read G and U, write H
     elif "mlp" in (choices or {}):
         gemms, hidden = M * d + M * d, 0  # one launch: X in, Y out
-    elif choices["gated_up"].config is None:  # tuning gave the gated part to PyTorch: eager's traffic
+    elif choices["gated_up"].kernel is None:  # tuning gave the gated part to a library path: eager's traffic
         hidden = eager_hidden
     else:
         gemms, hidden = M * d + M * f + M * f + M * d, 0  # gated_up: X in, H out; down: H in, Y out
@@ -62,11 +63,9 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
 
 def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_dir: Path,
                  providers=PROVIDERS, iters: int = 20) -> list[ProfileRow]:
-    import autofuse
-
     torch.manual_seed(0)
     if isinstance(shape, MLPShape):
-        module = autofuse.get_mlp(shape.d_model, shape.d_ff, activation=shape.activation, bias=shape.bias,
+        module = get_mlp(shape.d_model, shape.d_ff, activation=shape.activation, bias=shape.bias,
                                   dtype=dtype, device=device)
         p = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
         b = [module.gate_proj.bias, module.up_proj.bias, module.down_proj.bias]
@@ -75,7 +74,7 @@ def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_di
             return eager_mlp(x, *p, *b, activation=shape.activation)
         k = shape.d_model
     else:
-        module = autofuse.get_linear(shape.in_features, shape.out_features, activation=shape.activation,
+        module = get_linear(shape.in_features, shape.out_features, activation=shape.activation,
                                      bias=shape.bias, dtype=dtype, device=device)
 
         def eager(x):

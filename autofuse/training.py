@@ -1,9 +1,9 @@
-"""Backward through the fused modules: torch.autograd.Functions with a training forward of their own.
+"""Training: torch.autograd.Functions of the fused modules, with a training forward of their own.
 
 Gated MLP. The forward computes the gate and up pre-activations G | U with cuBLAS into one [M, 2F]
 buffer and keeps it (it is what the backward needs; recomputing it costs two of the backward's
 six GEMMs), forms H = act(G) * U with a pointwise kernel and runs the tuned down projection. The
-backward's fused kernel (templates/gated_bwd.py.jinja) computes dH = dY Wd and in its epilogue
+backward's fused kernel (op gated_bwd, autofuse/ops/gated_bwd.py) computes dH = dY Wd and in its epilogue
 reads G, U and writes dG | dU over them, plus H, so dH never reaches memory and no gradient buffer
 of the hidden size is allocated; the input and weight gradients are then GEMMs over those.
 Because the saved buffer is overwritten, a graph's backward runs once (retain_graph=True and a
@@ -20,22 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import launch
-from .activations import TORCH_ACTIVATIONS
+from .activations import TORCH_ACTIVATIONS, activation_backward
 from .configs import KernelConfig
-
-
-def activation_backward(activation: str, grad: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """d act(pre) / d pre * grad, computed as eager autograd computes it."""
-    if activation == "none":
-        return grad
-    if activation == "relu":
-        return torch.where(pre > 0, grad, torch.zeros_like(grad))
-    if activation in ("gelu", "gelu_tanh"):
-        return torch.ops.aten.gelu_backward(grad, pre, approximate="tanh" if activation == "gelu_tanh" else "none")
-    if activation == "silu":
-        return torch.ops.aten.silu_backward(grad, pre)
-    raise ValueError(f"no derivative for activation {activation!r}")
+from .ops.gated_act import gated_activation
+from .ops.gated_bwd import gated_backward, gated_backward_eager
+from .ops.linear import linear
 
 
 def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
@@ -52,17 +41,6 @@ def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor 
     return gu
 
 
-def gated_backward_eager(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor,
-                         activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dGU, H) as PyTorch computes them from the saved [G | U]: the gated backward kernel's baseline
-    and, in float64, its reference."""
-    F_ = w_down.shape[1]
-    g, u = gu[:, :F_], gu[:, F_:]
-    a = TORCH_ACTIVATIONS[activation](g)
-    dh = dy @ w_down
-    return torch.cat([activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
-
-
 def _refuse_double_backward() -> None:
     if torch.is_grad_enabled():  # backward(create_graph=True) or autograd.grad(..., create_graph=True)
         raise RuntimeError("autofuse modules do not support double backward (create_graph=True); "
@@ -75,9 +53,10 @@ def sum_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
              config: KernelConfig | None) -> torch.Tensor:
-    """x @ weight.T + bias [+ residual] through the tuned linear kernel, or cuBLAS where tuning found it faster."""
+    """x @ weight.T + bias [+ residual] through the tuned linear kernel, or cuBLAS (config None) where
+    tuning chose a library path."""
     if config is not None:
-        return launch.linear(x, weight, bias, residual, "none", config)
+        return linear(x, weight, bias, residual, "none", config)
     y = F.linear(x, weight, bias)
     return y if residual is None else y.add_(residual)
 
@@ -117,7 +96,7 @@ class MLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config, backward_config):
         gu = pre_activations(x, w_gate, b_gate, w_up, b_up)
-        y = _project(launch.gated_activation(gu, activation), w_down, b_down, None, down_config)
+        y = _project(gated_activation(gu, activation), w_down, b_down, None, down_config)
         ctx.activation, ctx.backward_config = activation, backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
@@ -135,10 +114,10 @@ class MLPFunction(torch.autograd.Function):
         x, gu, w_gate, w_up, w_down = ctx.saved_tensors
         dy = dy.contiguous()
         F_ = w_gate.shape[0]
-        if ctx.backward_config is None:  # tuning found PyTorch faster for this shape
+        if ctx.backward_config is None:  # tuning chose the library path for this shape
             dgu, h = gated_backward_eager(dy, gu, w_down, ctx.activation)
         else:
-            dgu, h = launch.gated_backward(dy, gu, w_down, ctx.activation, ctx.backward_config, out=(gu, None))
+            dgu, h = gated_backward(dy, gu, w_down, ctx.activation, ctx.backward_config, out=(gu, None))
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
         dw_down = dy.t() @ h if need[5] else None
         del h  # first, so that the [M, F] H is freed before the next GEMMs allocate

@@ -2,7 +2,8 @@
 as one opaque, well-described op instead of breaking the graph at the Triton launches.
 
 Under torch.compile / torch.export the modules call `torch.ops.autofuse.mlp` / `.linear` (see
-FusedMLP.forward); eager calls skip the dispatcher. The fake implementations give the output's
+FusedMLP.forward); eager calls skip the dispatcher. (The op registry, autofuse/ops, is another thing:
+the ops autofuse renders, tunes and launches.) The fake implementations give the output's
 shape and dtype (M may be symbolic); the real ones resolve the config table for the concrete M
 (memoised per process, dropped when resolve.invalidate() is called) and run the same code as the
 eager modules, except that split-K workspaces are allocated per call (launch.workspaces_per_call:
@@ -18,9 +19,9 @@ import torch.nn.functional as F
 
 from . import launch
 from . import resolve as resolve_module
-from .activations import TORCH_ACTIVATIONS
-from .autograd import activation_backward, sum_rows
-from .forward import linear_choices, mlp_choices, run_linear, run_mlp, table_key
+from .activations import TORCH_ACTIVATIONS, activation_backward
+from .dispatch import linear_choices, mlp_choices, run_linear, run_mlp, table_key
+from .training import sum_rows
 
 _tables: dict[tuple, dict] = {}
 

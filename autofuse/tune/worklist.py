@@ -28,6 +28,7 @@ _PREFIX = "autofuse"
 def open_storage(url: str):
     """An Optuna storage for `url`: an RDB URL (sqlite:///..., postgresql://..., mysql://...) or a
     journal file path (optionally written journal:PATH), which works on any shared file system."""
+    # optuna is imported where it is used, not at the top: only a shared tuning run needs it.
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -75,7 +76,7 @@ class WorkList:
 
     def try_claim(self, index: int, generation: int, worker: str) -> int | None:
         """The claim study's id if this worker got the job (generation 0: first claim, later: a takeover)."""
-        from optuna.exceptions import DuplicatedStudyError
+        from optuna.exceptions import DuplicatedStudyError  # see open_storage: optuna only where it is used
         from optuna.study import StudyDirection
 
         try:

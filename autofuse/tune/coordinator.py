@@ -1,5 +1,5 @@
-"""`autofuse tune --devices 0,1,...`: one worker process per device, all pulling keys from one
-Optuna storage (tune/distributed.py), with one progress line for all of them.
+"""`autofuse tune --devices 0,1,...`: start one worker process per device, all pulling keys from one
+Optuna storage (tune/worklist.py), with one progress line for all of them.
 
 Each worker sees only its own GPU (CUDA_VISIBLE_DEVICES), so no two workers ever time on the same
 GPU. The coordinator starts the workers, shows progress, and when they are done copies every
@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from ..errors import AutofuseError
-from ..store import Store, Winner, cache_dir
-from . import distributed
+from ..resources import user_cache_dir
+from ..store import Store, Winner
+from . import worklist
 from .driver import Job
 
 
@@ -32,7 +33,7 @@ def parse_devices(text: str) -> list[str]:
 
 
 def default_storage() -> str:
-    return str(cache_dir() / "tune-journal.log")
+    return str(user_cache_dir() / "tune-journal.log")
 
 
 def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, log_dir: Path,
@@ -54,7 +55,7 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     jobs, run = plan()
     # Opened once: a journal storage then reads only what was appended since the last poll.
-    work_list = distributed.WorkList(distributed.open_storage(storage), run, jobs)
+    work_list = worklist.WorkList(worklist.open_storage(storage), run, jobs)
     print(f"tuning {len(jobs)} keys on {len(devices)} workers ({', '.join(n for n, _, _ in procs)}), "
           f"run {run}, storage {storage}, worker logs in {log_dir}", file=sys.stderr, flush=True)
     tty = sys.stderr.isatty()
@@ -81,7 +82,7 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     if tty:
         print(file=sys.stderr)
     found = work_list.winners()
-    store = Store(cache_dir())
+    store = Store(user_cache_dir())
     try:
         for winner in found:
             store.put_winner(winner)

@@ -1,9 +1,9 @@
-"""Export and import tuned configs as one versioned JSON file.
+"""The config file format: tuned configs exported and imported as one versioned JSON file.
 
     {"format": "autofuse-configs", "schema_version": 1, "autofuse": "0.1.0",
      "gpus": ["NVIDIA H200"], "tritons": ["3.6.0"], "template_hashes": {"linear": "...", ...},
      "bucket_rule": {"name": "pow2+tokens", "max": 16384},
-     "records": [{"key": {...}, "config": {...} | "baseline", "time_ms": ..., "baseline_ms": ...,
+     "records": [{"key": {...}, "config": {...} | "library:<name>", "time_ms": ..., "baseline_ms": ...,
                   "heuristic_ms": ..., "trials": ..., "tune_seconds": ..., "policy": "optuna"}],
      "sha256": "<sha256 of the canonical JSON of records>"}
 
@@ -21,10 +21,10 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 from .errors import AutofuseError
 from .jsonfile import read_json
-from .resolve import M_BUCKET_RULE, MAX_M_BUCKET
+from .key import M_BUCKET_RULE, MAX_M_BUCKET
 from .store import Store, Winner
 
 FORMAT = "autofuse-configs"

@@ -1,0 +1,44 @@
+"""`autofuse show-kernel` and `autofuse kernel`: the generated Triton source of an op, or of a tuned key."""
+
+from __future__ import annotations
+
+import click
+
+from .. import ops
+from ..configs import KernelConfig
+from ..shapes import DTYPES
+from .cache import winner_for
+from .common import main
+
+
+@main.command("show-kernel")
+@click.argument("op", type=click.Choice(list(ops.names())))
+@click.option("--activation", default=None, help="Activation (default: gelu_tanh where the op has it, else none).")
+@click.option("--bias/--no-bias", default=False)
+@click.option("--residual/--no-residual", default=False, help="linear only")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16")
+@click.option("--ragged-k", is_flag=True, help="Show the masked K loop used when K is not a multiple of BLOCK_K.")
+@click.option("--interpret", is_flag=True, help="Show the interpreter variant (float32 operand upcasts).")
+@click.option("--split-k", is_flag=True, help="Show the split-K variant (programs share a tile through a workspace).")
+@click.option("--tma", is_flag=True, help="Show the persistent TMA-descriptor variant (Hopper).")
+def show_kernel_command(op, activation, bias, residual, dtype, ragged_k, interpret, split_k, tma):
+    """Print the Triton source autofuse generates for OP (the names `tune --ops` takes, and gated_act)."""
+    click.echo(ops.show_kernel(op, activation=activation, bias=bias, residual=residual, dtype=DTYPES[dtype],
+                               even_k=not ragged_k, interpret=interpret, split_k=split_k, tma=tma), nl=False)
+
+
+@main.command("kernel")
+@click.argument("key")
+def kernel_command(key):
+    """Print the generated Triton source that KEY's tuned config runs."""
+    winner = winner_for(key)
+    k, config = winner.key, winner.config
+    if not isinstance(config, KernelConfig):
+        click.echo(f"# {k.op} at this key runs the library path {config.short()}: no kernel beat it "
+                   f"({winner.baseline_ms:.4f} ms)")
+        return
+    click.echo(f"# key {k.id()}\n# config {config.short()}")
+    click.echo(ops.show_kernel(k.op, activation=k.activation, bias=k.bias, residual=k.residual,
+                               dtype=k.torch_dtype, even_k=k.k % config.block_k == 0,
+                               interpret=k.gpu == "interpreter", split_k=config.split_k > 1,
+                               tma=config.tma), nl=False)

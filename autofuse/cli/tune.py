@@ -1,0 +1,145 @@
+"""`autofuse tune`: tune a shapes file's (or a model config's) keys on this machine's GPUs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import click
+import torch
+
+from .. import ops
+from ..model_config import shapes_from_model_config
+from ..resources import user_cache_dir
+from ..shapes import DTYPES, load_shapes
+from ..store import Store
+from ..tune import worklist
+from ..tune.coordinator import default_storage, parse_devices, run_workers
+from ..tune.driver import jobs_for_shapes, tune_shapes
+from ..tune.policies import POLICIES
+from ..tune.progress import ProgressLine
+from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
+
+
+def _parse_ops(text: str | None, train: bool) -> set[str] | None:
+    if text is None:
+        return None
+    picked = set(parse_choices(text, ops.names(tunable=True), "op", "--ops"))
+    training = sorted(name for name in picked if ops.get(name).training)
+    if training and not train:
+        raise click.BadParameter(f"{', '.join(training)} tune(s) the training backward: add --train",
+                                 param_hint="--ops")
+    return picked
+
+
+@main.command("tune")
+@shapes_file_option("Shapes file (JSON).")
+@model_option("Instead of --shapes: a Hugging Face config.json or model folder; its MLP is tuned.")
+@dtype_option("Override the file's dtype.")
+@click.option("--tokens", default=None, help="Override the file's token counts, e.g. 1,16,128.")
+@click.option("--trials", type=click.IntRange(min=1), default=20, show_default=True, help="Trials per key.")
+@click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds per key (with --trials, whichever ends first).")
+@click.option("--policy", type=click.Choice(list(POLICIES)), default="optuna", show_default=True)
+@click.option("--resume", is_flag=True, help="Keep the trials a killed or earlier run recorded; run only the rest.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
+@click.option("--ops", "only", default=None,
+              help=f"Tune only these ops, comma-separated: {', '.join(ops.names(tunable=True))} (default: all).")
+@click.option("--devices", default=None,
+              help="Tune on these GPUs at once, one worker process each, e.g. 0,1,2,3 (cpu: interpreter workers).")
+@click.option("--storage", default=None,
+              help="Optuna storage the workers share: a journal file path or an RDB URL (sqlite:///, postgresql://). "
+                   "Give the same one on several machines to tune one run together. Default with --devices: a "
+                   "journal file in the cache folder.")
+@click.option("--stale-after", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds without a heartbeat after which another worker takes over a key.")
+@click.option("--worker", default=None, hidden=True, help="Internal: run as one worker of a --devices run.")
+def tune_command(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, only,
+                 devices, storage, stale_after, worker):
+    """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache."""
+    if (shapes_path is None) == (model_path is None):
+        raise click.UsageError("give one of --shapes FILE or --model CONFIG")
+    shapes = load_shapes(shapes_path) if shapes_path else shapes_from_model_config(model_path)
+    if dtype:
+        shapes = dataclasses.replace(shapes, dtype=DTYPES[dtype])
+    tokens = parse_tokens(tokens)
+    if tokens:
+        shapes = dataclasses.replace(shapes, tokens=tokens)
+    only = _parse_ops(only, train)
+    options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
+    run = dict(shapes=shapes, train=train, only=only, options=options, resume=resume)
+    if devices is not None or storage is not None or worker is not None:
+        source = dict(shapes_path=shapes_path, model_path=model_path, dtype=dtype, tokens=tokens)
+        coordinated = _tune_distributed(run, source, devices, storage, stale_after, worker)
+        if coordinated is None:  # this process was a worker
+            return
+        rows, interpret = coordinated
+    else:
+        device = select_device()
+        interpret = device == "cpu"
+        results = tune_shapes(shapes, torch.device(device), train=train, only=only, resume=resume,
+                              progress_for=lambda i, n: ProgressLine(f"[{i}/{n}]"), **options)
+        rows = [(job, r.winner, r.resumed, r.failures) for job, r in results]
+    _print_table(rows, interpret)
+
+
+def _print_table(rows, interpret: bool) -> None:
+    note = "  [interpreter: times are CPU milliseconds, not GPU speed]" if interpret else ""
+    click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'library':>9} {'speedup':>7} "
+               f"{'trials':>6} {'resumed':>7}  failures{note}")
+    for job, w, resumed, failures in rows:
+        fails = ", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "-"
+        click.echo(f"{job.label:<32} {job.M:>6} {w.config.short():<28} {w.time_ms:>9.4f} {w.baseline_ms:>9.4f} "
+                   f"{w.baseline_ms / w.time_ms:>6.2f}x {w.trials:>6} {resumed:>7}  {fails}")
+
+
+def _devices_or_default(devices: str | None) -> list[str]:
+    if devices is not None:
+        return parse_devices(devices)
+    return ["0"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else ["cpu"]
+
+
+def _worker_args(run: dict, source: dict, storage: str, stale_after: float) -> list[str]:
+    """The command line a worker process gets: the same run, so that it computes the same keys."""
+    options = run["options"]
+    args = ["--shapes", source["shapes_path"]] if source["shapes_path"] else ["--model", source["model_path"]]
+    args += ["--trials", str(options["trials"]), "--policy", options["policy"], "--seed", str(options["seed"]),
+             "--storage", storage, "--stale-after", repr(stale_after)]
+    args += ["--dtype", source["dtype"]] if source["dtype"] else []
+    args += ["--tokens", ",".join(map(str, run["shapes"].tokens))] if source["tokens"] else []
+    args += ["--time-budget", repr(options["time_budget_s"])] if options["time_budget_s"] else []
+    args += ["--train"] if run["train"] else []
+    args += ["--ops", ",".join(sorted(run["only"]))] if run["only"] else []
+    args += ["--resume"] if run["resume"] else []
+    return args
+
+
+def _tune_distributed(run: dict, source: dict, devices, storage, stale_after, worker):
+    """--devices / --storage: coordinate worker processes (or, with --worker, be one). Returns the
+    table rows and whether every worker ran under the interpreter, or None in a worker."""
+    storage = storage or default_storage()
+    shapes, train, only, options = run["shapes"], run["train"], run["only"], run["options"]
+    settings = dict(train=train, ops=sorted(only) if only else None, **options)
+    if worker is not None:
+        device = torch.device(select_device())
+        jobs = jobs_for_shapes(shapes, device, train=train, only=only)
+        store = Store(user_cache_dir())
+        try:
+            worklist.work(storage, worklist.run_name(jobs, settings), jobs, store, device, worker,
+                          stale_after_s=stale_after, resume=run["resume"], **options)
+        finally:
+            store.close()
+        return None
+    device_list = _devices_or_default(devices)
+
+    def plan():  # the same keys and run name the workers compute (the first device's GPU model)
+        first = device_list[0]
+        env_device = torch.device("cpu") if first == "cpu" else torch.device("cuda", int(first))
+        jobs = jobs_for_shapes(shapes, env_device, train=train, only=only)
+        return jobs, worklist.run_name(jobs, settings)
+
+    jobs, found = run_workers(device_list, _worker_args(run, source, storage, stale_after), plan, storage,
+                              user_cache_dir() / "workers")
+    winners = {w.key: w for w in found}
+    return [(job, winners[job.key], 0, {}) for job in jobs], all(d == "cpu" for d in device_list)

@@ -1,0 +1,89 @@
+"""The op registry: every op autofuse can render, launch, tune, cache and run, by name.
+
+An op is one OpSpec (autofuse/opspec.py) in one module of this package, next to its launcher, plus its
+template(s) in templates/. Renderer, launchers, tuner, runtime and CLI read the registry; nothing
+else keeps a list of ops. `register` adds an op from outside the package (see CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import canonical_activation
+from ..device import fp32_input_precision, interpreting
+from ..errors import AutofuseError
+from ..opspec import Operand, OpSpec
+from ..render import KernelSpec, render
+from .gated_act import GATED_ACT
+from .gated_bwd import GATED_BWD
+from .gated_up import GATED_UP
+from .linear import DOWN, LINEAR
+from .mlp import MLP
+
+__all__ = ["OpSpec", "Operand", "get", "names", "register", "show_kernel", "unregister"]
+
+_REGISTRY: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    """Make `spec` known under its name; a name is registered once."""
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"an op named {spec.name!r} is already registered")
+    if "|" in spec.name or "=" in spec.name or not spec.name:
+        raise ValueError(f"op names may not be empty or hold '|' or '=', got {spec.name!r}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def get(name: str) -> OpSpec:
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise AutofuseError(f"unknown op {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return spec
+
+
+def names(*, tunable: bool | None = None) -> tuple[str, ...]:
+    """Registered op names (only the tunable ones, or only the others, when asked)."""
+    return tuple(n for n, s in _REGISTRY.items() if tunable is None or s.tunable == tunable)
+
+
+def specs() -> tuple[OpSpec, ...]:
+    return tuple(_REGISTRY.values())
+
+
+for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT):
+    register(_spec)
+
+
+def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, residual: bool = False,
+                dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None,
+                split_k: bool = False, tma: bool = False) -> str:
+    """Rendered Triton source of the kernel autofuse builds for `op` (a registered name: see
+    `autofuse show-kernel --help`), so users can read what runs.
+
+    `activation` defaults to the op's first gated one or none; `even_k` picks the unmasked K loop (K
+    divisible by BLOCK_K); `interpret` defaults to whether TRITON_INTERPRET=1 is set now, since
+    interpreted kernels upcast their operands; `split_k` and `tma` pick those variants.
+    """
+    spec = get(op)
+    if activation is None:
+        activation = "gelu_tanh" if "gelu_tanh" in spec.activations else spec.activations[0]
+    try:
+        kernel = KernelSpec(
+            op=spec,
+            activation=canonical_activation(activation, spec.activations),
+            has_bias=bool(bias),
+            has_residual=bool(residual),
+            even_k=bool(even_k),
+            input_precision=fp32_input_precision() if dtype == torch.float32 else None,
+            upcast_operands=interpreting() if interpret is None else bool(interpret),
+            split_k=bool(split_k),
+            tma=bool(tma),
+        )
+    except ValueError as e:  # a variant this op's kernel does not have: KernelSpec says which
+        raise AutofuseError(str(e)) from None
+    return render(kernel)

@@ -1,0 +1,59 @@
+"""The training forward's pointwise pass, op `gated_act` (templates/gated_act.py.jinja): H = act(G) * U
+from the pre-activations [G | U] that cuBLAS wrote (and the backward keeps). A pass over memory:
+one fixed tile shape serves every size, so nothing is tuned."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS
+from ..configs import KernelConfig
+from ..device import interpreting
+from ..opspec import Operand, OpSpec
+
+OPERANDS = (
+    Operand("gu", "[M, 2 N]: G in columns [0, N), U in [N, 2 N)", "mn"),
+    Operand("h", "[M, N]", "mn"),
+)
+# Any config: the kernel takes only BLOCK_M and BLOCK_N, chosen below.
+_FIXED = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
+
+
+def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(G) * U from gu = [G | U] ([M, 2F]); written into `out` ([M, F]) when given."""
+    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"gated_activation: gu must be [M, 2F], got {tuple(gu.shape)}")
+    M, F = gu.shape[0], gu.shape[1] // 2
+    h = L.output(out, (M, F), gu)
+    if M == 0 or F == 0:
+        return h
+    # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
+    kernel = L.kernel_for(GATED_ACT, activation, _FIXED.block_k, gu.dtype, _FIXED, False)
+    # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
+    block_m, block_n = (16, 64) if interpreting() else (4, 512)
+    L.launch(kernel, (-(-M // block_m), -(-F // block_n)), {"gu": gu, "h": h}, (M, F),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+    return h
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return gated_activation(ops["gu"], activation, out=out)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    g, u = ops["gu"].chunk(2, dim=1)
+    return TORCH_ACTIVATIONS[activation](g) * u
+
+
+GATED_ACT = OpSpec(
+    name="gated_act",
+    template="gated_act",
+    doc="the training forward's pointwise act(G) * U (nothing to tune)",
+    operands=OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run,
+    sizes=("M", "N"),
+    constexprs=("BLOCK_M", "BLOCK_N"),
+    library={"eager": _eager},
+    template_files=("gated_act.py.jinja", "_common.py.jinja"),
+)

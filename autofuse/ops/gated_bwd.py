@@ -1,0 +1,112 @@
+"""The gated MLP's backward kernel, op `gated_bwd` (templates/gated_bwd*.py.jinja): dH = dY Wd as a
+GEMM over d_model whose epilogue reads the forward's saved G, U and writes dG | dU over them and H,
+so dH never reaches memory. Keyed with n = d_ff, k = d_model. Used by training.py."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS, activation_backward
+from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..opspec import Operand, OpSpec
+
+EPILOGUE = ("BLOCK_M", "EPILOGUE_N")
+OPERANDS = (
+    Operand("dy", "[M, K], the gradient of the MLP's output (K = d_model)", "mk", tma_block=("BLOCK_M", "BLOCK_K")),
+    Operand("wd", "[K, N], the down projection's weight (N = d_ff)", "kn", tma_block=("BLOCK_K", "BLOCK_N")),
+    Operand("gu", "[M, 2 N]: the forward's G in columns [0, N), U in [N, 2 N)", "mn", when="!tma"),
+    Operand("dgu", "[M, 2 N]: dG in columns [0, N), dU in [N, 2 N); may be gu_ptr", "mn", when="!tma"),
+    # The TMA variant reads and writes the halves through descriptors of [M, N] views.
+    Operand("g", "G [M, N]", when="tma", tma_block=EPILOGUE),
+    Operand("u", "U [M, N]", when="tma", tma_block=EPILOGUE),
+    Operand("dg", "dG [M, N] (may be G itself)", when="tma", tma_block=EPILOGUE),
+    Operand("du", "dU [M, N] (may be U itself)", when="tma", tma_block=EPILOGUE),
+    Operand("h", "H [M, N]", "mn", tma_block=EPILOGUE),
+)
+
+
+def gated_backward(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor, activation: str, config: KernelConfig,
+                   out: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For Y = (act(G) * U) @ w_down.T [+ b], the forward's gu = [G | U] ([M, 2F]) and dY ([M, D]):
+    returns dGU = [dG | dU] ([M, 2F], the gradients of the gate and up pre-activations) and H ([M, F]),
+    written into `out` = (dGU, H) when given; dGU may be gu itself (the kernel then overwrites the
+    saved pre-activations with their gradients). w_down: [D, F]."""
+    L.check_operands(dy, gu, w_down)
+    M, D = dy.shape
+    F = w_down.shape[1]
+    L.require(tuple(gu.shape) == (M, 2 * F) and tuple(w_down.shape) == (D, F),
+              "gated_backward: gu must be [M, 2F] and w_down [D, F]")
+    L.require(config.split_k == 1, "the gated backward kernel has no split-K variant")
+    dgu_out, h_out = out if out is not None else (None, None)
+    dgu, h = L.output(dgu_out, (M, 2 * F), dy), L.output(h_out, (M, F), dy)
+    if M == 0:
+        return dgu, h
+    halves = {"g": gu[:, :F], "u": gu[:, F:], "dg": dgu[:, :F], "du": dgu[:, F:]}
+    config = L.tma_config(config, dy, w_down, *halves.values(), h)
+    kernel = L.kernel_for(GATED_BWD, activation, D, dy.dtype, config, False)
+    if config.tma:
+        # The epilogue works in pieces at most 64 columns wide (RESULTS.md, issue 5: two 64-wide
+        # halves of a 128-wide tile beat the whole).
+        L.persistent_launch(kernel, M, F, config, dy.device, {"dy": dy, "wd": w_down, **halves, "h": h}, (M, F, D),
+                            EPILOGUE_N=min(config.block_n, 64))
+    else:
+        L.launch(kernel, L.grid(M, F, config), {"dy": dy, "wd": w_down, "gu": gu, "dgu": dgu, "h": h}, (M, F, D),
+                 L.launch_options(config))
+    return dgu, h
+
+
+def gated_backward_eager(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor,
+                         activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dGU, H) as PyTorch computes them from the saved [G | U]: the kernel's library path and, in
+    float64, its reference."""
+    F_ = w_down.shape[1]
+    g, u = gu[:, :F_], gu[:, F_:]
+    a = TORCH_ACTIVATIONS[activation](g)
+    dh = dy @ w_down
+    return torch.cat([activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One [M, 3F] result, dG | dU | H, so that the tuner checks all three at once."""
+    dy, n = ops["dy"], ops["wd"].shape[1]
+    out = L.allocate((dy.shape[0], 3 * n), dy) if out is None else out
+    gated_backward(dy, ops["gu"], ops["wd"], activation, config, out=(out[:, :2 * n], out[:, 2 * n:]))
+    return out
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    return torch.cat(gated_backward_eager(ops["dy"], ops["gu"], ops["wd"], activation), dim=1)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(gated_backward_eager(ops["dy"].double(), ops["gu"].double(), ops["wd"].double(), activation),
+                     dim=1)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    # dY stands for the activations (drawn fresh per check); the saved [G | U] already hold the biases.
+    return {"dy": rand(M, k), "gu": rand(M, 2 * n), "wd": rand(k, n) * n**-0.5}
+
+
+GATED_BWD = OpSpec(
+    name="gated_bwd",
+    template="gated_bwd",
+    doc="the gated MLP's backward: dH = dY Wd with dG, dU and H formed in the epilogue",
+    operands=OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run,
+    tma=True,
+    tma_constexprs=("EPILOGUE_N",),
+    narrow_n=True,  # the epilogue loads G and U tiles
+    space=SearchSpace(split_k=(1,)),
+    interpreter_space=SearchSpace(**{**INTERPRETER_SPACE.dimensions(), "split_k": (1,)}),
+    library={"eager": _eager},
+    reference=_reference,
+    make_operands=_make_operands,
+    output_width=lambda n, k: 3 * n,
+    serves="mlp",
+    dims=lambda s: (s.d_ff, s.d_model, s.activation),
+    training=True,
+    template_files=("gated_bwd.py.jinja", "gated_bwd_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
+)

@@ -1,0 +1,87 @@
+"""The gated up-projection: H = act(X @ Wg^T + bg) * (X @ Wu^T + bu) in one kernel
+(templates/gated_up*.py.jinja): gate and up projections share each X tile, and the gated product
+is the epilogue, so G and U never reach memory."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import GATED_ACTIVATIONS
+from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..opspec import Operand, OpSpec
+from ..reference import eager_gated, gated_reference
+
+OPERANDS = (
+    Operand("x", "[M, K]", "mk", tma_block=("BLOCK_M", "BLOCK_K")),
+    Operand("wg", "[N, K], gate projection weight", "nk", tma_block=("BLOCK_N", "BLOCK_K")),
+    Operand("wu", "[N, K], up projection weight", "nk", tma_block=("BLOCK_N", "BLOCK_K")),
+    Operand("bg", "[N]", when="has_bias"),
+    Operand("bu", "[N]", when="has_bias"),
+    Operand("h", "[M, N]", "mn"),
+)
+
+
+def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: torch.Tensor | None,
+             b_up: torch.Tensor | None, activation: str, config: KernelConfig,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up), x: [M, K], w_*: [N, K].
+    Written into `out` ([M, N], x's dtype) when given."""
+    L.check_operands(x, w_gate, w_up, b_gate, b_up)
+    M, K = x.shape
+    N = w_gate.shape[0]
+    L.require(tuple(w_gate.shape) == tuple(w_up.shape) == (N, K), "gated_up: gate and up weights must be [N, K]")
+    L.require((b_gate is None) == (b_up is None), "gated_up: gate and up biases come together")
+    h = L.output(out, (M, N), x)
+    if M == 0:
+        return h
+    config = L.tma_config(config, x, w_gate, w_up)
+    kernel = L.kernel_for(GATED_UP, activation, K, x.dtype, config, b_gate is not None)
+    tensors = {"x": x, "wg": w_gate, "wu": w_up, "h": h}
+    if b_gate is not None:
+        tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())
+    if config.tma:
+        L.persistent_launch(kernel, M, N, config, x.device, tensors, (M, N, K))
+    else:
+        L.launch(kernel, L.grid(M, N, config), tensors, (M, N, K), L.launch_options(config),
+                 L.split_k_workspace(M, N, 2, config, x.device))
+    return h
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return gated_up(ops["x"], ops["wg"], ops["wu"], ops.get("bg"), ops.get("bu"), activation, config, out=out)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    return eager_gated(ops["x"], ops["wg"], ops["wu"], ops.get("bg"), ops.get("bu"), activation)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    return gated_reference(ops["x"], ops["wg"], ops["wu"], ops.get("bg"), ops.get("bu"), activation)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    return {"x": rand(M, k), "wg": rand(n, k) * k**-0.5, "wu": rand(n, k) * k**-0.5,
+            "bg": rand(n) if bias else None, "bu": rand(n) if bias else None}
+
+
+GATED_UP = OpSpec(
+    name="gated_up",
+    template="gated_up",
+    doc="a gated MLP's act(x Wg^T + bg) * (x Wu^T + bu) in one kernel",
+    operands=OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run,
+    split_k=True,
+    tma=True,
+    operand_tiles=(1, 2),
+    narrow_n=True,
+    space=SearchSpace(),
+    interpreter_space=INTERPRETER_SPACE,
+    library={"eager": _eager},
+    reference=_reference,
+    make_operands=_make_operands,
+    output_width=lambda n, k: n,
+    serves="mlp",
+    dims=lambda s: (s.d_ff, s.d_model, s.activation),
+)

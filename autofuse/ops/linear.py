@@ -1,0 +1,95 @@
+"""The Linear op: Y = act(X @ W^T + b) [+ R] in one kernel (templates/linear*.py.jinja), and `down`,
+the gated MLP's down projection: the same kernel without activation, keyed apart so that a shapes
+file's MLP and Linear entries never share a key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import launch as L
+from ..activations import LINEAR_ACTIVATIONS
+from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..opspec import Operand, OpSpec
+from ..reference import eager_linear, linear_reference
+
+OPERANDS = (
+    Operand("x", "[M, K]", "mk", tma_block=("BLOCK_M", "BLOCK_K")),
+    Operand("w", "[N, K], nn.Linear layout", "nk", tma_block=("BLOCK_N", "BLOCK_K")),
+    Operand("b", "[N]", when="has_bias"),
+    Operand("r", "[M, N], added after the activation", "mn", when="has_residual"),
+    Operand("y", "[M, N]", "mn"),
+)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+           activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Y = act(x @ weight.T + bias) + residual, x: [M, K], weight: [N, K], residual: [M, N].
+    Written into `out` ([M, N], x's dtype) when given."""
+    L.check_operands(x, weight, bias, residual)
+    M, K = x.shape
+    N = weight.shape[0]
+    L.require(weight.shape[1] == K and (residual is None or tuple(residual.shape) == (M, N)),
+              f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual do not fit")
+    y = L.output(out, (M, N), x)
+    if M == 0:
+        return y
+    config = L.tma_config(config, x, weight)
+    kernel = L.kernel_for(LINEAR, activation, K, x.dtype, config, bias is not None, residual is not None)
+    tensors = {"x": x, "w": weight, "b": None if bias is None else bias.contiguous(), "r": residual, "y": y}
+    if config.tma:
+        L.persistent_launch(kernel, M, N, config, x.device, tensors, (M, N, K))
+    else:
+        L.launch(kernel, L.grid(M, N, config), tensors, (M, N, K), L.launch_options(config),
+                 L.split_k_workspace(M, N, 1, config, x.device))
+    return y
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return linear(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation, config, out=out)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    return eager_linear(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    return linear_reference(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    # nn.Linear-like scale: outputs of order one.
+    return {"x": rand(M, k), "w": rand(n, k) * k**-0.5, "b": rand(n) if bias else None,
+            "r": rand(M, n) if residual else None}
+
+
+LINEAR = OpSpec(
+    name="linear",
+    template="linear",
+    doc="act(x W^T + b) [+ residual] in one kernel",
+    operands=OPERANDS,
+    activations=LINEAR_ACTIVATIONS,
+    run=_run,
+    residual=True,
+    split_k=True,
+    tma=True,
+    space=SearchSpace(),
+    interpreter_space=INTERPRETER_SPACE,
+    library={"eager": _eager},
+    reference=_reference,
+    make_operands=_make_operands,
+    output_width=lambda n, k: n,
+    serves="linear",
+    dims=lambda s: (s.out_features, s.in_features, s.activation),
+)
+
+DOWN = dataclasses.replace(
+    LINEAR,
+    name="down",
+    doc="a gated MLP's down projection: the linear kernel without activation",
+    activations=("none",),
+    residual=False,
+    serves="mlp",
+    dims=lambda s: (s.d_model, s.d_ff, "none"),
+)

@@ -1,0 +1,116 @@
+"""The one-launch gated MLP for small M (decode), op `mlp` (templates/mlp_decode.py.jinja):
+Y = (act(X Wg^T + bg) * (X Wu^T + bu)) Wd^T + bd, each program computing a BLOCK_F-wide slice of H
+and multiplying it into the down projection at once, so H never reaches memory. Keyed with
+n = d_ff, k = d_model; config block_m rows, block_n = BLOCK_F columns of H, block_k = BLOCK_D."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import GATED_ACTIVATIONS
+from ..configs import Device, KernelConfig, SearchSpace, clamp_to_problem, fit_shared_memory
+from ..opspec import Operand, OpSpec
+from ..reference import eager_mlp, mlp_reference
+
+OPERANDS = (
+    Operand("x", "[M, D]", "mk"),
+    Operand("wg", "[F, D], gate projection weight", "nk"),
+    Operand("wu", "[F, D], up projection weight", "nk"),
+    Operand("wd", "[D, F], down projection weight", "nk"),
+    Operand("bg", "[F]", when="has_bias"),
+    Operand("bu", "[F]", when="has_bias"),
+    Operand("bd", "[D]", when="has_bias"),
+    Operand("y", "[M, D]", "mn"),
+)
+
+# Largest M the one-launch MLP is keyed and run for: its float32 atomics (d_ff / BLOCK_F x M x
+# d_model) outgrow the weight traffic beyond it (RESULTS.md, issue 4).
+MAX_M = 64
+
+
+def mlp_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None,
+               activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down in one launch,
+    x: [M, D], w_gate/w_up: [F, D], w_down: [D, F]."""
+    L.check_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    M, D = x.shape
+    F = w_gate.shape[0]
+    L.require(tuple(w_gate.shape) == tuple(w_up.shape) == (F, D) and tuple(w_down.shape) == (D, F),
+              "mlp_decode: weights must be [F, D], [F, D] and [D, F]")
+    L.require((b_gate is None) == (b_up is None) == (b_down is None), "mlp_decode: the three biases come together")
+    L.require(config.split_k == 1 and not config.tma, "the decode MLP kernel has no split-K or TMA variant")
+    y = L.output(out, (M, D), x)
+    if M == 0:
+        return y
+    kernel = L.kernel_for(MLP, activation, D, x.dtype, config, b_gate is not None)
+    tensors = {"x": x, "wg": w_gate, "wu": w_up, "wd": w_down, "y": y}
+    if b_gate is not None:
+        tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous(), bd=b_down.contiguous())
+    row_blocks = -(-M // config.block_m)
+    options = dict(BLOCK_M=config.block_m, BLOCK_F=config.block_n, BLOCK_D=config.block_k,
+                   num_warps=config.num_warps, num_stages=config.num_stages)
+    L.launch(kernel, (-(-F // config.block_n), row_blocks), tensors, (M, D, F), options,
+             L.workspace(x.device, M * D, row_blocks))
+    return y
+
+
+def heuristic(M: int, N: int, K: int, dtype: torch.dtype, device: Device) -> KernelConfig:
+    config = KernelConfig(16 if M <= 16 else 32 if M <= 32 else 64, 64, 128, group_m=1, num_warps=4,
+                          num_stages=1 if device.interpret else 4)
+    config = clamp_to_problem(config, M, N, K)
+    return config if device.interpret else fit_shared_memory(config, MLP.operand_tiles, dtype,
+                                                              device.shared_memory_limit)
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return mlp_decode(ops["x"], ops["wg"], ops["wu"], ops["wd"], ops.get("bg"), ops.get("bu"), ops.get("bd"),
+                      activation, config, out=out)
+
+
+def _weights(ops: dict) -> tuple:
+    return ops["x"], ops["wg"], ops["wu"], ops["wd"], ops.get("bg"), ops.get("bu"), ops.get("bd")
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    return eager_mlp(*_weights(ops), activation)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    # H rounded to the dtype, as the kernel and eager PyTorch store it.
+    return mlp_reference(*_weights(ops), activation, hidden_dtype=dtype)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    ops = {"x": rand(M, k), "wg": rand(n, k) * k**-0.5, "wu": rand(n, k) * k**-0.5, "wd": rand(k, n) * n**-0.5}
+    if bias:
+        ops.update(bg=rand(n), bu=rand(n), bd=rand(k))
+    return ops
+
+
+MLP = OpSpec(
+    name="mlp",
+    template="mlp_decode",
+    doc="a whole gated MLP in one launch (small M: H never reaches memory)",
+    operands=OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run,
+    sizes=("M", "D", "F"),
+    constexprs=("BLOCK_M", "BLOCK_F", "BLOCK_D"),
+    always_workspace=True,
+    operand_tiles=(1, 2),  # its first product dominates
+    # No GROUP_M, split-K or TMA, and its atomics grow with M: small tiles only.
+    space=SearchSpace(block_m=(16, 32, 64), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256), group_m=(1,),
+                      num_warps=(2, 4, 8), num_stages=(2, 3, 4, 5), split_k=(1,), tma=(False,)),
+    interpreter_space=SearchSpace(block_m=(16, 32), block_n=(16, 32, 64), block_k=(32, 64), group_m=(1,),
+                                  num_warps=(4,), num_stages=(1, 2), split_k=(1,), tma=(False,)),
+    heuristic=heuristic,
+    library={"eager": _eager},
+    reference=_reference,
+    make_operands=_make_operands,
+    output_width=lambda n, k: k,
+    serves="mlp",
+    dims=lambda s: (s.d_ff, s.d_model, s.activation),
+    max_m=MAX_M,
+)

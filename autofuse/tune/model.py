@@ -1,0 +1,33 @@
+"""`autofuse.tune_model(model)`: tune the MLP shapes of a model's fused blocks on its GPU, as
+`autofuse tune --model` tunes a config's."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..hf import FusedHFMLP
+from ..modules import FusedMLP
+from ..shapes import DEFAULT_TOKENS, MLPShape, ShapeSet
+from .driver import tune_shapes
+
+
+def tune_model(model: nn.Module, *, tokens: tuple[int, ...] | None = None, trials: int = 20) -> int:
+    """Tune every distinct MLP shape among `model`'s fused blocks (after autofuse.fuse, or FusedMLP
+    modules) at `tokens` (default: shapes.DEFAULT_TOKENS), `trials` per key, into the user cache; the
+    blocks resolve again on their next forward. Returns the number of keys tuned."""
+    fused = [m._fused if isinstance(m, FusedHFMLP) else m for m in model.modules()
+             if isinstance(m, (FusedHFMLP, FusedMLP))]
+    if not fused:
+        return 0
+    mlps = {}
+    for block in fused:
+        g = block.gate_proj
+        shape = MLPShape(f"{g.in_features}x{g.out_features}", g.in_features, g.out_features, block.activation,
+                         g.bias is not None)
+        mlps.setdefault((shape.d_model, shape.d_ff, shape.activation, shape.bias), shape)
+    weight = fused[0].gate_proj.weight
+    results = tune_shapes(ShapeSet(weight.dtype, tuple(tokens or DEFAULT_TOKENS), tuple(mlps.values()), ()),
+                          weight.device, trials=trials)
+    for block in fused:
+        block.clear_config_table()
+    return len(results)

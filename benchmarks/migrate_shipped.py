@@ -1,0 +1,77 @@
+"""Carry shipped config files across a template change that does not change any kernel's program.
+
+    python benchmarks/migrate_shipped.py OLD_REV cache/*.json
+
+For every op, renders every kernel variant from the templates at git revision OLD_REV (with that
+revision's variables) and from today's, and compares the two sources' Python ASTs (comments,
+formatting and line numbers do not enter an AST; everything Triton compiles does). Only where all
+of an op's variants are identical are its records' template hashes rewritten from OLD_REV's hash to
+today's, and each file's checksum recomputed. Anything else is left for a re-tune on the GPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from autofuse import ops
+from autofuse.configfile import _checksum
+from autofuse.render import KernelSpec, hash_template_files, render, template_hash
+from autofuse.resources import templates_dir
+
+
+def _variants(spec):
+    for act, bias, even_k, precision, upcast in itertools.product(
+            spec.activations, (False, True), (False, True), (None, "ieee", "tf32"), (False, True)):
+        for residual, split_k, tma in itertools.product((False, True), (False, True), (False, True)):
+            if spec.variants_allowed(residual, split_k, tma) is None and not (bias and spec.name == "gated_bwd"):
+                yield KernelSpec(spec, act, bias, residual, even_k, precision, upcast, split_k, tma)
+
+
+def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
+    template = env.get_template(f"{k.op.template}{'_tma' if k.tma else ''}.py.jinja")
+    return template.render(kernel_name=k.kernel_name, activation=k.activation, has_bias=k.has_bias,
+                           has_residual=k.has_residual, even_k=k.even_k, input_precision=k.input_precision,
+                           upcast_operands=k.upcast_operands, split_k=k.split_k)
+
+
+def main(old_rev: str, files: list[str]) -> int:
+    old_dir = Path(tempfile.mkdtemp())
+    for f in templates_dir().iterdir():
+        shown = subprocess.run(["git", "show", f"{old_rev}:templates/{f.name}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            (old_dir / f.name).write_text(shown.stdout)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    rehash = {}
+    for spec in ops.specs():
+        variants = list(_variants(spec))
+        same = sum(ast.dump(ast.parse(_old_source(env, k))) == ast.dump(ast.parse(render(k))) for k in variants)
+        old, new = hash_template_files(spec, old_dir), template_hash(spec)
+        print(f"{spec.name:<10} {same}/{len(variants)} variants parse to identical programs; hash {old} -> {new}")
+        if same == len(variants):
+            rehash[(spec.name, old)] = new
+    for name in files:
+        doc = json.loads(Path(name).read_text())
+        moved = 0
+        for record in doc["records"]:
+            new = rehash.get((record["key"]["op"], record["key"]["template_hash"]))
+            if new is not None:
+                record["key"]["template_hash"] = new
+                moved += 1
+        doc["template_hashes"] = {ops.get(r["key"]["op"]).template: r["key"]["template_hash"] for r in doc["records"]}
+        doc["sha256"] = _checksum(doc["records"])
+        Path(name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        print(f"{name}: {moved} of {len(doc['records'])} records carried to today's templates")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
