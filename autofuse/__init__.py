@@ -9,7 +9,6 @@ from .errors import AutofuseError
 from .hf import FusedHFMLP, FuseReport, fuse
 from .modules import FusedLinear, FusedMLP, get_linear, get_mlp
 from .ops import show_kernel
-from .tune.model import tune_model
 
 __all__ = [
     "AutofuseError",
@@ -26,3 +25,13 @@ __all__ = [
     "show_kernel",
     "tune_model",
 ]
+
+
+def __getattr__(name: str):
+    # autofuse.tune_model loads the tuner (and through it optuna) only when asked for: the runtime
+    # imports nothing from autofuse/tune.
+    if name == "tune_model":
+        from .tune.model import tune_model
+
+        return tune_model
+    raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
