@@ -218,6 +218,18 @@ def persistent_launch(kernel: Kernel, M: int, N: int, config: KernelConfig, devi
     launch(kernel, (min(programs, tiles(M, N, config)),), tensors, sizes, options)
 
 
+def launch_gemm(kernel: Kernel, M: int, N: int, K: int, config: KernelConfig, device: torch.device, tensors: dict,
+                accumulators: int) -> None:
+    """Launch a GEMM-shaped kernel over an [M, N] output: persistent over TMA descriptors where the
+    config says so, else one tile per program, with split-K's workspace for `accumulators` float32
+    partial sums per output element."""
+    if config.tma:
+        persistent_launch(kernel, M, N, config, device, tensors, (M, N, K))
+    else:
+        launch(kernel, grid(M, N, config), tensors, (M, N, K), launch_options(config),
+               split_k_workspace(M, N, accumulators, config, device))
+
+
 def allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
     """Output buffer; uninitialised, since the kernels write every element (tests poison it)."""
     return torch.empty(shape, dtype=like.dtype, device=like.device)

@@ -40,11 +40,7 @@ def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: 
     tensors = {"x": x, "wg": w_gate, "wu": w_up, "h": h}
     if b_gate is not None:
         tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())
-    if config.tma:
-        L.persistent_launch(kernel, M, N, config, x.device, tensors, (M, N, K))
-    else:
-        L.launch(kernel, L.grid(M, N, config), tensors, (M, N, K), L.launch_options(config),
-                 L.split_k_workspace(M, N, 2, config, x.device))
+    L.launch_gemm(kernel, M, N, K, config, x.device, tensors, accumulators=2)
     return h
 
 

@@ -38,11 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     config = L.tma_config(config, x, weight)
     kernel = L.kernel_for(LINEAR, activation, K, x.dtype, config, bias is not None, residual is not None)
     tensors = {"x": x, "w": weight, "b": None if bias is None else bias.contiguous(), "r": residual, "y": y}
-    if config.tma:
-        L.persistent_launch(kernel, M, N, config, x.device, tensors, (M, N, K))
-    else:
-        L.launch(kernel, L.grid(M, N, config), tensors, (M, N, K), L.launch_options(config),
-                 L.split_k_workspace(M, N, 1, config, x.device))
+    L.launch_gemm(kernel, M, N, K, config, x.device, tensors, accumulators=1)
     return y
 
 
