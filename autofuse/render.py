@@ -119,7 +119,7 @@ class Kernel:
 @cache
 def load_kernel(spec: KernelSpec) -> Kernel:
     """The kernel for `spec`, rendered and imported once per distinct source. Memoised: rendering
-    costs ~100 us, a launch must not pay it."""
+    costs far more than a launch, which must not pay it."""
     return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters)
 
 

@@ -23,6 +23,7 @@ import jinja2
 
 from autofuse import ops
 from autofuse.configfile import _checksum
+from autofuse.opspec import signature_lines
 from autofuse.render import KernelSpec, hash_template_files, render, template_hash
 from autofuse.resources import templates_dir
 
@@ -37,9 +38,11 @@ def _variants(spec):
 
 def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
     template = env.get_template(f"{k.op.template}{'_tma' if k.tma else ''}.py.jinja")
+    # `signature`: today's generated parameter list, for revisions whose templates write it with the macro.
     return template.render(kernel_name=k.kernel_name, activation=k.activation, has_bias=k.has_bias,
                            has_residual=k.has_residual, even_k=k.even_k, input_precision=k.input_precision,
-                           upcast_operands=k.upcast_operands, split_k=k.split_k)
+                           upcast_operands=k.upcast_operands, split_k=k.split_k,
+                           signature=signature_lines(k.parameters, k.op.kernel_constexprs(k.split_k, k.tma)))
 
 
 def main(old_rev: str, files: list[str]) -> int:

@@ -8,6 +8,7 @@ winner in the storage (including those other machines found) into this machine's
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from ..resources import user_cache_dir
 from ..store import Store, Winner
 from . import worklist
 from .driver import Job
+
+logger = logging.getLogger("autofuse")
 
 
 def parse_devices(text: str) -> list[str]:
@@ -56,8 +59,8 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     jobs, run = plan()
     # Opened once: a journal storage then reads only what was appended since the last poll.
     work_list = worklist.WorkList(worklist.open_storage(storage), run, jobs)
-    print(f"tuning {len(jobs)} keys on {len(devices)} workers ({', '.join(n for n, _, _ in procs)}), "
-          f"run {run}, storage {storage}, worker logs in {log_dir}", file=sys.stderr, flush=True)
+    logger.info("tuning %d keys on %d workers (%s), run %s, storage %s, worker logs in %s", len(jobs), len(devices),
+                ", ".join(n for n, _, _ in procs), run, storage, log_dir)
     tty = sys.stderr.isatty()
     last = ""
     try:
@@ -93,6 +96,5 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
         raise AutofuseError(f"{len(jobs) - len(found)} of {len(jobs)} keys were not tuned; workers that failed: "
                             f"{', '.join(failed) or 'none'}; see {log_dir}. Run the same command again to finish.")
     if failed:
-        print(f"warning: worker(s) {', '.join(failed)} failed; the others finished their keys (logs: {log_dir})",
-              file=sys.stderr, flush=True)
+        logger.warning("worker(s) %s failed; the others finished their keys (logs: %s)", ", ".join(failed), log_dir)
     return jobs, found
