@@ -6,7 +6,7 @@ FusedMLP.forward); eager calls skip the dispatcher. (The op registry, autofuse/o
 the ops autofuse renders, tunes and launches.) The fake implementations give the output's
 shape and dtype (M may be symbolic); the real ones resolve the config table for the concrete M
 (memoised per process, dropped when resolve.invalidate() is called) and run the same code as the
-eager modules, except that split-K workspaces are allocated per call (launch.workspaces_per_call:
+eager modules, except that split-K workspaces are allocated per call (workspaces.workspaces_per_call:
 CUDA-graph trees allow no persistent allocation in their pool). Gradients: registered formulas
 that recompute the pre-activations with PyTorch ops (which torch.compile then fuses); the eager
 modules' own backward (autograd.py) is not used there.
@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import launch
-from . import resolve as resolve_module
+from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .dispatch import linear_choices, mlp_choices, run_linear, run_mlp, table_key
 from .training import sum_rows
@@ -28,8 +27,8 @@ _tables: dict[tuple, dict] = {}
 
 def _table(choices, M: int, weight: torch.Tensor, problem: tuple, tuned: bool) -> dict:
     """choices(*problem, M, dtype, device, tuned), memoised like a module's config table (per M up to
-    the largest bucket, then per bucket) and dropped when resolve.invalidate() runs."""
-    key = (choices, resolve_module.generation(), *table_key(M, weight), problem, tuned)
+    the largest bucket, then per bucket, and per resolve generation)."""
+    key = (choices, *table_key(M, weight), problem, tuned)
     table = _tables.get(key)
     if table is None:
         table = _tables[key] = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
@@ -43,7 +42,7 @@ def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up
     """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
     table = _table(mlp_choices, x.shape[0], w_gate, (x.shape[1], w_gate.shape[0], activation, b_gate is not None),
                    tuned)
-    with launch.workspaces_per_call():
+    with workspaces.workspaces_per_call():
         return run_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, table)
 
 
@@ -58,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
     table = _table(linear_choices, x.shape[0], weight,
                    (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), tuned)
-    with launch.workspaces_per_call():
+    with workspaces.workspaces_per_call():
         return run_linear(x, weight, bias, residual, activation, table)
 
 

@@ -17,10 +17,11 @@ from functools import cache
 
 import torch
 
-from .configs import KernelConfig, next_power_of_2
+from .configs import KernelConfig
 from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs, supports_tma
 from .opspec import OpSpec, launch_args
 from .render import Kernel, KernelSpec, load_kernel
+from .workspaces import split_k_workspace
 
 
 class LaunchError(RuntimeError):
@@ -65,99 +66,94 @@ def launch_options(config: KernelConfig) -> dict[str, int]:
 
 def launch(kernel: Kernel, grid_: tuple, tensors: dict, sizes: tuple[int, ...], options: dict,
            workspace: tuple = ()) -> None:
-    """Launch `kernel` with its positional arguments built from its parameter list."""
+    """Launch `kernel` with its positional arguments built from its parameter list, through Triton's
+    JIT (which compiles on a first call). While `binding()` records, the launch is also kept as a
+    BoundLaunch that later calls replay without the JIT."""
     args = launch_args(kernel.parameters, tensors, sizes, options, workspace, descriptor)
-    kernel.fn[grid_](*args, **options)
+    compiled = kernel.fn[grid_](*args, **options)
+    recorded = _recorded.get()
+    if recorded is not None:
+        recorded.append(BoundLaunch.bind(kernel, grid_, args, options, tensors, compiled))
 
 
-# Split-K workspaces: float32 partial sums and int32 arrival counters, per (device, stream). The
-# kernels leave both all zero when they finish, so one zeroing at allocation serves every later
-# launch in stream order; a stream of its own keeps concurrent streams from sharing one. Sizes grow
-# in powers of two, so a (device, stream) retires at most ~40 outgrown buffers in a process; they
-# are kept, because a captured CUDA graph keeps the pointers it was captured with, until
-# release_workspaces() says no such graph is left.
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-_retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+_recorded: contextvars.ContextVar[list | None] = contextvars.ContextVar("autofuse_bound_launches", default=None)
 
 
-def _stream_id(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    if _raw_stream is not None:  # what Triton's launcher calls: far cheaper than building a Stream object
-        return _raw_stream(cuda_index(device))
-    return torch.cuda.current_stream(device).cuda_stream
+@contextlib.contextmanager
+def binding():
+    """Record every launch made inside as a BoundLaunch (None where it cannot be bound), in order."""
+    recorded: list = []
+    token = _recorded.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _recorded.reset(token)
+
+
+class BoundLaunch:
+    """One kernel launch with everything bound but the tensors that change per call.
+
+    Bound once (from a launch through the JIT): the compiled kernel, grid, sizes, weights and their
+    strides, constexprs, the split-K workspace and the stream it belongs to. A call swaps in the
+    per-call tensors (Kernel.per_call, by operand name) and launches the compiled kernel directly.
+    It declines (returns False, the caller then takes the JIT path) whenever the JIT might have
+    chosen another compiled variant or another workspace: a per-call tensor with other strides, of
+    another dtype or without 16-byte alignment (what Triton specializes pointers and strides on),
+    another stream.
+    Under the interpreter there is no compiled kernel: the same arguments go through `fn[grid]`."""
+
+    __slots__ = ("fn", "grid", "args", "positional", "options", "slots", "layouts", "compiled", "device", "stream")
+
+    @classmethod
+    def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled):
+        per_call = {name: tensors[name] for name in kernel.per_call if tensors.get(name) is not None}
+        if any(t.data_ptr() % 16 for t in per_call.values()):
+            return None  # compiled for unaligned rows: leave such inputs to the JIT
+        self = cls()
+        self.fn, self.grid, self.options, self.positional = kernel.fn, grid_, options, len(args)
+        # The compiled launcher takes every parameter, constexprs included, in signature order.
+        self.args = list(args) + [options[name] for name in kernel.constexprs]
+        # Pointer and descriptor positions take the new tensors; their strides stay bound (checked equal).
+        self.slots = [(i, p.operand, p.block) for i, p in enumerate(kernel.parameters)
+                      if p.operand in per_call and p.kind in ("tensor", "descriptor")]
+        self.layouts = {name: (t.stride(), t.dtype) for name, t in per_call.items()}
+        device = next(iter(per_call.values())).device
+        self.device = cuda_index(device) if device.type == "cuda" else None
+        self.compiled = compiled if self.device is not None else None
+        self.stream = _raw_stream(self.device) if self.device is not None else None
+        return self
+
+    def __call__(self, tensors: dict) -> bool:
+        args = self.args.copy()
+        for i, name, block in self.slots:
+            t = tensors[name]
+            if t.data_ptr() % 16 or (t.stride(), t.dtype) != self.layouts[name]:
+                return False
+            args[i] = t if block is None else descriptor(t, self.options[block[0]], self.options[block[1]])
+        if self.compiled is None:  # the interpreter
+            self.fn[self.grid](*args[:self.positional], **self.options)
+            return True
+        stream = _raw_stream(self.device)
+        if stream != self.stream:
+            return False
+        compiled, grid_, hooks = self.compiled, self.grid, triton_knobs().runtime
+        metadata = compiled.launch_metadata(grid_, stream, *args) if hooks.launch_enter_hook is not None else None
+        compiled.run(grid_[0], grid_[1] if len(grid_) > 1 else 1, grid_[2] if len(grid_) > 2 else 1, stream,
+                     compiled.function, compiled.packed_metadata, metadata, hooks.launch_enter_hook,
+                     hooks.launch_exit_hook, *args)
+        return True
 
 
 # What Triton's own launcher calls for the current stream; absent from CPU-only builds of torch.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-# Set while a torch.library op runs (custom_ops.py, i.e. under torch.compile / torch.export): its
-# workspace is then allocated per call and freed when the op returns. CUDA-graph trees (torch.compile's
-# reduce-overhead) route every allocation of their warm-up and capture runs into the graph's private
-# pool and then check that the pool holds only tensors they track: a persistent workspace born there
-# fails that check. One zeroed buffer per call costs a memset, which the graph replays with the rest.
-_per_call = contextvars.ContextVar("autofuse_workspace_per_call", default=False)
+@cache
+def triton_knobs():
+    # Imported here, not at the top: Triton is imported only once the first kernel is built.
+    from triton import knobs
 
-
-@contextlib.contextmanager
-def workspaces_per_call():
-    token = _per_call.set(True)
-    try:
-        yield
-    finally:
-        _per_call.reset(token)
-
-
-def workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed float32 sums and int32 counters of at least these sizes, for one launch on the current stream."""
-    if _per_call.get():
-        buffer = torch.zeros(sums + counters, dtype=torch.float32, device=device)
-        return buffer[:sums], buffer[sums:].view(torch.int32)  # one allocation, one memset
-    key = (device, _stream_id(device))
-    found = _workspaces.get(key)
-    if _too_small(found, sums, counters) and _capturing(device):
-        # A torch.cuda.graph capture of an eager module runs on a stream of its own, after a warm-up
-        # that allocated on another: reuse that workspace rather than allocate one in the graph's
-        # private memory pool. (torch.compile's CUDA graphs go through the ops: per-call workspaces.)
-        found = next((ws for (d, _), ws in _workspaces.items() if d == device and not _too_small(ws, sums, counters)),
-                     found)
-    if _too_small(found, sums, counters):
-        if found is not None:
-            _retired.append(found)
-            sums, counters = max(sums, found[0].numel()), max(counters, found[1].numel())
-        found = _workspaces[key] = (
-            torch.zeros(next_power_of_2(sums), dtype=torch.float32, device=device),
-            torch.zeros(next_power_of_2(counters), dtype=torch.int32, device=device),
-        )
-    return found
-
-
-def _too_small(found, sums: int, counters: int) -> bool:
-    return found is None or found[0].numel() < sums or found[1].numel() < counters
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def reset_workspaces() -> None:
-    """Zero every split-K workspace again: needed only after a kernel was interrupted or broken
-    (the tuner calls it after a candidate fails), since a finished launch leaves them zero."""
-    for sums, counters in [*_workspaces.values(), *_retired]:
-        sums.zero_()
-        counters.zero_()
-
-
-def release_workspaces() -> None:
-    """Free every split-K workspace (the next launch allocates anew). Only when no CUDA graph that
-    captured an autofuse launch will be replayed again: it holds their addresses."""
-    _workspaces.clear()
-    _retired.clear()
-
-
-def split_k_workspace(M: int, N: int, accumulators: int, config: KernelConfig, device: torch.device) -> tuple:
-    return () if config.split_k == 1 else workspace(device, M * accumulators * N, tiles(M, N, config))
+    return knobs
 
 
 def tma_config(config: KernelConfig, *operands: torch.Tensor) -> KernelConfig:
@@ -227,7 +223,7 @@ def launch_gemm(kernel: Kernel, M: int, N: int, K: int, config: KernelConfig, de
         persistent_launch(kernel, M, N, config, device, tensors, (M, N, K))
     else:
         launch(kernel, grid(M, N, config), tensors, (M, N, K), launch_options(config),
-               split_k_workspace(M, N, accumulators, config, device))
+               split_k_workspace(M, N, accumulators, config.split_k, tiles(M, N, config), device))
 
 
 def allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:

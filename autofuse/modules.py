@@ -16,7 +16,7 @@ from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .configs import KernelConfig, Library
 from .device import check_device
-from .dispatch import linear_choices, mlp_choices, run_linear, run_mlp, table_key
+from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
 from .errors import AutofuseError
 from .resolve import Choice, resolve
 from .training import LinearFunction, MLPFunction
@@ -59,16 +59,16 @@ class _FusedBase(nn.Module):
         super().__init__()
         self.tuned = tuned  # False: ignore tuned caches, always use the built-in heuristic
         self._configs: dict[tuple, dict[str, Choice]] = {}
+        self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
 
     def _reference_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _flatten(self, x: object, what: str) -> torch.Tensor:
+    def _flatten(self, x: object, what: str, weight: torch.Tensor) -> torch.Tensor:
         # Runs on every forward: only the checks that depend on x. Whether autofuse can run on the
         # weights' dtype and device is checked when a config table entry is built (_config_table).
         if not isinstance(x, torch.Tensor):
             raise AutofuseError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
-        weight = self._reference_weight()
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise AutofuseError(
                 f"expected input of shape (..., {self.in_features}) ({what}), got {tuple(x.shape)}"
@@ -96,6 +96,17 @@ class _FusedBase(nn.Module):
 
     _table_key = staticmethod(table_key)
 
+    def _bound_table(self, M: int, weight: torch.Tensor, residual: bool = False):
+        """The table entry for M as a callable that binds its launches on the first call (dispatch)."""
+        key = (*self._table_key(max(M, 1), weight), residual)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = self._bind(self._config_table(M, residual), max(M, 1))
+        return bound
+
+    def _bind(self, table: dict[str, Choice], M: int):
+        raise NotImplementedError
+
     def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
         raise NotImplementedError
 
@@ -110,8 +121,9 @@ class _FusedBase(nn.Module):
         return {op: c.source for op, c in self._config_table(_check_size("M", M), residual).items()}
 
     def clear_config_table(self) -> None:
-        """Resolve again on the next forward (e.g. after tuning or importing configs in this process)."""
+        """Resolve again on the next forward (a tune or `cache import` in this process is seen anyway)."""
         self._configs.clear()
+        self._bound.clear()
 
 
 class FusedLinear(_FusedBase):
@@ -141,8 +153,12 @@ class FusedLinear(_FusedBase):
         return linear_choices(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
                               M, dtype, device, self.tuned)
 
+    def _bind(self, table, M):
+        return BoundLinear(table, self.activation, M)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        x2d = self._flatten(x, "in_features")
+        weight, bias, activation = self.weight, self.bias, self.activation
+        x2d = self._flatten(x, "in_features", weight)
         out_shape = (*x.shape[:-1], self.out_features)
         r2d = None
         if residual is not None:
@@ -155,14 +171,12 @@ class FusedLinear(_FusedBase):
                     f"got ({residual.dtype}, {residual.device})"
                 )
             r2d = residual.reshape(-1, self.out_features)
-        weight, bias, activation = self.weight, self.bias, self.activation
-        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (autofuse/ops.py)
+        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             return torch.ops.autofuse.linear(x2d, weight, bias, r2d, activation, self.tuned).reshape(out_shape)
-        table = self._config_table(x2d.shape[0], r2d is not None)
         if _needs_grad(x2d, weight, bias, r2d):
-            config = table["linear"].kernel
+            config = self._config_table(x2d.shape[0], r2d is not None)["linear"].kernel
             return LinearFunction.apply(x2d, weight, bias, r2d, activation, config).reshape(out_shape)
-        return run_linear(x2d, weight, bias, r2d, activation, table).reshape(out_shape)
+        return self._bound_table(x2d.shape[0], weight, r2d is not None)(x2d, weight, bias, r2d).reshape(out_shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -196,24 +210,26 @@ class FusedMLP(_FusedBase):
         return mlp_choices(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, M, dtype,
                            device, self.tuned)
 
+    def _bind(self, table, M):
+        return BoundMLP(table, self.activation, M)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = self._flatten(x, "d_model")
-        out_shape = (*x.shape[:-1], self.d_model)
         # Parameters fetched once: every nn.Module attribute lookup costs host time on each forward.
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         params = (wg, bg, wu, bu, wd, bd) = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+        x2d = self._flatten(x, "d_model", wg)
+        out_shape = (*x.shape[:-1], self.d_model)
         for w in (wu, wd):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
         activation = self.activation
-        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (autofuse/ops.py)
+        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             return torch.ops.autofuse.mlp(x2d, *params, activation, self.tuned).reshape(out_shape)
-        configs = self._config_table(x2d.shape[0])
         if _needs_grad(x2d, *params):
             down_config, backward_config = self._training_configs(x2d.shape[0], wg)
             return MLPFunction.apply(x2d, wg, bg, wu, bu, wd, bd, activation, down_config,
                                      backward_config).reshape(out_shape)
-        return run_mlp(x2d, *params, activation, configs).reshape(out_shape)
+        return self._bound_table(x2d.shape[0], wg)(x2d, *params).reshape(out_shape)
 
     def _training_configs(self, M: int, weight: torch.Tensor) -> tuple[KernelConfig | None, KernelConfig | None]:
         """For a forward that builds a graph (see training.MLPFunction): the down projection's config and

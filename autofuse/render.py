@@ -110,17 +110,23 @@ def generated_dir() -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A loaded kernel: the Triton JIT function and its positional parameters (what to pass, in order)."""
+    """A loaded kernel: the Triton JIT function, its positional parameters (what to pass, in order),
+    its constexprs in signature order, and the operands that change from call to call (those with
+    a row per token: their first axis is M), which a bound launch swaps in per call."""
 
     fn: object
     parameters: tuple[Parameter, ...]
+    constexprs: tuple[str, ...]
+    per_call: frozenset[str]
 
 
 @cache
 def load_kernel(spec: KernelSpec) -> Kernel:
     """The kernel for `spec`, rendered and imported once per distinct source. Memoised: rendering
     costs far more than a launch, which must not pay it."""
-    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters)
+    per_call = frozenset(o.name for o in spec.op.operands if o.axes.startswith("m"))
+    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters,
+                  spec.op.kernel_constexprs(spec.split_k, spec.tma), per_call)
 
 
 _loaded: dict[str, object] = {}

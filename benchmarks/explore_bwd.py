@@ -14,9 +14,9 @@ import os
 import torch
 import triton
 import triton.testing
-from autofuse.autograd import gated_backward_eager
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from autofuse.ops.gated_bwd import gated_backward_eager
 from autofuse.render import load_source
 
 HEAD = '''

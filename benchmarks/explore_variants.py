@@ -82,7 +82,8 @@ FUSED = [
 
 
 def explore_fused(shapes) -> list[dict]:
-    from autofuse import launch
+    from autofuse import workspaces
+    from autofuse.ops.mlp import mlp_decode
     from autofuse.reference import ERROR_BOUNDS, eager_gated, gated_reference, linear_reference, relative_error
     from autofuse.timing import gpu_median_ms, graph_replay_us
 
@@ -111,17 +112,17 @@ def explore_fused(shapes) -> list[dict]:
                        baseline_ms=base_ms, baseline_graph_us=base_graph, weight_bytes=weight_bytes)
             try:
                 out = torch.full((M, d), float("nan"), dtype=torch.bfloat16, device="cuda")
-                launch.mlp_decode(x, wg, wu, wd, None, None, None, act, config, out=out)
+                mlp_decode(x, wg, wu, wd, None, None, None, act, config, out=out)
                 err = relative_error(out, ref)
                 if not (err <= ERROR_BOUNDS[torch.bfloat16] and torch.isfinite(out).all()):
                     row.update(status="wrong_result", detail=f"error {err}")
                 else:
                     def run(c=config):
-                        return launch.mlp_decode(x, wg, wu, wd, None, None, None, act, c)
+                        return mlp_decode(x, wg, wu, wd, None, None, None, act, c)
                     row.update(status="ok", error=err, ms=gpu_median_ms(run), graph_us=graph_replay_us(run))
             except Exception as e:  # noqa: BLE001 - record and go on
                 row.update(status=type(e).__name__, detail=str(e)[:200])
-                launch.reset_workspaces()
+                workspaces.reset_workspaces()
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             if row["status"] == "ok":
@@ -183,7 +184,7 @@ def explore(keys) -> list[dict]:
             graph = None
             if record.status == "ok" and M <= 128:
                 with torch.no_grad():
-                    graph = graph_replay_us(lambda c=config: ev._launch(c, ev.x))
+                    graph = graph_replay_us(lambda c=config: ev._launch(c, ev.operands[ev._input]))
             row = dict(label=label, op=op, n=n, k=k, M=M, config=config.to_dict(), short=config.short(),
                        status=record.status, detail=record.detail, ms=record.time_ms, graph_us=graph,
                        baseline_ms=base_ms, baseline_graph_us=base_graph, weight_bytes=weight_bytes,

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import autofuse
-from autofuse import launch
+from autofuse.ops.gated_up import gated_up
 from autofuse.timing import graph_replay_us, host_profile_text, host_us_per_call
 
 
@@ -37,14 +37,14 @@ def main() -> None:
     rows = {}
     with torch.inference_mode():
         configs = block._fused._config_table(1)
-        up = configs["gated_up"].config if "gated_up" in configs else None
+        up = configs["gated_up"].kernel if "gated_up" in configs else None
         w = (original.gate_proj.weight, original.up_proj.weight)
         fns = {"GemmaMLP (original)": lambda: original(x), "FusedHFMLP": lambda: block(x),
                "FusedMLP": lambda: block._fused(x)}
         if up is not None:
-            fns[f"launch.gated_up {up.short()}"] = lambda: launch.gated_up(x2, *w, None, None, "gelu_tanh", up)
+            fns[f"gated_up {up.short()}"] = lambda: gated_up(x2, *w, None, None, "gelu_tanh", up)
             plain = dataclasses.replace(up, tma=False)
-            fns[f"launch.gated_up {plain.short()}"] = lambda: launch.gated_up(x2, *w, None, None, "gelu_tanh", plain)
+            fns[f"gated_up {plain.short()}"] = lambda: gated_up(x2, *w, None, None, "gelu_tanh", plain)
         for name, fn in fns.items():
             rows[name] = dict(host_us=host_us_per_call(fn, calls=2000), graph_us=graph_replay_us(fn))
             print(f"{name:44s} host {rows[name]['host_us']:7.1f} us  graph replay {rows[name]['graph_us']:7.1f} us",

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from autofuse.configs import KernelConfig
+from autofuse import ops
+from autofuse.configs import KernelConfig, SearchSpace
 from autofuse.store import TrialRecord
-from autofuse.tune.space import Problem, SearchSpace, candidates
+from autofuse.tune.space import Problem, candidates
 
 # (label, op, N, K, M, activation, space): one small-M key in the full space, one large-M key in
 # a space narrowed to large tiles (the full one holds ~2000 configs there: too long for a lease).
@@ -75,7 +76,7 @@ def simulate(path: Path, seeds: int) -> None:
         table = {KernelConfig.from_dict(t["config"]): TrialRecord.from_json(t) for t in entry["trials"]}
         best = min(t.time_ms for t in table.values() if t.status == "ok")
         target = 1.03 * best
-        problem = Problem(entry["op"], entry["M"], entry["n"], entry["k"], torch.bfloat16)
+        problem = Problem(ops.get(entry["op"]).operand_tiles, entry["M"], entry["n"], entry["k"], torch.bfloat16)
         space = SearchSpace(**{k: tuple(v) for k, v in entry["space"].items()})
         found = candidates(space, problem, 232448, False)
         counts = {"optuna": [], "random": []}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from _helpers import DTYPES, assert_matches_reference
 
-from autofuse import launch
+from autofuse import workspaces
 from autofuse.configs import KernelConfig
 from autofuse.ops.gated_up import gated_up
 from autofuse.ops.linear import linear
@@ -15,7 +15,7 @@ SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=4
 
 
 def _workspaces_are_zero() -> bool:
-    buffers = [*launch._workspaces.values(), *launch._retired]
+    buffers = [*workspaces._workspaces.values(), *workspaces._retired]
     return bool(buffers) and all(not s.any() and not c.any() for s, c in buffers)
 
 
@@ -66,22 +66,22 @@ def test_workspace_grows_and_keeps_old_buffers(device):
     small = linear(torch.randn(2, 32, device=device), torch.randn(16, 32, device=device), None, None,
                           "none", SPLIT)
     assert small.shape == (2, 16)
-    before = {id(s) for s, _ in launch._workspaces.values()}
+    before = {id(s) for s, _ in workspaces._workspaces.values()}
     x = torch.randn(40, 32, device=device)
     w = torch.randn(200, 32, device=device)  # 40 x 200 partial sums: more than any earlier launch
     out = linear(x, w, None, None, "none", SPLIT)
     assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))
     # The replaced buffer is retired, not freed (a captured CUDA graph may still point at it).
-    assert before <= {id(s) for s, _ in [*launch._workspaces.values(), *launch._retired]}
+    assert before <= {id(s) for s, _ in [*workspaces._workspaces.values(), *workspaces._retired]}
 
 
 def test_reset_workspaces_clears_a_dirty_workspace(device):
     x, (w,) = _operands(8, 32, 64, torch.float32, device)
     linear(x, w, None, None, "none", SPLIT)
-    for sums, counters in launch._workspaces.values():
+    for sums, counters in workspaces._workspaces.values():
         sums.fill_(1.0)  # what a broken or interrupted launch could leave
         counters.fill_(1)
-    launch.reset_workspaces()
+    workspaces.reset_workspaces()
     assert _workspaces_are_zero()
     out = linear(x, w, None, None, "none", SPLIT)
     assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))
@@ -129,22 +129,22 @@ def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, M, devic
 def test_per_call_workspaces_leave_the_persistent_ones_alone(dtype, device, monkeypatch):
     # Inside the torch.library ops a workspace is allocated per call (CUDA-graph trees allow no
     # persistent allocation in their pool): results stay right and no persistent buffer appears.
-    monkeypatch.setattr(launch, "_workspaces", {})  # none to reuse: any persistent use would add one
-    monkeypatch.setattr(launch, "_retired", [])
+    monkeypatch.setattr(workspaces, "_workspaces", {})  # none to reuse: any persistent use would add one
+    monkeypatch.setattr(workspaces, "_retired", [])
     x, (wg, wu) = _operands(9, 40, 64, dtype, device, gated=True)
     wd = torch.randn(64, 40, dtype=dtype, device=device) / 40**0.5
-    with launch.workspaces_per_call():
+    with workspaces.workspaces_per_call():
         for _ in range(2):
             h = gated_up(x, wg, wu, None, None, "silu", SPLIT)
             y = linear(h, wd, None, None, "none", SPLIT)
             y1 = mlp_decode(x[:1], wg, wu, wd, None, None, None, "silu", DECODE_CONFIGS[0])
-    assert launch._workspaces == {} and launch._retired == []
+    assert workspaces._workspaces == {} and workspaces._retired == []
     args = (x, wg, wu, None, None, "silu")
     assert_matches_reference(h, gated_reference(*args), eager_gated(*args))
     assert_matches_reference(y, linear_reference(h, wd, None, None, "none"), eager_linear(h, wd, None, None, "none"))
     decode_args = (x[:1], wg, wu, wd, None, None, None, "silu")
     assert_matches_reference(y1, _mlp_reference(*decode_args), _mlp_eager(*decode_args))
-    assert not launch._per_call.get()  # switched off again on leaving
+    assert not workspaces._per_call.get()  # switched off again on leaving
 
 
 def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
@@ -155,7 +155,7 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
 
     def spy(run):
         def wrapped(*args):
-            seen.append(launch._per_call.get())
+            seen.append(workspaces._per_call.get())
             return run(*args)
         return wrapped
 
@@ -167,4 +167,4 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
     w = (mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None)
     torch.ops.autofuse.mlp(x, *w, "gelu_tanh", True)
     torch.ops.autofuse.linear(x, lin.weight, lin.bias, None, "none", True)
-    assert seen == [True, True] and not launch._per_call.get()
+    assert seen == [True, True] and not workspaces._per_call.get()

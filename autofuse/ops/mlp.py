@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import launch as L
+from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, SearchSpace, clamp_to_problem, fit_shared_memory
 from ..opspec import Operand, OpSpec
@@ -52,7 +53,7 @@ def mlp_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down
     options = dict(BLOCK_M=config.block_m, BLOCK_F=config.block_n, BLOCK_D=config.block_k,
                    num_warps=config.num_warps, num_stages=config.num_stages)
     L.launch(kernel, (-(-F // config.block_n), row_blocks), tensors, (M, D, F), options,
-             L.workspace(x.device, M * D, row_blocks))
+             workspaces.workspace(x.device, M * D, row_blocks))
     return y
 
 

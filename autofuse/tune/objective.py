@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import launch
+from .. import workspaces
 from ..configs import KernelConfig
 from ..device import cuda_index, interpreting
 from ..key import TuningKey
@@ -107,7 +107,7 @@ class Evaluator:
         # A broken candidate that used the shared workspace (split-K, the one-launch MLP) may leave
         # partial sums behind; the next trial must not see them. Zeroing is cheap, so always.
         try:
-            launch.reset_workspaces()
+            workspaces.reset_workspaces()
         except Exception:  # noqa: BLE001 - a dead CUDA context fails the next trial on its own
             pass
 

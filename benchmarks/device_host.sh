@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Issue 15 on the device, one call: the bound-launch tests and the GPU tests compiled there, the
+# host-cost table (benchmarks/host_cost.py), then Hugging Face generate and forwards
+# (benchmarks/hf_bench.py: 4 Gemma-shaped layers, 64 new tokens). Carry .whl.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 AUTOFUSE_CACHE_DIR=/tmp/autofuse-host
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_bound.py tests/test_gpu.py 2>&1 | tail -3 \
+    | tee "$OUT/tests.txt"
+timeout 150 python3 benchmarks/host_cost.py --out "$OUT" 2>&1 | grep -v "warn" | tee "$OUT/host_cost.txt"
+timeout 220 python3 benchmarks/hf_bench.py --out "$OUT" 2>&1 | grep -v "warn" | tail -8

@@ -1,0 +1,132 @@
+"""Host cost per call on the device, for issue 15's table: what one un-graphed call costs the CPU.
+
+  python benchmarks/host_cost.py --out DIR
+
+Per call: wall time of N back-to-back calls / N (CUDA-synchronised before and after), median of
+rounds taken round-robin over the rows of a group so that host drift hits them alike. On the tiny
+shape the GPU never waits, so this is host time; on gemma-2b at M=1 it is the plain call's time
+(whichever of host and GPU is slower), shown beside the CUDA-graph-replayed GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import autofuse
+from autofuse import launch
+from autofuse.configs import KernelConfig
+from autofuse.ops.linear import LINEAR
+from autofuse.opspec import launch_args
+from autofuse.reference import eager_mlp
+from autofuse.timing import graph_replay_us
+
+
+def wall_us(fns: dict, calls: int, rounds: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _mlp_pair(d: int, f: int):
+    mlp = autofuse.get_mlp(d, f, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    return mlp, (lambda x: eager_mlp(x, *w, activation="gelu_tanh"))
+
+
+def tiny_rows(calls: int, rounds: int) -> dict:
+    d, f = 64, 128
+    mlp, eager = _mlp_pair(d, f)
+    lin = autofuse.get_linear(d, f, bias=True, activation="gelu", dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(16, d, device="cuda", dtype=torch.bfloat16)
+    x = {M: torch.randn(M, d, device="cuda", dtype=torch.bfloat16) for M in (1, 16)}
+    # One Triton launch of the linear kernel with prepared arguments: through the JIT, and bound.
+    config = KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=3)
+    kernel = launch.kernel_for(LINEAR, "none", d, torch.bfloat16, config, False)
+    y = torch.empty(1, f, device="cuda", dtype=torch.bfloat16)
+    tensors = {"x": x[1], "w": lin.weight, "y": y}
+    options = launch.launch_options(config)
+    args = launch_args(kernel.parameters, tensors, (1, f, d), options)
+    grid = launch.grid(1, f, config)
+    with launch.binding() as recorded:
+        launch.launch(kernel, grid, tensors, (1, f, d), options)
+    bound = recorded[0]
+    fns = {
+        "torch.add": lambda: torch.add(a, a),
+        "F.linear (cuBLAS), M=1": lambda: F.linear(x[1], lin.weight, lin.bias),
+        "Triton kernel through kernel[grid](...) (the JIT)": lambda: kernel.fn[grid](*args, **options),
+        "the same compiled kernel, bound (BoundLaunch)": lambda: bound(tensors),
+        "host TensorDescriptor": lambda: TensorDescriptor(x[16], [16, d], [d, 1], [16, 64]),
+    }
+    for M in (1, 16):
+        fns[f"eager gated MLP (five ops), M={M}"] = lambda M=M: eager(x[M])
+        fns[f"autofuse MLP {d}x{f}, M={M}"] = lambda M=M: mlp(x[M])
+        fns[f"autofuse Linear {d}->{f} + bias + gelu, M={M}"] = lambda M=M: lin(x[M])
+        fns[f"F.gelu(F.linear), M={M}"] = lambda M=M: F.gelu(F.linear(x[M], lin.weight, lin.bias))
+    with torch.inference_mode():
+        rows = wall_us(fns, calls, rounds)
+        rows["autofuse MLP choices, M=1"] = {k: v.short() for k, v in mlp.config_for(1).items()}
+    return rows
+
+
+def gemma_rows(calls: int, rounds: int) -> dict:
+    mlp, eager = _mlp_pair(2048, 16384)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        rows = {f"gemma-2b M=1 plain call: {k}": v for k, v in wall_us({"eager": lambda: eager(x),
+                                                                          "autofuse": lambda: mlp(x)},
+                                                                         calls, rounds).items()}
+        rows["gemma-2b M=1 graph replay: eager"] = graph_replay_us(lambda: eager(x))
+        rows["gemma-2b M=1 graph replay: autofuse"] = graph_replay_us(lambda: mlp(x))
+        rows["gemma-2b M=1 choices"] = {k: f"{v.short()} ({mlp.config_sources(1)[k]})" for k, v in
+                                        mlp.config_for(1).items()}
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    meta = dict(gpu=torch.cuda.get_device_name(), host=platform.processor() or platform.machine(),
+                cpu=_cpu_name(), torch=torch.__version__, triton=triton.__version__)
+    rows = {**tiny_rows(args.calls, args.rounds), **gemma_rows(args.calls // 4, args.rounds)}
+    for name, value in rows.items():
+        print(f"{name:56s} {value:8.1f} us" if isinstance(value, float) else f"{name:56s} {value}", flush=True)
+    Path(args.out, "host_cost.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(json.dumps(meta))
+
+
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

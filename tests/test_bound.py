@@ -1,0 +1,139 @@
+"""Bound launches (launch.BoundLaunch) and the modules' bound tables (dispatch.BoundMLP / BoundLinear):
+bit-identical to the JIT path for every kernel family and variant, and declining whatever needs
+another specialization. Under the interpreter a bound launch replays its bound arguments through
+the JIT function; on a GPU it calls the compiled kernel directly (tests/test_gpu.py)."""
+
+import pytest
+import torch
+from _helpers import DTYPES
+
+import autofuse
+from autofuse import launch
+from autofuse.configs import KernelConfig
+from autofuse.ops.gated_up import gated_up
+from autofuse.ops.linear import linear
+from autofuse.ops.mlp import mlp_decode
+
+PLAIN = KernelConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=2)
+SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=3)
+TMA = KernelConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=3, tma=True)
+M, K, N = 5, 48, 40
+
+
+def _rand(*shape, dtype, device):
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def _bound(run):
+    """Run `run` (one launcher call) through the JIT while binding; return its output and the launch."""
+    with launch.binding() as recorded:
+        out = run()
+    assert len(recorded) == 1 and recorded[0] is not None
+    return out, recorded[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [PLAIN, SPLIT, TMA], ids=lambda c: c.short())
+@pytest.mark.parametrize("bias, residual", [(False, False), (True, False), (True, True)])
+def test_bound_linear_is_bit_identical_to_the_jit_path(device, dtype, config, bias, residual):
+    w = _rand(N, K, dtype=dtype, device=device) / K**0.5
+    b = _rand(N, dtype=dtype, device=device) if bias else None
+    r = (lambda: _rand(M, N, dtype=dtype, device=device)) if residual else (lambda: None)
+    _, bound = _bound(lambda: linear(_rand(M, K, dtype=dtype, device=device), w, b, r(), "gelu", config))
+    for _ in range(2):  # fresh inputs each time: the bound launch must read the new ones
+        x, res = _rand(M, K, dtype=dtype, device=device), r()
+        y = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+        assert bound({"x": x, "r": res, "y": y})
+        torch.testing.assert_close(y, linear(x, w, b, res, "gelu", config), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [PLAIN, SPLIT, TMA], ids=lambda c: c.short())
+def test_bound_gated_up_is_bit_identical_to_the_jit_path(device, dtype, config):
+    wg, wu = (_rand(N, K, dtype=dtype, device=device) / K**0.5 for _ in range(2))
+    bg, bu = (_rand(N, dtype=dtype, device=device) for _ in range(2))
+    _, bound = _bound(lambda: gated_up(_rand(M, K, dtype=dtype, device=device), wg, wu, bg, bu, "silu", config))
+    x = _rand(M, K, dtype=dtype, device=device)
+    h = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    assert bound({"x": x, "h": h})
+    torch.testing.assert_close(h, gated_up(x, wg, wu, bg, bu, "silu", config), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bound_one_launch_mlp_is_bit_identical_to_the_jit_path(device, dtype):
+    config = KernelConfig(16, 16, 32, group_m=1, num_warps=4, num_stages=1)
+    F_ = 72
+    wg, wu = (_rand(F_, K, dtype=dtype, device=device) / K**0.5 for _ in range(2))
+    wd = _rand(K, F_, dtype=dtype, device=device) / F_**0.5
+    biases = [_rand(n, dtype=dtype, device=device) for n in (F_, F_, K)]
+    _, bound = _bound(lambda: mlp_decode(_rand(M, K, dtype=dtype, device=device), wg, wu, wd, *biases, "gelu_tanh",
+                                         config))
+    x = _rand(M, K, dtype=dtype, device=device)
+    y = torch.full((M, K), float("nan"), dtype=dtype, device=device)
+    assert bound({"x": x, "y": y})  # its workspace was bound and is left zero by every launch
+    torch.testing.assert_close(y, mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config), rtol=0, atol=0)
+
+
+def test_a_bound_launch_declines_what_needs_another_specialization(device):
+    w = torch.randn(N, K, device=device) / K**0.5
+    _, bound = _bound(lambda: linear(torch.randn(M, K, device=device), w, None, None, "none", PLAIN))
+    y = torch.empty(M, N, device=device)
+    assert not bound({"x": torch.randn(K, M, device=device).t(), "y": y})  # other strides
+    assert not bound({"x": torch.randn(M * K + 1, device=device)[1:].view(M, K), "y": y})  # not 16-byte aligned
+    assert not bound({"x": torch.randn(M, K, device=device).half(), "y": y.half()})  # other dtype
+    assert bound({"x": torch.randn(M, K, device=device), "y": y})
+    with launch.binding() as recorded:  # unaligned rows at bind time: not bound at all
+        linear(torch.randn(M * K + 1, device=device)[1:].view(M, K), w, None, None, "none", PLAIN)
+    assert recorded == [None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_modules_replay_bound_launches_after_the_first_call(device, dtype, monkeypatch):
+    replays = []
+    real = launch.BoundLaunch.__call__
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: replays.append(1) or real(self, t))
+    mlp = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device, tuned=False)
+    lin = autofuse.get_linear(40, 56, activation="silu", dtype=dtype, device=device, tuned=False)
+    x = torch.randn(5, 40, device=device).to(dtype)
+    r = torch.randn(5, 56, device=device).to(dtype)
+    with torch.no_grad():
+        first = (mlp(x), lin(x, residual=r))
+        assert replays == []  # the first call binds through the JIT
+        second = (mlp(x), lin(x, residual=r))
+        assert len(replays) == 3  # gated_up and down, then the Linear
+        for a, b in zip(first, second):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # Another M is another table entry: bound on its own first call, then replayed.
+        x7 = torch.randn(7, 40, device=device).to(dtype)
+        assert mlp(x7).shape == (7, 40) and len(replays) == 3
+        torch.testing.assert_close(mlp(x7), mlp.forward(x7), rtol=0, atol=0)
+
+
+def test_modules_bind_again_after_their_parameters_move(device):
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device=device, tuned=False)
+    x = torch.randn(3, 40, device=device)
+    with torch.no_grad():
+        mlp(x)
+        mlp(x)
+        mlp.down_proj.weight = torch.nn.Parameter(torch.randn(40, 72, device=device) / 9)  # new storage
+        expected = torch.nn.functional.linear(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
+                                              mlp.down_proj.weight)
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_import_is_seen_without_clearing_the_tables(device):
+    from autofuse import resolve
+    from autofuse.key import current_environment, make_key
+    from autofuse.store import Store, Winner
+
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device=device)
+    assert lin.config_sources(4) == {"linear": "heuristic"}
+    imported = KernelConfig(16, 16, 16, group_m=1, num_stages=1)
+    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device(device)))
+    Store().put_winner(Winner(key, imported, 1.0, 2.0))
+    resolve.invalidate()  # what `autofuse cache import` and a tune in this process call
+    assert lin.config_sources(4) == {"linear": "user-cache"} and lin.config_for(4) == {"linear": imported}
+    with torch.no_grad():
+        x = torch.randn(4, 40, device=device)
+        expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, lin.weight, lin.bias))
+        torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
