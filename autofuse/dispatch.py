@@ -131,7 +131,11 @@ def _n_of(spec, operands: dict, k: int) -> int:
 def _weights_of(*tensors) -> tuple:
     """What bound launches hold of a module's parameters: their addresses (a `.to()`, a new
     Parameter or `.data =` moves them, and the launches are bound again)."""
-    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+    return tuple(map(_address, tensors))
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _replayable(M: int, bound_M: int) -> bool:
@@ -149,6 +153,9 @@ class BoundMLP:
         self.table, self.activation, self.M = table, activation, M
         self.launches: list | None = None
         self.weights: tuple = ()
+        # H between the two kernels, reused call after call: replays run in order on the stream
+        # they were bound to, so the next call's writes come after this call's reads.
+        self.hidden: torch.Tensor | None = None
 
     def __call__(self, x2d, wg, bg, wu, bu, wd, bd) -> torch.Tensor:
         weights = _weights_of(wg, bg, wu, bu, wd, bd)
@@ -172,9 +179,11 @@ class BoundMLP:
         if up.kernel is None:
             h = _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, act)
         else:
-            h = x2d.new_empty((M, wg.shape[0]))
+            h = self.hidden
+            if h is None:
+                h = self.hidden = x2d.new_empty((M, wg.shape[0]))
             if not _replay_one(next(launches), {"x": x2d, "h": h}):
-                gated_up(x2d, wg, wu, bg, bu, act, up.kernel, out=h)
+                h = gated_up(x2d, wg, wu, bg, bu, act, up.kernel)
         if down.kernel is None:
             return _library("down", down, {"x": h, "w": wd, "b": bd}, "none")
         y = x2d.new_empty((M, wd.shape[0]))

@@ -102,7 +102,8 @@ class BoundLaunch:
     another stream.
     Under the interpreter there is no compiled kernel: the same arguments go through `fn[grid]`."""
 
-    __slots__ = ("fn", "grid", "args", "positional", "options", "slots", "layouts", "compiled", "device", "stream")
+    __slots__ = ("fn", "grid", "args", "positional", "options", "slots", "layouts", "device", "stream", "run",
+                 "head", "compiled", "hooks")
 
     @classmethod
     def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled):
@@ -114,33 +115,43 @@ class BoundLaunch:
         # The compiled launcher takes every parameter, constexprs included, in signature order.
         self.args = list(args) + [options[name] for name in kernel.constexprs]
         # Pointer and descriptor positions take the new tensors; their strides stay bound (checked equal).
-        self.slots = [(i, p.operand, p.block) for i, p in enumerate(kernel.parameters)
+        self.slots = [(i, p.operand, p.block and (options[p.block[0]], options[p.block[1]]))
+                      for i, p in enumerate(kernel.parameters)
                       if p.operand in per_call and p.kind in ("tensor", "descriptor")]
         self.layouts = {name: (t.stride(), t.dtype) for name, t in per_call.items()}
         device = next(iter(per_call.values())).device
         self.device = cuda_index(device) if device.type == "cuda" else None
         self.compiled = compiled if self.device is not None else None
-        self.stream = _raw_stream(self.device) if self.device is not None else None
+        if self.compiled is not None:
+            self.stream = _raw_stream(self.device)
+            self.run = compiled.run
+            self.head = (*grid_, 1, 1)[:3]  # (gridX, gridY, gridZ)
+            self.hooks = triton_knobs().runtime
         return self
 
     def __call__(self, tensors: dict) -> bool:
         args = self.args.copy()
+        layouts = self.layouts
         for i, name, block in self.slots:
             t = tensors[name]
-            if t.data_ptr() % 16 or (t.stride(), t.dtype) != self.layouts[name]:
+            if t.data_ptr() % 16 or (t.stride(), t.dtype) != layouts[name]:
                 return False
-            args[i] = t if block is None else descriptor(t, self.options[block[0]], self.options[block[1]])
-        if self.compiled is None:  # the interpreter
+            args[i] = t if block is None else descriptor(t, *block)
+        compiled = self.compiled
+        if compiled is None:  # the interpreter
             self.fn[self.grid](*args[:self.positional], **self.options)
             return True
         stream = _raw_stream(self.device)
         if stream != self.stream:
             return False
-        compiled, grid_, hooks = self.compiled, self.grid, triton_knobs().runtime
-        metadata = compiled.launch_metadata(grid_, stream, *args) if hooks.launch_enter_hook is not None else None
-        compiled.run(grid_[0], grid_[1] if len(grid_) > 1 else 1, grid_[2] if len(grid_) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, metadata, hooks.launch_enter_hook,
-                     hooks.launch_exit_hook, *args)
+        enter, leave = self.hooks.launch_enter_hook, self.hooks.launch_exit_hook
+        # Triton keeps its launch hooks as HookChains; someone listens (a profiler such as proton)
+        # when one holds a hook or was set to a plain function: then pass what the JIT's launch does.
+        if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+            self.run(*self.head, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(self.grid, stream, *args), enter, leave, *args)
+        else:
+            self.run(*self.head, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
         return True
 
 

@@ -79,7 +79,7 @@ class _FusedBase(nn.Module):
             )
         if x.device != weight.device:
             raise AutofuseError(f"input is on {x.device} but the module's weights are on {weight.device}")
-        return x.reshape(-1, self.in_features)
+        return x if x.dim() == 2 else x.reshape(-1, self.in_features)
 
     def _config_table(self, M: int, residual: bool = False) -> dict[str, Choice]:
         """Choices for M, resolved once per (M, bucket, dtype, device): no disk access per forward.
@@ -176,7 +176,8 @@ class FusedLinear(_FusedBase):
         if _needs_grad(x2d, weight, bias, r2d):
             config = self._config_table(x2d.shape[0], r2d is not None)["linear"].kernel
             return LinearFunction.apply(x2d, weight, bias, r2d, activation, config).reshape(out_shape)
-        return self._bound_table(x2d.shape[0], weight, r2d is not None)(x2d, weight, bias, r2d).reshape(out_shape)
+        y = self._bound_table(x2d.shape[0], weight, r2d is not None)(x2d, weight, bias, r2d)
+        return y if x.dim() == 2 else y.reshape(out_shape)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -229,7 +230,8 @@ class FusedMLP(_FusedBase):
             down_config, backward_config = self._training_configs(x2d.shape[0], wg)
             return MLPFunction.apply(x2d, wg, bg, wu, bu, wd, bd, activation, down_config,
                                      backward_config).reshape(out_shape)
-        return self._bound_table(x2d.shape[0], wg)(x2d, *params).reshape(out_shape)
+        y = self._bound_table(x2d.shape[0], wg)(x2d, *params)
+        return y if x.dim() == 2 else y.reshape(out_shape)
 
     def _training_configs(self, M: int, weight: torch.Tensor) -> tuple[KernelConfig | None, KernelConfig | None]:
         """For a forward that builds a graph (see training.MLPFunction): the down projection's config and

@@ -1,5 +1,6 @@
 """Where host time goes on the device (issue 15): cProfile of one autofuse MLP call on a tiny shape at
-M=1 (the GPU never waits), and of greedy generate of a 4-layer Gemma-shaped model, unfused and fused.
+M=1 (the GPU never waits), and of greedy generate of a 4-layer Gemma-shaped model, unfused and fused;
+and generate's wall time: 64 new tokens after a 128-token prompt, batch 1, alternating, median of 3.
 
   python benchmarks/host_profile.py --out DIR
 """
@@ -12,6 +13,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -51,18 +53,28 @@ def main() -> None:
     fused = copy.deepcopy(eager)
     autofuse.fuse(fused, verbose=False)
     prompt = torch.randint(0, 32000, (1, 128), device="cuda")
+    models = {"eager": eager, "fused": fused}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    tokens = {}
     with torch.no_grad():
-        for name, model in (("eager", eager), ("fused", fused), ("eager_again", eager), ("fused_again", fused)):
+        for round_ in range(4):  # alternating, the first round a warm-up
+            for name, model in models.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                tokens[name] = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                              pad_token_id=0)
+                torch.cuda.synchronize()
+                if round_:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+        same = int((tokens["eager"] == tokens["fused"]).sum().item()) - prompt.shape[1]
+        medians = {name: statistics.median(v) for name, v in times.items()}
+        print(f"generate 64 new tokens, batch 1, median of 3: eager {medians['eager']:.1f} ms, fused "
+              f"{medians['fused']:.1f} ms, fused tokens/s over eager's {medians['eager'] / medians['fused']:.3f}x, "
+              f"same tokens {same}/64; all runs {times}", flush=True)
+        for name, model in models.items():
             def generate(model=model):
                 return model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
-            generate()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            generate()
-            torch.cuda.synchronize()
-            print(f"{name} generate 32 tokens: {(time.perf_counter() - start) * 1e3:.1f} ms", flush=True)
-            if not name.endswith("again"):
-                (out / f"generate_{name}.txt").write_text(_profile(generate, "tottime", 40))
+            (out / f"generate_{name}.txt").write_text(_profile(generate, "tottime", 40))
     print((out / "tiny_mlp.txt").read_text()[:3500])
     print((out / "generate_fused.txt").read_text()[:4500])
 

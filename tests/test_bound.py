@@ -24,6 +24,18 @@ def _rand(*shape, dtype, device):
     return torch.randn(*shape, device=device).to(dtype)
 
 
+def _assert_same(out, expected, atomic: bool):
+    """Bit-identical, except where the kernel sums through float32 atomics on a GPU (split-K, the
+    one-launch MLP): their order varies from launch to launch, so two JIT launches differ too, by
+    at most one rounding of the output dtype (unit roundoff: float32 2**-24, float16 2**-11, bfloat16
+    2**-8; the atol covers outputs near zero, whose partial sums cancel)."""
+    if not atomic or not out.is_cuda:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        return
+    u = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}[out.dtype]
+    torch.testing.assert_close(out, expected, rtol=u, atol=u)
+
+
 def _bound(run):
     """Run `run` (one launcher call) through the JIT while binding; return its output and the launch."""
     with launch.binding() as recorded:
@@ -44,7 +56,7 @@ def test_bound_linear_is_bit_identical_to_the_jit_path(device, dtype, config, bi
         x, res = _rand(M, K, dtype=dtype, device=device), r()
         y = torch.full((M, N), float("nan"), dtype=dtype, device=device)
         assert bound({"x": x, "r": res, "y": y})
-        torch.testing.assert_close(y, linear(x, w, b, res, "gelu", config), rtol=0, atol=0)
+        _assert_same(y, linear(x, w, b, res, "gelu", config), atomic=config.split_k > 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -56,7 +68,7 @@ def test_bound_gated_up_is_bit_identical_to_the_jit_path(device, dtype, config):
     x = _rand(M, K, dtype=dtype, device=device)
     h = torch.full((M, N), float("nan"), dtype=dtype, device=device)
     assert bound({"x": x, "h": h})
-    torch.testing.assert_close(h, gated_up(x, wg, wu, bg, bu, "silu", config), rtol=0, atol=0)
+    _assert_same(h, gated_up(x, wg, wu, bg, bu, "silu", config), atomic=config.split_k > 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -71,7 +83,7 @@ def test_bound_one_launch_mlp_is_bit_identical_to_the_jit_path(device, dtype):
     x = _rand(M, K, dtype=dtype, device=device)
     y = torch.full((M, K), float("nan"), dtype=dtype, device=device)
     assert bound({"x": x, "y": y})  # its workspace was bound and is left zero by every launch
-    torch.testing.assert_close(y, mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config), rtol=0, atol=0)
+    _assert_same(y, mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config), atomic=True)
 
 
 def test_a_bound_launch_declines_what_needs_another_specialization(device):
@@ -101,12 +113,12 @@ def test_modules_replay_bound_launches_after_the_first_call(device, dtype, monke
         assert replays == []  # the first call binds through the JIT
         second = (mlp(x), lin(x, residual=r))
         assert len(replays) == 3  # gated_up and down, then the Linear
-        for a, b in zip(first, second):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(first, second):  # the heuristic splits K at these sizes on a GPU
+            _assert_same(a, b, atomic=True)
         # Another M is another table entry: bound on its own first call, then replayed.
         x7 = torch.randn(7, 40, device=device).to(dtype)
         assert mlp(x7).shape == (7, 40) and len(replays) == 3
-        torch.testing.assert_close(mlp(x7), mlp.forward(x7), rtol=0, atol=0)
+        _assert_same(mlp(x7), mlp.forward(x7), atomic=True)
 
 
 def test_modules_bind_again_after_their_parameters_move(device):
