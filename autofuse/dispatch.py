@@ -165,6 +165,9 @@ class BoundMLP:
             y = run_mlp(x2d, wg, bg, wu, bu, wd, bd, self.activation, self.table)
         if not workspaces.per_call():
             self.launches, self.weights = recorded, weights
+            # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
+            capturing = x2d.is_cuda and torch.cuda.is_current_stream_capturing()
+            self.hidden = None if capturing else x2d.new_empty((x2d.shape[0], wg.shape[0]))
         return y
 
     def _replay(self, x2d, wg, bg, wu, bu, wd, bd) -> torch.Tensor:
@@ -179,9 +182,7 @@ class BoundMLP:
         if up.kernel is None:
             h = _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, act)
         else:
-            h = self.hidden
-            if h is None:
-                h = self.hidden = x2d.new_empty((M, wg.shape[0]))
+            h = self.hidden if self.hidden is not None else x2d.new_empty((M, wg.shape[0]))
             if not _replay_one(next(launches), {"x": x2d, "h": h}):
                 h = gated_up(x2d, wg, wu, bg, bu, act, up.kernel)
         if down.kernel is None:

@@ -144,14 +144,11 @@ class BoundLaunch:
         stream = _raw_stream(self.device)
         if stream != self.stream:
             return False
-        enter, leave = self.hooks.launch_enter_hook, self.hooks.launch_exit_hook
-        # Triton keeps its launch hooks as HookChains; someone listens (a profiler such as proton)
-        # when one holds a hook or was set to a plain function: then pass what the JIT's launch does.
-        if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
-            self.run(*self.head, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(self.grid, stream, *args), enter, leave, *args)
-        else:
-            self.run(*self.head, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        hooks = self.hooks
+        # What the JIT's own launch passes: launch metadata and Triton's hook chains (profilers).
+        self.run(*self.head, stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(self.grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
+                 *args)
         return True
 
 
