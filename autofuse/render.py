@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import os
 import sys
 import tempfile
+import types
 from functools import cache
 from pathlib import Path
 
@@ -135,7 +135,11 @@ _loaded: dict[str, object] = {}
 def load_source(source: str, name: str):
     """The Triton JIT function `name` defined in `source`, written to a file (Triton reads a kernel's
     source back from its file) and imported once per distinct source. Also for hand-written variants
-    (benchmarks/explore_bwd.py)."""
+    (benchmarks/explore_bwd.py).
+
+    What runs is `source` itself, compiled here: never bytecode found beside the file (a __pycache__
+    another user planted), and the file lies in a folder only this user can write (_kernel_folder),
+    so the text Triton reads back is the text compiled."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     # Interpreted and compiled kernels differ in kind even for equal source: key on the mode too.
     interpret = interpreting()
@@ -144,32 +148,50 @@ def load_source(source: str, name: str):
         check_interpreter_consistency()
         path = _write_once(source, f"{name}_{digest}.py")
         module_name = f"autofuse._generated.{name}_{digest}_{int(interpret)}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
+        module = types.ModuleType(module_name)
+        module.__file__ = str(path)
         sys.modules[module_name] = module
-        module_spec.loader.exec_module(module)
+        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - autofuse's own rendered source
         _loaded[key] = getattr(module, name)
     return _loaded[key]
 
 
-def _write_once(source: str, filename: str) -> Path:
-    """Write `source` under the generated folder unless an identical file is there.
+def _private(folder: Path) -> bool:
+    """Whether `folder` is this user's and nobody else can write it (or it can be made so)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = folder.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
-    Written to a temporary file and renamed, so a killed process or a concurrent writer never
-    leaves a half-written kernel behind. Falls back to the system temp folder if the cache folder
-    cannot be written.
-    """
-    for folder in (generated_dir(), Path(tempfile.gettempdir()) / "autofuse-kernels"):
-        path = folder / filename
-        try:
-            if path.is_file() and path.read_text() == source:
-                return path
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-            return path
-        except OSError:
-            continue
-    raise OSError(f"cannot write generated kernel {filename} to {generated_dir()} or the temp folder")
+
+_process_folder: Path | None = None
+
+
+def _kernel_folder() -> Path:
+    """The user's kernels folder where it is private; else a private folder of this process's own
+    (never a shared, predictable one such as /tmp/autofuse-kernels, where another user could plant
+    a kernel)."""
+    global _process_folder
+    folder = generated_dir()
+    if _private(folder):
+        return folder
+    if _process_folder is None or not _private(_process_folder):
+        _process_folder = Path(tempfile.mkdtemp(prefix="autofuse-kernels-"))
+    return _process_folder
+
+
+def _write_once(source: str, filename: str) -> Path:
+    """Write `source` under the kernel folder unless an identical file is there. Written to a
+    temporary file and renamed, so a killed process or a concurrent writer never leaves a
+    half-written kernel behind."""
+    folder = _kernel_folder()
+    path = folder / filename
+    if path.is_file() and path.read_text() == source:
+        return path
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path

@@ -11,7 +11,10 @@ killed run leaves only whole entries behind.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
+import zlib
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +23,8 @@ from typing import Any
 from .configs import KernelConfig, Library, choice_from_json
 from .key import TuningKey
 from .resources import user_cache_dir
+
+logger = logging.getLogger("autofuse")
 
 TRIAL_STATUSES = ("ok", "infeasible", "compile_error", "out_of_resources", "wrong_result", "timeout", "error")
 
@@ -113,6 +118,52 @@ class TrialRecord:
                    None if time_ms is None else float(time_ms), str(data["detail"]))
 
 
+class RefusedRow(ValueError):
+    """A cache row that is not plain JSON as autofuse writes it (a pickle, a file outside the cache)."""
+
+
+REFUSED = object()  # what a refused key reads as: never a key autofuse wrote
+
+
+def _json_only_disk():
+    """diskcache's JSONDisk, less everything it would do beyond reading and writing JSON: it never
+    unpickles a key or value (diskcache would for a row whose mode says pickle, whoever wrote it),
+    and reads and removes files only inside its own folder (a row's filename column is data)."""
+    import diskcache  # here, not at the top: `import autofuse` need not load SQLite
+    from diskcache.core import MODE_BINARY, MODE_RAW
+
+    class JSONOnlyDisk(diskcache.JSONDisk):
+        def get(self, key, raw):
+            if not raw:  # a pickled key: JSONDisk writes its keys as raw bytes
+                return REFUSED
+            try:
+                return super().get(key, raw)
+            except (ValueError, TypeError, zlib.error):
+                return REFUSED
+
+        def fetch(self, mode, filename, value, read):
+            if mode not in (MODE_RAW, MODE_BINARY) or read:
+                raise RefusedRow(f"cache row of mode {mode} (autofuse writes only JSON)")
+            if mode == MODE_BINARY and not self._inside(filename):
+                raise RefusedRow(f"cache row names a file outside the cache: {filename!r}")
+            try:
+                return super().fetch(mode, filename, value, read)
+            except (ValueError, TypeError, zlib.error) as e:
+                raise RefusedRow(f"cache row is not JSON: {type(e).__name__}") from None
+
+        def remove(self, file_path):
+            if self._inside(file_path):  # clearing deletes only inside the cache folder
+                super().remove(file_path)
+
+        def _inside(self, filename) -> bool:
+            if not isinstance(filename, str):
+                return False
+            root = os.path.realpath(self._directory)
+            return os.path.realpath(os.path.join(root, filename)).startswith(root + os.sep)
+
+    return JSONOnlyDisk
+
+
 class Store:
     """The tuning cache of one directory."""
 
@@ -121,8 +172,9 @@ class Store:
 
         self.directory = Path(directory) if directory is not None else user_cache_dir()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._refused = 0
         settings = dict(
-            disk=diskcache.JSONDisk,
+            disk=_json_only_disk(),
             disk_compress_level=0,
             eviction_policy="none",  # tuned results are never culled for space
             timeout=60,
@@ -134,9 +186,28 @@ class Store:
         self._cache.close()
         self._trials.close()
 
+    def _read(self, cache, name):
+        """The value at `name`, or None for a missing or refused row."""
+        try:
+            return cache.get(name)
+        except RefusedRow as e:
+            self._refuse(str(e))
+            return None
+
+    def _names(self, cache) -> list:
+        names = list(cache.iterkeys())
+        if REFUSED in names:
+            self._refuse("a key that is not JSON")
+        return [name for name in names if name is not REFUSED]
+
+    def _refuse(self, why: str) -> None:
+        self._refused += 1
+        if self._refused == 1:  # one warning per store; every such row is ignored
+            logger.warning("autofuse: ignoring cache rows in %s that are not plain JSON (%s)", self.directory, why)
+
     # winners
     def get_winner(self, key: TuningKey) -> Winner | None:
-        record = self._cache.get(key.id())
+        record = self._read(self._cache, key.id())
         if record is None:
             return None
         try:
@@ -154,8 +225,8 @@ class Store:
                 self.put_winner(winner)
 
     def winners(self) -> Iterator[Winner]:
-        for name in list(self._cache.iterkeys()):
-            record = self._cache.get(name)
+        for name in self._names(self._cache):
+            record = self._read(self._cache, name)
             if record is not None:
                 try:
                     yield Winner.from_record(record)
@@ -169,9 +240,9 @@ class Store:
     def trials(self, key: TuningKey) -> list[TrialRecord]:
         prefix = f"{key.id()}|"
         out = []
-        for name in list(self._trials.iterkeys()):
+        for name in self._names(self._trials):
             if isinstance(name, str) and name.startswith(prefix):
-                data = self._trials.get(name)
+                data = self._read(self._trials, name)
                 try:
                     out.append(TrialRecord.from_json(data))
                 except ValueError:
@@ -181,7 +252,7 @@ class Store:
     def clear_trials(self, key: TuningKey) -> None:
         prefix = f"{key.id()}|"
         with self._trials.transact():
-            for name in list(self._trials.iterkeys()):
+            for name in self._names(self._trials):
                 if isinstance(name, str) and name.startswith(prefix):
                     self._trials.delete(name)
 

@@ -1,0 +1,131 @@
+"""Nothing from disk is trusted (issue 18): cache rows that are not plain JSON, files named outside
+the cache, generated kernels planted in shared folders, records that validate but cannot run, and
+JSON files that are not valid for reasons other than syntax."""
+
+import json
+import logging
+import os
+import pickle
+import sqlite3
+import zlib
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+import autofuse
+from autofuse import resolve
+from autofuse.cli import main
+from autofuse.configs import KernelConfig
+from autofuse.key import current_environment, make_key
+from autofuse.resources import user_cache_dir
+from autofuse.store import Store, Winner
+
+
+class _Payload:
+    """Unpickling this runs code: it writes a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _insert(db, **row):
+    columns = dict(store_time=0.0, expire_time=None, access_time=0.0, access_count=0, tag=None, size=0,
+                   filename=None, value=None) | row
+    with sqlite3.connect(db) as conn:
+        conn.execute(f"INSERT INTO Cache ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                     tuple(columns.values()))
+
+
+def _a_winner():
+    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    return Winner(key, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0)
+
+
+def test_pickle_rows_are_refused_and_never_unpickled(tmp_path, caplog):
+    store = Store()
+    store.put_winner(_a_winner())
+    db = user_cache_dir() / "configs" / "cache.db"
+    marker_value, marker_key = tmp_path / "ran-value", tmp_path / "ran-key"
+    json_key = sqlite3.Binary(zlib.compress(json.dumps("evil").encode()))  # a key as JSONDisk writes one
+    _insert(db, key=json_key, raw=1, mode=4, value=pickle.dumps(_Payload(marker_value)))  # MODE_PICKLE
+    _insert(db, key=pickle.dumps(_Payload(marker_key)), raw=0, mode=1, value=b"x")  # a pickled key
+    resolve.invalidate()
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        winners = list(Store().winners())
+        lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            lin(torch.randn(4, 40))
+        listed = CliRunner().invoke(main, ["cache", "ls"])
+    assert not marker_value.exists() and not marker_key.exists()
+    assert [w.key for w in winners] == [_a_winner().key]  # the real record still loads
+    assert listed.exit_code == 0 and "1 tuned keys" in listed.output
+    assert any("not plain JSON" in r.getMessage() for r in caplog.records)
+
+
+def test_clearing_deletes_only_inside_the_cache_folder(tmp_path):
+    Store().put_winner(_a_winner())
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    db = user_cache_dir() / "configs" / "cache.db"
+    relative = os.path.relpath(outside, user_cache_dir() / "configs")
+    json_key = sqlite3.Binary(zlib.compress(json.dumps("outside").encode()))
+    _insert(db, key=json_key, raw=1, mode=2, filename=relative)  # MODE_BINARY, a file elsewhere
+    assert CliRunner().invoke(main, ["cache", "clear", "--yes"]).exit_code == 0
+    assert outside.read_text() == "keep me"
+    assert list(Store().winners()) == []
+
+
+def _fresh_kernel_loads(monkeypatch):
+    from autofuse import render
+
+    monkeypatch.setattr(render, "_loaded", {})
+    monkeypatch.setattr(render, "_process_folder", None)
+    render.load_kernel.cache_clear()
+    return render
+
+
+def test_kernels_are_never_imported_from_a_folder_others_can_write(tmp_path, monkeypatch):
+    render = _fresh_kernel_loads(monkeypatch)
+    shared = user_cache_dir() / "kernels"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)  # like /tmp: anyone may plant a file here
+    spec = render.KernelSpec(autofuse.ops.get("linear"), "relu", has_bias=True)
+    kernel = render.load_kernel(spec)
+    compiled_from = Path(kernel.fn.fn.__code__.co_filename)  # the file Triton reads the kernel's source from
+    assert not list(shared.glob("*.py"))  # nothing written to, or read from, the shared folder
+    private = render._process_folder
+    assert private is not None and private.stat().st_uid == os.getuid() and not private.stat().st_mode & 0o077
+    assert compiled_from.parent == private and compiled_from.read_text() == render.render(spec)
+
+
+def test_planted_bytecode_beside_a_kernel_never_runs(tmp_path, monkeypatch):
+    import hashlib
+    import importlib.util
+    from importlib._bootstrap_external import _code_to_timestamp_pyc
+
+    render = _fresh_kernel_loads(monkeypatch)
+    spec = render.KernelSpec(autofuse.ops.get("linear"), "silu")
+    source = render.render(spec)
+    folder = user_cache_dir() / "kernels"
+    folder.mkdir(parents=True, mode=0o700)
+    path = folder / f"{spec.kernel_name}_{hashlib.sha256(source.encode()).hexdigest()[:20]}.py"
+    path.write_text(source)  # the right source, as an earlier run of this user wrote it
+    marker = tmp_path / "planted-code-ran"
+    evil = compile(f"open({str(marker)!r}, 'w').close()\n" + source, str(path), "exec")
+    stat = path.stat()
+    pyc = Path(importlib.util.cache_from_source(str(path)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(_code_to_timestamp_pyc(evil, stat.st_mtime, stat.st_size))  # valid for that source
+    kernel = render.load_kernel(spec)
+    assert not marker.exists()
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    with torch.no_grad():
+        lin = autofuse.get_linear(16, 8, bias=False, activation="silu", dtype=torch.float32, device="cpu",
+                                  tuned=False)
+        lin.weight.copy_(w)
+        torch.testing.assert_close(lin(x), torch.nn.functional.silu(x @ w.T), rtol=1e-5, atol=1e-5)
+    assert kernel is not None and not marker.exists()
