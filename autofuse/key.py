@@ -23,6 +23,8 @@ from .render import template_hash
 # power of two up to MAX_M_BUCKET. Stored in every export under this name.
 M_BUCKET_RULE = "pow2+tokens"
 MAX_M_BUCKET = 16384
+# Largest n, k or M bucket a key may hold: a kernel's sizes are 32-bit (no real layer is near it).
+MAX_DIM = 2**31 - 1
 
 
 def m_bucket(M: int) -> int:
@@ -83,10 +85,10 @@ class TuningKey:
             raise ValueError(f"activation {self.activation!r} is not valid for op {self.op!r}")
         if self.dtype not in DTYPE_NAMES.values():
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {self.dtype!r}")
-        for name in ("n", "k", "m_bucket"):
+        for name, most in (("n", MAX_DIM), ("k", MAX_DIM), ("m_bucket", MAX_DIM)):
             value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if type(value) is not int or not 1 <= value <= most:
+                raise ValueError(f"{name} must be an integer in 1..{most}, got {str(value)[:40]}")
         for name in ("bias", "residual"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false")

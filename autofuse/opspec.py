@@ -185,6 +185,11 @@ class OpSpec:
         extra = ("SPLIT_K",) if split_k else ()
         return self.constexprs + extra + (("NUM_SMS", "FLATTEN") + self.tma_constexprs if tma else ())
 
+    def refuse_config(self, config: KernelConfig) -> str | None:
+        """Why this op's kernel cannot run `config`, or None: the one rule that loading a record and
+        launching apply alike."""
+        return self.variants_allowed(False, config.split_k > 1, config.tma)
+
     def variants_allowed(self, has_residual: bool, split_k: bool, tma: bool) -> str | None:
         """Why this op has no such variant, or None when it has."""
         if has_residual and not self.residual:

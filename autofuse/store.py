@@ -67,6 +67,9 @@ class Winner:
         config = choice_from_json(record["config"])
         if isinstance(config, Library) and config.name not in key.spec.library:
             raise ValueError(f"op {key.op!r} has no library candidate {config.name!r}")
+        refused = key.spec.refuse_config(config) if isinstance(config, KernelConfig) else None
+        if refused:
+            raise ValueError(refused)
         for name in ("time_ms", "baseline_ms"):
             if not _positive_number(record[name]):
                 raise ValueError(f"{name} must be a positive number, got {record[name]!r}")

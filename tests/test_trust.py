@@ -10,6 +10,7 @@ import sqlite3
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -129,3 +130,54 @@ def test_planted_bytecode_beside_a_kernel_never_runs(tmp_path, monkeypatch):
         lin.weight.copy_(w)
         torch.testing.assert_close(lin(x), torch.nn.functional.silu(x @ w.T), rtol=1e-5, atol=1e-5)
     assert kernel is not None and not marker.exists()
+
+
+def _export_with(tmp_path, change):
+    """A valid export of one record, edited by `change(record)`, its checksum made right again: the
+    file passes every check a tamperer can satisfy."""
+    from autofuse.configfile import _checksum, build_document
+
+    document = build_document([_a_winner()])
+    change(document["records"][0])
+    document["sha256"] = _checksum(document["records"])
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def _to_mlp_with(**fields):
+    def change(record):
+        record["key"].update(op="mlp", activation="silu", bias=False, residual=False,
+                             template_hash=record["key"]["template_hash"])
+        record["config"].update(fields)
+    return change
+
+
+@pytest.mark.parametrize("change, message", [
+    (_to_mlp_with(tma=True), "no TMA variant"),
+    (_to_mlp_with(split_k=4), "no split-K variant"),
+    (lambda r: r["key"].update(n=10**400), "n must be an integer in"),
+    (lambda r: r["key"].update(k=2**40), "k must be an integer in"),
+])
+def test_records_that_cannot_run_are_refused_on_import_and_skipped_at_run_time(tmp_path, monkeypatch, caplog,
+                                                                               change, message):
+    from autofuse import ops
+    from autofuse.render import template_hash
+
+    def change_and_rehash(record):
+        change(record)
+        if record["key"]["op"] == "mlp":  # its template's real hash: only the config is wrong
+            record["key"]["template_hash"] = template_hash(ops.get("mlp"))
+    path = _export_with(tmp_path, change_and_rehash)
+    result = CliRunner().invoke(main, ["cache", "import", str(path)])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert list(Store().winners()) == []  # nothing written
+    monkeypatch.setenv("AUTOFUSE_CACHE_PATH", str(path))
+    resolve.invalidate()
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        mlp = autofuse.get_mlp(40, 56, activation="silu", dtype=torch.float32, device="cpu")
+        lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            x = torch.randn(4, 40)
+            assert mlp(x).shape == (4, 40) and lin(x).shape == (4, 56)
+    assert any("ignoring pretuned file" in r.getMessage() and message in r.getMessage() for r in caplog.records)
