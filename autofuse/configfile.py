@@ -28,6 +28,8 @@ from .key import M_BUCKET_RULE, MAX_M_BUCKET
 from .store import Store, Winner
 
 FORMAT = "autofuse-configs"
+# The public shapes on two GPUs, tuned for training too, are a few hundred records.
+MAX_RECORDS = 20000
 SCHEMA_VERSION = 1
 _HEADER = {"format", "schema_version", "autofuse", "gpus", "tritons", "template_hashes", "bucket_rule", "records",
            "sha256"}
@@ -93,6 +95,8 @@ def parse_document(document, source: str) -> list[Winner]:
     records = document["records"]
     if not isinstance(records, list):
         bad("'records' must be a list")
+    if len(records) > MAX_RECORDS:
+        bad(f"{len(records)} records; an export holds at most {MAX_RECORDS} (every process reads them all)")
     if not isinstance(document["sha256"], str) or document["sha256"] != _checksum(records):
         bad("checksum mismatch: the records were changed or cut after export")
     for name in ("gpus", "tritons"):

@@ -7,16 +7,32 @@ from pathlib import Path
 
 from .errors import AutofuseError
 
+# A config export of every public shape on two GPUs is well under 1 MB; far larger files are not
+# exports, and decoding them costs every process that reads them.
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
 
 def read_json(path: Path | str, what: str = "file"):
-    """Decoded JSON of `path`; AutofuseError naming the file for unreadable or invalid content."""
+    """Decoded JSON of `path`; AutofuseError naming the file for unreadable or invalid content:
+    missing or unreadable, larger than MAX_FILE_BYTES, not UTF-8 text, not JSON, nested too deep,
+    a number too long to convert."""
     path = Path(path)
     try:
-        text = path.read_text()
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise AutofuseError(f"{path.name}: {size / 2**20:.0f} MB is too large for a {what} "
+                                f"(at most {MAX_FILE_BYTES // 2**20} MB)")
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise AutofuseError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise AutofuseError(f"{path.name}: not a {what} (not UTF-8 text: binary data?)") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise AutofuseError(f"{path.name}: not valid JSON, truncated or damaged (line {e.lineno}, column "
                             f"{e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise AutofuseError(f"{path.name}: JSON nested too deeply to be a {what}") from None
+    except ValueError as e:  # e.g. an integer of thousands of digits
+        raise AutofuseError(f"{path.name}: not a {what} ({str(e)[:80]})") from None

@@ -25,6 +25,8 @@ M_BUCKET_RULE = "pow2+tokens"
 MAX_M_BUCKET = 16384
 # Largest n, k or M bucket a key may hold: a kernel's sizes are 32-bit (no real layer is near it).
 MAX_DIM = 2**31 - 1
+# Longest text field a key holds (a GPU's name, versions, a hash): what a file may not bloat.
+MAX_TEXT = 200
 
 
 def m_bucket(M: int) -> int:
@@ -96,8 +98,9 @@ class TuningKey:
             raise ValueError(f"op {self.op!r} takes no residual")
         for name in ("template_hash", "gpu", "capability", "triton", "cuda"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not value or "|" in value:
-                raise ValueError(f"{name} must be a non-empty string without '|', got {value!r}")
+            if not isinstance(value, str) or not value or "|" in value or len(value) > MAX_TEXT:
+                raise ValueError(f"{name} must be a non-empty string of at most {MAX_TEXT} characters without "
+                                 f"'|', got {str(value)[:40]!r}")
 
     @property
     def spec(self) -> ops.OpSpec:

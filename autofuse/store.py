@@ -79,8 +79,8 @@ class Winner:
             raise ValueError(f"trials must be a non-negative integer, got {record['trials']!r}")
         if not _positive_number(record["tune_seconds"], allow_zero=True):
             raise ValueError(f"tune_seconds must be a non-negative number, got {record['tune_seconds']!r}")
-        if not isinstance(record["policy"], str):
-            raise ValueError("policy must be a string")
+        if not isinstance(record["policy"], str) or len(record["policy"]) > 40:
+            raise ValueError("policy must be a string of at most 40 characters")
         return cls(key, config, float(record["time_ms"]), float(record["baseline_ms"]),
                    None if record["heuristic_ms"] is None else float(record["heuristic_ms"]),
                    record["trials"], float(record["tune_seconds"]), record["policy"])
@@ -117,8 +117,10 @@ class TrialRecord:
         time_ms = data["time_ms"]
         if data["status"] == "ok" and not _positive_number(time_ms):
             raise ValueError("an ok trial needs a positive time_ms")
+        if not isinstance(data["detail"], str) or len(data["detail"]) > 500:  # written cut to 500
+            raise ValueError("a trial's detail must be a string of at most 500 characters")
         return cls(KernelConfig.from_dict(data["config"]), data["status"],
-                   None if time_ms is None else float(time_ms), str(data["detail"]))
+                   None if time_ms is None else float(time_ms), data["detail"])
 
 
 class RefusedRow(ValueError):

@@ -181,3 +181,44 @@ def test_records_that_cannot_run_are_refused_on_import_and_skipped_at_run_time(t
             x = torch.randn(4, 40)
             assert mlp(x).shape == (4, 40) and lin(x).shape == (4, 56)
     assert any("ignoring pretuned file" in r.getMessage() and message in r.getMessage() for r in caplog.records)
+
+
+_BAD_JSON = {
+    "binary": b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe garbage",
+    "deep": b"[" * 100_000 + b"]" * 100_000,
+    "long-int": b'{"records": ' + b"9" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("kind", list(_BAD_JSON))
+def test_json_files_bad_beyond_syntax_are_one_line_errors_or_one_warning(tmp_path, monkeypatch, caplog, kind):
+    path = tmp_path / f"{kind}.json"
+    path.write_bytes(_BAD_JSON[kind])
+    for args in (["cache", "import", str(path)], ["tune", "--shapes", str(path)]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output and path.name in result.output
+        assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+    assert list(Store().winners()) == []
+    monkeypatch.setenv("AUTOFUSE_CACHE_PATH", str(path))
+    resolve.invalidate()
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        lin = autofuse.get_linear(40, 56, dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            assert lin(torch.randn(3, 40)).shape == (3, 56)
+    assert len([r for r in caplog.records if path.name in r.getMessage()]) == 1
+
+
+def test_oversized_files_and_fields_are_refused(tmp_path, monkeypatch):
+    from autofuse import jsonfile
+
+    big = _export_with(tmp_path, lambda r: r.update(policy="x" * 100))  # a 100-character policy
+    result = CliRunner().invoke(main, ["cache", "import", str(big)])
+    assert result.exit_code == 2 and "policy must be a string of at most 40" in result.output
+    long_gpu = _export_with(tmp_path, lambda r: r["key"].update(gpu="G" * 5000))
+    assert CliRunner().invoke(main, ["cache", "import", str(long_gpu)]).exit_code == 2
+    monkeypatch.setattr(jsonfile, "MAX_FILE_BYTES", 100)  # a file over the limit is not even decoded
+    ok = _export_with(tmp_path, lambda r: None)
+    result = CliRunner().invoke(main, ["cache", "import", str(ok)])
+    assert result.exit_code == 2 and "too large" in result.output
+    assert list(Store().winners()) == []
