@@ -118,6 +118,7 @@ def invalidate() -> None:
 def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
                   bias: bool, residual: bool = False) -> Choice | None:
     """The tuned winner for op at M (the user's cache, then shipped files; M, then its bucket), or None."""
+    M = max(M, 1)  # an empty batch launches nothing: any choice will do, keyed as one row
     env = current_environment(device)
     index = tuned_index()
     for bucket in dict.fromkeys((M, m_bucket(M))):
@@ -134,6 +135,7 @@ def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: t
 def resolve(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
             bias: bool, residual: bool = False, tuned: bool = True) -> Choice:
     """The choice for one op at M. `tuned=False` skips every cache: the built-in heuristic only."""
+    M = max(M, 1)  # an empty batch launches nothing: any choice will do, keyed as one row
     spec = ops.get(op)
     if not tuned:
         return Choice(heuristic_for(spec, m_bucket(M), N, K, dtype, device), "heuristic")

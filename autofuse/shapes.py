@@ -26,6 +26,7 @@ from .jsonfile import read_json
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
+MAX_SIZE = 2**31 - 1  # the kernels' sizes are 32-bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,8 @@ def _fail(path: str, problem: str):
 
 
 def _positive_int(value, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _fail(path, f"must be a positive integer, got {json.dumps(value)}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        _fail(path, f"must be a positive integer up to {MAX_SIZE}, got {json.dumps(value)[:40]}")
     return value
 
 

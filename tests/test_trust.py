@@ -222,3 +222,27 @@ def test_oversized_files_and_fields_are_refused(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["cache", "import", str(ok)])
     assert result.exit_code == 2 and "too large" in result.output
     assert list(Store().winners()) == []
+
+
+def test_an_empty_batch_runs_with_and_without_grad():
+    mlp = autofuse.get_mlp(40, 72, dtype=torch.float32, device="cpu")  # parameters require grad
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device="cpu")
+    for module, width in ((mlp, 40), (lin, 56)):
+        x = torch.randn(0, 40, requires_grad=True)
+        y = module(x)
+        assert y.shape == (0, width)
+        y.sum().backward()
+        assert x.grad.shape == (0, 40)
+        with torch.no_grad():
+            assert module(torch.randn(2, 0, 40)).shape == (2, 0, width)
+
+
+@pytest.mark.parametrize("entry, tokens, message", [
+    ({"d_model": 10**12, "d_ff": 64}, [1], "must be a positive integer up to"),
+    ({"d_model": 4096, "d_ff": 16384}, [10**9], "GiB to tune"),
+])
+def test_huge_sizes_in_a_shapes_file_are_refused_before_anything_is_allocated(tmp_path, entry, tokens, message):
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps({"tokens": tokens, "mlps": [{"name": "huge", **entry}]}))
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(path), "--trials", "1"])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

@@ -9,6 +9,7 @@ OpSpec, so any registered op is tuned the same way.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from .. import workspaces
 from ..configs import KernelConfig
 from ..device import cuda_index, interpreting
+from ..errors import AutofuseError
 from ..key import TuningKey
 from ..reference import ERROR_BOUNDS, relative_error
 from ..store import TrialRecord
@@ -26,6 +28,28 @@ from ..timing import cpu_median_ms, gpu_median_ms, graph_replay_us
 # flush and launch gaps would rank configs by overheads a graph-replayed step never pays
 # (RESULTS.md, issue 4).
 GRAPH_TIMED_MAX_M = 128
+
+
+def bytes_needed(key: TuningKey, M: int) -> int:
+    """Memory a key's trials hold at once: the operands, fresh activations, a NaN-poisoned output and
+    its float64 reference. Worked out on meta tensors: nothing is allocated."""
+    spec, dtype = key.spec, key.torch_dtype
+    operands = spec.make_operands(key.n, key.k, M, key.bias, key.residual,
+                                  lambda *shape: torch.empty(*shape, device="meta", dtype=dtype))
+    held = sum(t.numel() * t.element_size() for t in operands.values() if t is not None)
+    fresh = next(iter(operands.values())).numel() * dtype.itemsize
+    return held + fresh + M * spec.output_width(key.n, key.k) * (dtype.itemsize + 8)
+
+
+def _check_memory(key: TuningKey, M: int, device: torch.device) -> None:
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    needed = bytes_needed(key, M)
+    if needed > free:
+        raise AutofuseError(f"{key.op} with n={key.n}, k={key.k} at M={M} needs about {needed / 2**30:.1f} GiB "
+                            f"to tune; {free / 2**30:.1f} GiB are free on {device}")
 
 
 def _status_of(error: BaseException) -> str:
@@ -50,6 +74,7 @@ class Evaluator:
         self.dtype = key.torch_dtype
         self.compile_timeout_s = compile_timeout_s
         self.interpret = interpreting()
+        _check_memory(key, M, device)
         # Drawn where they are used: fresh inputs for every trial must not cost a host round trip.
         self._generator = torch.Generator(device=device).manual_seed(seed)
         self.operands = self.spec.make_operands(key.n, key.k, M, key.bias, key.residual, self._random)
