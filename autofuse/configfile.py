@@ -70,6 +70,11 @@ def export_winners(store: Store, path: Path | str, gpu: str | None = None) -> in
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    # mkstemp makes the file 0600; an export is meant to be shipped and read by other users (a
+    # runtime user in an image): the mode a plainly created file gets, the umask respected.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     with os.fdopen(fd, "w") as f:
         json.dump(document, f, indent=1, sort_keys=True)
         f.write("\n")

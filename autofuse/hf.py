@@ -129,6 +129,14 @@ class FusedHFMLP(nn.Module):
             return self._original(x)
         return self._fused(x)
 
+    def config_for(self, M: int) -> dict:
+        """What the fused block runs for a batch of M rows (FusedMLP.config_for)."""
+        return self._fused.config_for(M)
+
+    def config_sources(self, M: int) -> dict[str, str]:
+        """Where each of those choices came from (FusedMLP.config_sources)."""
+        return self._fused.config_sources(M)
+
     def extra_repr(self) -> str:
         g = self._fused.gate_proj
         return f"d_model={g.in_features}, d_ff={g.out_features}, activation={self.activation}, autofuse"

@@ -19,15 +19,20 @@ from .device import check_device
 from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
 from .errors import AutofuseError
 from .resolve import Choice, resolve
+from .shapes import DTYPES
 from .training import LinearFunction, MLPFunction
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_dtype(dtype: object) -> torch.dtype:
+    """A supported torch.dtype, also given by name ("bfloat16" or "torch.bfloat16")."""
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise AutofuseError(f"unsupported dtype {dtype}; autofuse supports {names}")
+        raise AutofuseError(f"unsupported dtype {dtype!r}; autofuse supports torch.dtype {names} (or their names "
+                            "as strings)")
     return dtype
 
 

@@ -246,3 +246,31 @@ def test_huge_sizes_in_a_shapes_file_are_refused_before_anything_is_allocated(tm
     path.write_text(json.dumps({"tokens": tokens, "mlps": [{"name": "huge", **entry}]}))
     result = CliRunner().invoke(main, ["tune", "--shapes", str(path), "--trials", "1"])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_an_export_is_readable_as_the_umask_allows(tmp_path):
+    Store().put_winner(_a_winner())
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "ship" / "configs.json"
+        out.parent.mkdir()
+        assert CliRunner().invoke(main, ["cache", "export", "-o", str(out)]).exit_code == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o644  # what `touch` would make: a runtime user can read it
+
+
+def test_dtypes_may_be_named_and_fused_hf_blocks_say_what_they_run():
+    mlp = autofuse.get_mlp(40, 72, dtype="bfloat16", device="cpu")
+    lin = autofuse.get_linear(40, 56, dtype="torch.float16", device="cpu")
+    assert mlp.gate_proj.weight.dtype == torch.bfloat16 and lin.weight.dtype == torch.float16
+    with pytest.raises(autofuse.AutofuseError, match="autofuse supports torch.dtype float32, float16, bfloat16"):
+        autofuse.get_mlp(40, 72, dtype="int8", device="cpu")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      hidden_activation="gelu_pytorch_tanh")
+    model = transformers.GemmaForCausalLM(config).eval()
+    autofuse.fuse(model, verbose=False)
+    block = model.model.layers[0].mlp
+    assert set(block.config_for(4)) == set(block.config_sources(4)) == {"gated_up", "down"}
