@@ -28,7 +28,7 @@ from .errors import AutofuseError
 from .key import MAX_M_BUCKET, current_environment, m_bucket, make_key
 from .opspec import OpSpec
 from .resources import shipped_cache_dir, user_cache_dir
-from .store import open_store
+from .store import DamagedCache, open_store
 
 logger = logging.getLogger("autofuse")
 
@@ -61,8 +61,7 @@ class TunedIndex:
     """Every winner this process can see, by key id, user cache first."""
 
     def __init__(self, cache_dir: str, extra_paths: str) -> None:
-        self.user = {w.key.id(): w for w in open_store(cache_dir).winners()} if Path(cache_dir, "configs").exists() \
-            else {}
+        self.user = _user_winners(cache_dir)
         self.shipped: dict[str, tuple] = {}
         for path in _shipped_files(extra_paths):
             for winner in _read_shipped(path):
@@ -70,6 +69,23 @@ class TunedIndex:
         self.by_problem: dict[tuple, list] = {}
         for winner in [*self.user.values(), *(w for w, _ in self.shipped.values())]:
             self.by_problem.setdefault(winner.key.problem(), []).append(winner)
+
+
+_damaged_warned: set[str] = set()
+
+
+def _user_winners(cache_dir: str) -> dict:
+    """The user cache's winners by key id; none, with one warning, where its database is damaged:
+    the runtime runs without it rather than fail (the CLI names the problem and `cache clear` mends it)."""
+    if not Path(cache_dir, "configs").exists():
+        return {}
+    try:
+        return {w.key.id(): w for w in open_store(cache_dir).winners()}
+    except DamagedCache as e:
+        if cache_dir not in _damaged_warned:
+            _damaged_warned.add(cache_dir)
+            logger.warning("%s; running without it", e)
+        return {}
 
 
 def _shipped_files(extra_paths: str) -> list[Path]:

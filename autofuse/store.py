@@ -14,6 +14,8 @@ import dataclasses
 import logging
 import math
 import os
+import shutil
+import sqlite3
 import zlib
 from collections.abc import Iterator
 from functools import lru_cache
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .configs import KernelConfig, Library, choice_from_json
+from .errors import AutofuseError
 from .key import TuningKey
 from .resources import user_cache_dir
 
@@ -169,6 +172,15 @@ def _json_only_disk():
     return JSONOnlyDisk
 
 
+class DamagedCache(AutofuseError):
+    """The user cache's database cannot be read: the runtime goes on without it, the CLI says so."""
+
+
+# What a damaged cache raises from SQLite, the file system or a corrupt value.
+_DAMAGE = (sqlite3.DatabaseError, OSError, zlib.error)
+_PARTS = ("configs", "trials")
+
+
 class Store:
     """The tuning cache of one directory."""
 
@@ -176,16 +188,42 @@ class Store:
         import diskcache  # here, not at the top: `import autofuse` need not load SQLite
 
         self.directory = Path(directory) if directory is not None else user_cache_dir()
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._refused = 0
+        for part in _PARTS:
+            db = self.directory / part / "cache.db"
+            if db.is_file() and db.stat().st_size == 0:  # SQLite would take it as a new, empty database
+                logger.warning("autofuse: the cache database %s is empty (0 bytes): every config it held is lost",
+                               db)
         settings = dict(
             disk=_json_only_disk(),
             disk_compress_level=0,
             eviction_policy="none",  # tuned results are never culled for space
             timeout=60,
         )
-        self._cache = diskcache.Cache(str(self.directory / "configs"), **settings)
-        self._trials = diskcache.Cache(str(self.directory / "trials"), **settings)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._cache = diskcache.Cache(str(self.directory / "configs"), **settings)
+            self._trials = diskcache.Cache(str(self.directory / "trials"), **settings)
+            len(self._cache), len(self._trials)  # reads the databases' pages: damage shows here, not later
+        except _DAMAGE as e:
+            raise self._damaged(e) from None
+
+    def _damaged(self, error: BaseException) -> DamagedCache:
+        return DamagedCache(f"the autofuse cache at {self.directory} cannot be read ({type(error).__name__}: "
+                            f"{str(error)[:120]}); `autofuse cache clear` starts it afresh")
+
+    @staticmethod
+    def repair(directory: Path | str | None = None) -> Path:
+        """Remove the cache's databases (only those: the folder may hold kernels and logs too), so that
+        the next Store starts them afresh."""
+        directory = Path(directory) if directory is not None else user_cache_dir()
+        for part in _PARTS:
+            target = directory / part
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+        return directory
 
     def close(self) -> None:
         self._cache.close()
@@ -198,9 +236,14 @@ class Store:
         except RefusedRow as e:
             self._refuse(str(e))
             return None
+        except _DAMAGE as e:
+            raise self._damaged(e) from None
 
     def _names(self, cache) -> list:
-        names = list(cache.iterkeys())
+        try:
+            names = list(cache.iterkeys())
+        except _DAMAGE as e:
+            raise self._damaged(e) from None
         if REFUSED in names:
             self._refuse("a key that is not JSON")
         return [name for name in names if name is not REFUSED]

@@ -274,3 +274,58 @@ def test_dtypes_may_be_named_and_fused_hf_blocks_say_what_they_run():
     autofuse.fuse(model, verbose=False)
     block = model.model.layers[0].mlp
     assert set(block.config_for(4)) == set(block.config_sources(4)) == {"gated_up", "down"}
+
+
+def _damage(kind: str) -> None:
+    """Damage the user cache (holding one winner) the way issue 18's attack run did."""
+    configs = user_cache_dir() / "configs"
+    db = configs / "cache.db"
+    if kind == "truncated":
+        data = db.read_bytes()
+        db.write_bytes(data[:6000])  # the header promises pages that are gone
+    elif kind == "garbage-pages":
+        data = bytearray(db.read_bytes())
+        data[100:4096 * 2] = os.urandom(4096 * 2 - 100)
+        db.write_bytes(bytes(data))
+    elif kind == "not-a-database":
+        db.write_bytes(os.urandom(20000))
+    elif kind == "configs-is-a-file":
+        import shutil
+
+        shutil.rmtree(configs)
+        configs.write_text("not a folder")
+    elif kind == "corrupt-value":
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE Cache SET value = ?", (b"\x78\x9c not zlib",))
+    elif kind == "empty":
+        db.write_bytes(b"")
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage-pages", "not-a-database", "configs-is-a-file",
+                                  "corrupt-value", "empty"])
+def test_a_damaged_cache_never_crashes_a_forward_and_clear_repairs_it(kind, caplog):
+    store = Store()
+    store.put_winner(_a_winner())
+    store.close()  # damage comes from outside this process (a killed run, a full disk, a tamperer)
+    _damage(kind)
+    resolve.invalidate()
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            assert lin(torch.randn(4, 40)).shape == (4, 56)
+        listed = CliRunner().invoke(main, ["cache", "ls"])
+    warned = [r.getMessage() for r in caplog.records if r.name == "autofuse"]
+    if kind == "empty":
+        assert any("is empty (0 bytes)" in m for m in warned)
+    else:
+        assert listed.exit_code in (0, 2) and "Traceback" not in listed.output
+        assert warned or listed.exit_code == 2 or "0 tuned keys" in listed.output
+    if kind in ("truncated", "garbage-pages", "not-a-database", "configs-is-a-file"):
+        shapes = user_cache_dir().parent / "s.json"
+        shapes.write_text(json.dumps({"tokens": [3], "linears": [{"in_features": 40, "out_features": 56}]}))
+        tuned = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1"])
+        assert tuned.exit_code == 2 and "cache clear" in tuned.output and "Traceback" not in tuned.output
+    cleared = CliRunner().invoke(main, ["cache", "clear", "--yes"])
+    assert cleared.exit_code == 0, cleared.output
+    Store().put_winner(_a_winner())  # works again
+    assert [w.key for w in Store().winners()] == [_a_winner().key]

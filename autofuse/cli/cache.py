@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import click
 
@@ -11,7 +12,7 @@ from ..configfile import export_winners, import_winners
 from ..errors import AutofuseError
 from ..key import TuningKey
 from ..resources import user_cache_dir
-from ..store import Store, Winner
+from ..store import DamagedCache, Store, Winner
 from .common import main
 
 
@@ -74,8 +75,19 @@ def cache_import(file):
 @cache.command("clear")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def cache_clear(yes):
-    """Delete every tuned config and trial from the user cache."""
-    store = Store(user_cache_dir())
+    """Delete every tuned config and trial from the user cache (and repair a damaged one)."""
+    directory = user_cache_dir()
     if not yes:
-        click.confirm(f"delete every tuned config in {store.directory}?", abort=True)
-    click.echo(f"removed {store.clear()} tuned configs")
+        click.confirm(f"delete every tuned config in {directory}?", abort=True)
+    try:
+        store = Store(directory)
+        removed = store.clear()
+        store.close()
+    except (DamagedCache, sqlite3.DatabaseError) as e:
+        Store.repair(directory)
+        Store(directory).close()
+        resolve_module.invalidate()
+        click.echo(f"the cache was damaged ({str(e)[:120]}); started it afresh in {directory}")
+        return
+    resolve_module.invalidate()
+    click.echo(f"removed {removed} tuned configs")
