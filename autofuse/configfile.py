@@ -68,7 +68,8 @@ def export_winners(store: Store, path: Path | str, gpu: str | None = None) -> in
                             f"the cache holds configs for: {', '.join(have) or 'no GPU'}")
     document = build_document(winners)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():  # a typo in -o would otherwise make folders nobody asked for
+        raise AutofuseError(f"cannot write {path}: the folder {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     # mkstemp makes the file 0600; an export is meant to be shipped and read by other users (a
     # runtime user in an image): the mode a plainly created file gets, the umask respected.

@@ -28,7 +28,8 @@ from .errors import AutofuseError
 from .key import MAX_M_BUCKET, current_environment, m_bucket, make_key
 from .opspec import OpSpec
 from .resources import shipped_cache_dir, user_cache_dir
-from .store import DamagedCache, open_store
+from .store import exists as store_exists
+from .store import open_store
 
 logger = logging.getLogger("autofuse")
 
@@ -77,11 +78,11 @@ _damaged_warned: set[str] = set()
 def _user_winners(cache_dir: str) -> dict:
     """The user cache's winners by key id; none, with one warning, where its database is damaged:
     the runtime runs without it rather than fail (the CLI names the problem and `cache clear` mends it)."""
-    if not Path(cache_dir, "configs").exists():
-        return {}
     try:
+        if not store_exists(cache_dir):
+            return {}
         return {w.key.id(): w for w in open_store(cache_dir).winners()}
-    except DamagedCache as e:
+    except AutofuseError as e:  # a damaged database, a file where the folder should be
         if cache_dir not in _damaged_warned:
             _damaged_warned.add(cache_dir)
             logger.warning("%s; running without it", e)

@@ -181,6 +181,20 @@ _DAMAGE = (sqlite3.DatabaseError, OSError, zlib.error)
 _PARTS = ("configs", "trials")
 
 
+def check_cache_dir(directory: Path) -> None:
+    """AutofuseError where the cache folder cannot be one: a file stands there."""
+    if directory.exists() and not directory.is_dir():
+        raise AutofuseError(f"the autofuse cache folder {directory} is a file, not a folder: set AUTOFUSE_CACHE_DIR to "
+                            "a folder")
+
+
+def exists(directory: Path | str | None = None) -> bool:
+    """Whether a cache was ever written there (read-only commands open none that is not)."""
+    directory = Path(directory) if directory is not None else user_cache_dir()
+    check_cache_dir(directory)
+    return (directory / "configs").exists()
+
+
 class Store:
     """The tuning cache of one directory."""
 
@@ -189,6 +203,7 @@ class Store:
 
         self.directory = Path(directory) if directory is not None else user_cache_dir()
         self._refused = 0
+        check_cache_dir(self.directory)
         for part in _PARTS:
             db = self.directory / part / "cache.db"
             if db.is_file() and db.stat().st_size == 0:  # SQLite would take it as a new, empty database
@@ -202,6 +217,10 @@ class Store:
         )
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise AutofuseError(f"cannot create the autofuse cache folder {self.directory}: {e.strerror} (set "
+                                "AUTOFUSE_CACHE_DIR to a folder you can write)") from None
+        try:
             self._cache = diskcache.Cache(str(self.directory / "configs"), **settings)
             self._trials = diskcache.Cache(str(self.directory / "trials"), **settings)
             len(self._cache), len(self._trials)  # reads the databases' pages: damage shows here, not later

@@ -329,3 +329,36 @@ def test_a_damaged_cache_never_crashes_a_forward_and_clear_repairs_it(kind, capl
     assert cleared.exit_code == 0, cleared.output
     Store().put_winner(_a_winner())  # works again
     assert [w.key for w in Store().winners()] == [_a_winner().key]
+
+
+def test_a_bad_cache_folder_is_named_in_one_line_and_never_created_by_reading(tmp_path, monkeypatch, caplog):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(a_file))
+    for args in (["cache", "ls"], ["cache", "export", "-o", str(tmp_path / "e.json")], ["cache", "clear", "--yes"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and "is a file, not a folder" in result.output, (args, result.output)
+    unwritable = "/proc/autofuse-cache"  # no one may create folders there
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", unwritable)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(_tiny_shapes(tmp_path)), "--trials", "1"])
+    assert result.exit_code == 2 and "cannot create the autofuse cache folder" in result.output
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(a_file))
+    resolve.invalidate()
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        with torch.no_grad():
+            assert autofuse.get_linear(40, 56, dtype=torch.float32, device="cpu")(torch.randn(2, 40)).shape == (2, 56)
+    assert any("is a file, not a folder" in r.getMessage() for r in caplog.records)  # said, not silently ignored
+
+    missing = tmp_path / "never-made"
+    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(missing))
+    listed = CliRunner().invoke(main, ["cache", "ls"])
+    assert listed.exit_code == 0 and "0 tuned keys" in listed.output and not missing.exists()
+    Store().put_winner(_a_winner())
+    result = CliRunner().invoke(main, ["cache", "export", "-o", str(tmp_path / "no" / "such" / "dir.json")])
+    assert result.exit_code == 2 and "does not exist" in result.output and not (tmp_path / "no").exists()
+
+
+def _tiny_shapes(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"tokens": [3], "linears": [{"in_features": 40, "out_features": 56}]}))
+    return path

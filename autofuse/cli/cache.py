@@ -13,6 +13,7 @@ from ..errors import AutofuseError
 from ..key import TuningKey
 from ..resources import user_cache_dir
 from ..store import DamagedCache, Store, Winner
+from ..store import exists as store_exists
 from .common import main
 
 
@@ -24,9 +25,12 @@ def cache():
 @cache.command("ls")
 def cache_ls():
     """List tuned keys in the user cache."""
-    store = Store(user_cache_dir())
-    winners = sorted(store.winners(), key=lambda w: (w.key.gpu, w.key.op, w.key.n, w.key.k, w.key.m_bucket))
-    click.echo(f"{len(winners)} tuned keys in {store.directory}")
+    directory = user_cache_dir()
+    if not store_exists(directory):
+        click.echo(f"0 tuned keys in {directory} (no cache there yet)")
+        return
+    winners = sorted(Store(directory).winners(), key=lambda w: (w.key.gpu, w.key.op, w.key.n, w.key.k, w.key.m_bucket))
+    click.echo(f"{len(winners)} tuned keys in {directory}")
     for w in winners:
         k = w.key
         click.echo(f"{k.op:<8} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "
@@ -41,7 +45,7 @@ def winner_for(key_text: str) -> Winner:
         key = TuningKey.parse(key_text)
     except ValueError as e:
         raise AutofuseError(str(e)) from None
-    winner = Store(user_cache_dir()).get_winner(key)
+    winner = Store(user_cache_dir()).get_winner(key) if store_exists() else None
     if winner is None:
         raise AutofuseError("no tuned config for that key in the user cache (see `autofuse cache ls`)")
     return winner
@@ -59,6 +63,8 @@ def cache_show(key):
 @click.option("--gpu", default=None, help="Only this GPU's configs (its name as `cache ls` prints it).")
 def cache_export(output, gpu):
     """Write tuned configs to a versioned JSON file."""
+    if not store_exists():
+        raise AutofuseError(f"nothing to export: no autofuse cache in {user_cache_dir()} yet (tune first)")
     count = export_winners(Store(user_cache_dir()), output, gpu=gpu)
     click.echo(f"exported {count} configs to {output}")
 
