@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import click
 import torch
@@ -15,7 +16,7 @@ from ..shapes import DTYPES, load_shapes
 from ..store import Store
 from ..tune import worklist
 from ..tune.coordinator import default_storage, parse_devices, run_workers
-from ..tune.driver import jobs_for_shapes, tune_shapes
+from ..tune.driver import TuningInterrupted, jobs_for_shapes, tune_shapes
 from ..tune.policies import POLICIES
 from ..tune.progress import ProgressLine
 from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
@@ -41,7 +42,10 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds per key (with --trials, whichever ends first).")
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="optuna", show_default=True)
-@click.option("--resume", is_flag=True, help="Keep the trials a killed or earlier run recorded; run only the rest.")
+@click.option("--fresh", is_flag=True,
+              help="Discard the trials an earlier or interrupted run of these keys stored (default: keep them and "
+                   "run only the rest).")
+@click.option("--resume", is_flag=True, hidden=True, help="Kept for old scripts: resuming is the default.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
 @click.option("--ops", "only", default=None,
@@ -55,10 +59,31 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--stale-after", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds without a heartbeat after which another worker takes over a key.")
 @click.option("--worker", default=None, hidden=True, help="Internal: run as one worker of a --devices run.")
-def tune_command(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, only,
-                 devices, storage, stale_after, worker):
-    """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache."""
-    if (shapes_path is None) == (model_path is None):
+def tune_command(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, fresh, resume, seed, train,
+                 only, devices, storage, stale_after, worker):
+    """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache.
+    A run that was interrupted continues where it stopped when started again (--fresh starts over)."""
+    try:
+        _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, not fresh, seed, train, only,
+              devices, storage, stale_after, worker)
+    except TuningInterrupted as e:
+        _interrupted(f"after {e.done} of {e.total} key{'s' if e.total != 1 else ''}")
+    except KeyboardInterrupt:
+        _interrupted("")
+
+
+def _interrupted(progress: str) -> None:
+    click.echo(f"\ninterrupted{' ' + progress if progress else ''}: every finished key's winner and every finished "
+               "trial are stored. Run the same command again to continue where it stopped (--fresh starts over).",
+               err=True)
+    sys.exit(130)
+
+
+def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, only, devices,
+          storage, stale_after, worker):
+    if shapes_path is not None and model_path is not None:
+        raise click.UsageError("give only one of --shapes FILE or --model CONFIG")
+    if shapes_path is None and model_path is None:
         raise click.UsageError("give one of --shapes FILE or --model CONFIG")
     shapes = load_shapes(shapes_path) if shapes_path else shapes_from_model_config(model_path)
     if dtype:
@@ -111,7 +136,7 @@ def _worker_args(run: dict, source: dict, storage: str, stale_after: float) -> l
     args += ["--time-budget", repr(options["time_budget_s"])] if options["time_budget_s"] else []
     args += ["--train"] if run["train"] else []
     args += ["--ops", ",".join(sorted(run["only"]))] if run["only"] else []
-    args += ["--resume"] if run["resume"] else []
+    args += [] if run["resume"] else ["--fresh"]
     return args
 
 

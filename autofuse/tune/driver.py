@@ -211,7 +211,18 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, 
                 progress.finish()
             logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
             results.append((job, result))
+    except KeyboardInterrupt:
+        raise TuningInterrupted(len(results), len(jobs)) from None
     finally:
         resolve_module.invalidate()
         store.close()
     return results
+
+
+class TuningInterrupted(KeyboardInterrupt):
+    """Ctrl-C during tune_shapes, with how far the run got: the finished keys' winners and every
+    finished trial are stored, so the same run started again continues where this one stopped."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"{done} of {total} keys done")
+        self.done, self.total = done, total

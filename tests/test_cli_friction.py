@@ -1,0 +1,64 @@
+"""A new user's first hour with the command line (issue 18, items 10-16): interrupting and resuming,
+progress, the interpreter's tables, finding a key, and the smaller rough edges."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from autofuse.cli import main
+from autofuse.store import Store
+from autofuse.tune import driver
+
+TINY = {"dtype": "float32", "tokens": [3, 37],
+        "linears": [{"name": "lin", "in_features": 40, "out_features": 56, "activation": "gelu"}]}
+
+
+def _shapes(tmp_path, data=TINY):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _table(output):
+    return [line.split() for line in output.splitlines() if line.startswith("lin ")]
+
+
+def test_ctrl_c_says_how_far_the_run_got_and_a_plain_rerun_continues(tmp_path, monkeypatch):
+    shapes = _shapes(tmp_path)
+    real = driver.tune_key
+    calls = []
+
+    def interrupted_on_the_second_key(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "tune_key", interrupted_on_the_second_key)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "2", "--policy", "random"])
+    assert result.exit_code == 130 and "Aborted!" not in result.output
+    assert "interrupted after 1 of 2 keys" in result.output and "Run the same command again" in result.output
+    assert len(list(Store().winners())) == 1
+    monkeypatch.setattr(driver, "tune_key", real)
+    again = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "2", "--policy", "random"])
+    assert again.exit_code == 0, again.output
+    rows = _table(again.output)
+    assert sorted(int(row[-2]) for row in rows) == [0, 2]  # the finished key's two trials were kept, not re-run
+    fresh = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "2", "--policy", "random",
+                                      "--fresh"])
+    assert fresh.exit_code == 0 and all(int(row[-2]) == 0 for row in _table(fresh.output))
+
+
+def test_shapes_and_model_together_say_only_one(tmp_path):
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(_shapes(tmp_path)), "--model", str(tmp_path)])
+    assert result.exit_code == 2 and "give only one of --shapes FILE or --model CONFIG" in result.output
+
+
+@pytest.fixture(autouse=True)
+def _fresh_index():
+    from autofuse import resolve
+
+    resolve.invalidate()
+    yield
+    resolve.invalidate()
