@@ -34,7 +34,7 @@ def test_bad_shapes_file_is_one_line_not_a_traceback(tmp_path):
     shapes.write_text(json.dumps({"mlps": [{"d_model": 8, "d_ff": -1}]}))
     result = CliRunner().invoke(main, ["demo", "--shapes", str(shapes)])
     assert result.exit_code == 2
-    assert "s.json.mlps[0].d_ff: must be a positive integer, got -1" in result.output
+    assert "s.json.mlps[0].d_ff: must be a positive integer up to 2147483647, got -1" in result.output
     assert "Traceback" not in result.output
 
 

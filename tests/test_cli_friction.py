@@ -62,3 +62,20 @@ def _fresh_index():
     resolve.invalidate()
     yield
     resolve.invalidate()
+
+
+def test_progress_gives_the_runs_eta_and_total_time_and_says_when_a_space_ran_out(tmp_path):
+    three = dict(TINY, tokens=[3, 5, 37])
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(_shapes(tmp_path, three)), "--trials", "6",
+                                       "--policy", "random"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "tuning 3 keys" in result.output and any(", run " in line for line in lines if line.startswith("[2/3]"))
+    assert lines[-1].startswith("tuned 3 keys in ")
+    assert all(a != b for a, b in zip(lines, lines[1:]))  # piped: no key's last line printed twice
+    assert sum("done in" in line for line in lines) == 3
+    one = dict(TINY, tokens=[3])
+    small = CliRunner().invoke(main, ["tune", "--shapes", str(_shapes(tmp_path, one)), "--trials", "100000",
+                                      "--policy", "exhaustive", "--fresh"])
+    assert small.exit_code == 0 and "tuning 1 key with" in small.output and "tuned 1 key in" in small.output
+    assert "(search space exhausted)" in small.output

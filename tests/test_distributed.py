@@ -43,7 +43,7 @@ def test_two_workers_share_one_journal_and_tune_every_key_once(tmp_path):
     assert {c[0][1]["worker"] for c in claims.values()} == {"cpu0", "cpu1"}  # both did work
     winners = list(Store().winners())
     assert len(winners) == KEYS and len({w.key for w in winners}) == KEYS
-    assert "tuning 8 keys on 2 workers" in result.output and "[8/8 keys done]" in result.output
+    assert "tuning 8 keys on 2 workers" in result.output and "[8/8 keys done, run ETA 0s]" in result.output
 
 
 def _worker(shapes, storage, cache, name, *extra):

@@ -91,7 +91,8 @@ def test_mlp_takes_the_one_launch_kernel_only_where_it_was_timed_faster(fused_fa
 def test_bad_shapes_and_tokens_are_one_line_errors(tmp_path):
     bad = write_json(tmp_path / "bad.json", {"mlps": [{"d_model": 8, "d_ff": 0}]})
     result = CliRunner().invoke(main, ["tune", "--shapes", str(bad)])
-    assert result.exit_code == 2 and "bad.json.mlps[0].d_ff: must be a positive integer, got 0" in result.output
+    message = "bad.json.mlps[0].d_ff: must be a positive integer up to 2147483647, got 0"
+    assert result.exit_code == 2 and message in result.output
     good = write_json(tmp_path / "s.json", TINY)
     result = CliRunner().invoke(main, ["tune", "--shapes", str(good), "--tokens", "1,x"])
     assert result.exit_code == 2 and "--tokens must be comma-separated" in result.output

@@ -14,6 +14,7 @@ from ..key import TuningKey
 from ..resources import user_cache_dir
 from ..store import DamagedCache, Store, Winner
 from ..store import exists as store_exists
+from ..tune.progress import plural
 from .common import main
 
 
@@ -30,7 +31,7 @@ def cache_ls():
         click.echo(f"0 tuned keys in {directory} (no cache there yet)")
         return
     winners = sorted(Store(directory).winners(), key=lambda w: (w.key.gpu, w.key.op, w.key.n, w.key.k, w.key.m_bucket))
-    click.echo(f"{len(winners)} tuned keys in {directory}")
+    click.echo(f"{plural(len(winners), 'tuned key')} in {directory}")
     for w in winners:
         k = w.key
         click.echo(f"{k.op:<8} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 
 import click
 import torch
@@ -18,7 +19,7 @@ from ..tune import worklist
 from ..tune.coordinator import default_storage, parse_devices, run_workers
 from ..tune.driver import TuningInterrupted, jobs_for_shapes, tune_shapes
 from ..tune.policies import POLICIES
-from ..tune.progress import ProgressLine
+from ..tune.progress import RunProgress, duration, plural
 from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
 
 
@@ -92,6 +93,7 @@ def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, r
     if tokens:
         shapes = dataclasses.replace(shapes, tokens=tokens)
     only = _parse_ops(only, train)
+    start = time.perf_counter()
     options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
     run = dict(shapes=shapes, train=train, only=only, options=options, resume=resume)
     if devices is not None or storage is not None or worker is not None:
@@ -104,12 +106,12 @@ def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, r
         device = select_device()
         interpret = device == "cpu"
         results = tune_shapes(shapes, torch.device(device), train=train, only=only, resume=resume,
-                              progress_for=lambda i, n: ProgressLine(f"[{i}/{n}]"), **options)
+                              progress_for=RunProgress().for_key, **options)
         rows = [(job, r.winner, r.resumed, r.failures) for job, r in results]
-    _print_table(rows, interpret)
+    _print_table(rows, interpret, time.perf_counter() - start)
 
 
-def _print_table(rows, interpret: bool) -> None:
+def _print_table(rows, interpret: bool, seconds: float) -> None:
     note = "  [interpreter: times are CPU milliseconds, not GPU speed]" if interpret else ""
     click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'library':>9} {'speedup':>7} "
                f"{'trials':>6} {'resumed':>7}  failures{note}")
@@ -117,6 +119,7 @@ def _print_table(rows, interpret: bool) -> None:
         fails = ", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "-"
         click.echo(f"{job.label:<32} {job.M:>6} {w.config.short():<28} {w.time_ms:>9.4f} {w.baseline_ms:>9.4f} "
                    f"{w.baseline_ms / w.time_ms:>6.2f}x {w.trials:>6} {resumed:>7}  {fails}")
+    click.echo(f"tuned {plural(len(rows), 'key')} in {duration(seconds)}")
 
 
 def _devices_or_default(devices: str | None) -> list[str]:

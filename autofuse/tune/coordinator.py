@@ -20,6 +20,7 @@ from ..resources import user_cache_dir
 from ..store import Store, Winner
 from . import worklist
 from .driver import Job
+from .progress import duration, plural
 
 logger = logging.getLogger("autofuse")
 
@@ -59,10 +60,12 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     jobs, run = plan()
     # Opened once: a journal storage then reads only what was appended since the last poll.
     work_list = worklist.WorkList(worklist.open_storage(storage), run, jobs)
-    logger.info("tuning %d keys on %d workers (%s), run %s, storage %s, worker logs in %s", len(jobs), len(devices),
+    logger.info("tuning %s on %s (%s), run %s, storage %s, worker logs in %s", plural(len(jobs), "key"),
+                plural(len(devices), "worker"),
                 ", ".join(n for n, _, _ in procs), run, storage, log_dir)
     tty = sys.stderr.isatty()
     last = ""
+    started = time.monotonic()
     try:
         while any(p.poll() is None for _, p, _ in procs):
             time.sleep(poll_s)
@@ -70,7 +73,9 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
                 done, running = work_list.status()
             except Exception as e:  # noqa: BLE001 - a storage hiccup must not stop the workers
                 running, done = [f"(storage unreadable: {type(e).__name__})"], 0
-            line = f"[{done}/{len(jobs)} keys done] " + " | ".join(running)
+            eta = (time.monotonic() - started) / done * (len(jobs) - done) if done else None
+            line = (f"[{done}/{len(jobs)} keys done, run ETA {'?' if eta is None else duration(eta)}] "
+                    + " | ".join(running))
             if line != last:
                 print(("\r" if tty else "") + line[:200].ljust(120 if tty else 0), end="" if tty else "\n",
                       file=sys.stderr, flush=True)

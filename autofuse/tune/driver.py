@@ -27,6 +27,7 @@ from ..shapes import ShapeSet
 from ..store import Store, TrialRecord, Winner
 from .objective import Evaluator
 from .policies import POLICIES, Policy, make_policy
+from .progress import plural
 from .space import Problem
 
 logger = logging.getLogger("autofuse")
@@ -71,6 +72,8 @@ class Progress:
     elapsed_s: float
     eta_s: float | None
     resumed: int
+    final: bool = False  # the key's last report: its trials are over
+    exhausted: bool = False  # ...because the search space had no untried config left
 
 
 @dataclasses.dataclass
@@ -99,7 +102,7 @@ class _Budget:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def report(self) -> None:
+    def report(self, final: bool = False) -> None:
         if self.progress is None:
             return
         elapsed = self.elapsed()
@@ -109,7 +112,7 @@ class _Budget:
             eta = min(eta if eta is not None else self.time_budget_s, max(self.time_budget_s - elapsed, 0.0))
         times = [t.time_ms for t in self.done.values() if t.status == "ok"]
         self.progress(Progress(self.job, len(self.done), self.trials, min(times) if times else None, self.baseline_ms,
-                               elapsed, eta, self.resumed))
+                               elapsed, eta, self.resumed, final=final, exhausted=final and self.left()))
 
 
 def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
@@ -144,6 +147,7 @@ def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "o
         interpret = interpreting()
         limit = 0 if interpret else shared_memory_limit(cuda_index(device))
         _policy(policy, key, problem, limit, interpret, seed, space).run(evaluate, budget.left, done)
+        budget.report(final=True)  # budget left over means the space ran out of untried configs
     finally:
         evaluator.close()
     return done, library_ms, heuristic, resumed
@@ -199,7 +203,7 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, 
     store = Store(user_cache_dir())
     jobs = jobs_for_shapes(shapes, device, train=train, only=only)
     budget = f" or {time_budget_s:g} s" if time_budget_s else ""
-    logger.info("tuning %d keys with %s, %s trials%s each, cache %s", len(jobs), policy, trials, budget,
+    logger.info("tuning %s with %s, %s trials%s each, cache %s", plural(len(jobs), "key"), policy, trials, budget,
                 store.directory)
     results = []
     try:
@@ -207,8 +211,6 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, 
             progress = progress_for(i, len(jobs)) if progress_for else None
             result = tune_key(job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s,
                               resume=resume, seed=seed, progress=progress)
-            if progress is not None and hasattr(progress, "finish"):
-                progress.finish()
             logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
             results.append((job, result))
     except KeyboardInterrupt:
