@@ -79,3 +79,28 @@ def test_progress_gives_the_runs_eta_and_total_time_and_says_when_a_space_ran_ou
                                       "--policy", "exhaustive", "--fresh"])
     assert small.exit_code == 0 and "tuning 1 key with" in small.output and "tuned 1 key in" in small.output
     assert "(search space exhausted)" in small.output
+
+
+def test_the_interpreters_table_shows_no_speedup_and_its_warnings_stay_out(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CLI switches to the interpreter only on a machine without a GPU")
+
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(_shapes(tmp_path, dict(TINY, tokens=[3]))),
+                                       "--trials", "1"])
+    assert result.exit_code == 0
+    assert "speedup" not in result.output and "0.00x" not in result.output
+    assert result.output.count("not GPU speed") == 1
+    # The CLI's switch to the interpreter silences NumPy's overflow warnings from inside it, and only those.
+    code = ("import warnings; from autofuse.cli.common import select_device; select_device(); "
+            "warnings.warn_explicit('overflow encountered in cast', RuntimeWarning, 'interpreter.py', 469, "
+            "module='triton.runtime.interpreter'); "
+            "warnings.warn_explicit('elsewhere', RuntimeWarning, 'mine.py', 1, module='mine')")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "overflow encountered" not in done.stderr and "elsewhere" in done.stderr
