@@ -64,9 +64,19 @@ class TunedIndex:
     def __init__(self, cache_dir: str, extra_paths: str) -> None:
         self.user = _user_winners(cache_dir)
         self.shipped: dict[str, tuple] = {}
-        for path in _shipped_files(extra_paths):
-            for winner in _read_shipped(path):
+        skipped: dict[Path, list[str]] = {}  # folder -> its JSON files that are not config exports
+        for path, folder in _shipped_files(extra_paths):
+            winners, problem = _read_shipped(path)
+            if problem and folder is None:
+                logger.warning("autofuse: ignoring pretuned file: %s", problem)  # a file named on purpose
+            elif problem:
+                skipped.setdefault(folder, []).append(problem)
+            for winner in winners:
                 self.shipped.setdefault(winner.key.id(), (winner, path.name))
+        for folder, problems in skipped.items():  # one line per folder, not one per unrelated file
+            more = f"; and {len(problems) - 1} more" if problems[1:] else ""
+            logger.warning("autofuse: ignoring %d file(s) in %s that are not valid config exports (%s%s)",
+                           len(problems), folder, problems[0], more)
         self.by_problem: dict[tuple, list] = {}
         for winner in [*self.user.values(), *(w for w, _ in self.shipped.values())]:
             self.by_problem.setdefault(winner.key.problem(), []).append(winner)
@@ -89,21 +99,23 @@ def _user_winners(cache_dir: str) -> dict:
         return {}
 
 
-def _shipped_files(extra_paths: str) -> list[Path]:
-    files = sorted(shipped_cache_dir().glob("*.json"))
+def _shipped_files(extra_paths: str) -> list[tuple[Path, Path | None]]:
+    """(file, the folder it was found in, or None for a file named itself): the package's cache/ and
+    AUTOFUSE_CACHE_PATH's entries."""
+    files = [(path, None) for path in sorted(shipped_cache_dir().glob("*.json"))]
     for entry in filter(None, extra_paths.split(os.pathsep)):
         p = Path(entry)
-        files += sorted(p.glob("*.json")) if p.is_dir() else [p]
+        files += [(path, p) for path in sorted(p.glob("*.json"))] if p.is_dir() else [(p, None)]
     return files
 
 
 @cache
-def _read_shipped(path: Path) -> tuple:
+def _read_shipped(path: Path) -> tuple[tuple, str | None]:
+    """(the file's winners, None), or ((), why it was skipped): a bad file never crashes a forward."""
     try:
-        return tuple(read_export(path))
-    except AutofuseError as e:  # a bad shipped file is skipped with one warning, never a crash
-        logger.warning("autofuse: ignoring pretuned file: %s", e)
-        return ()
+        return tuple(read_export(path)), None
+    except AutofuseError as e:
+        return (), str(e)
 
 
 _indexes: dict[tuple[str, str], TunedIndex] = {}

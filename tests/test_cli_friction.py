@@ -104,3 +104,33 @@ def test_the_interpreters_table_shows_no_speedup_and_its_warnings_stay_out(tmp_p
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "overflow encountered" not in done.stderr and "elsewhere" in done.stderr
+
+
+def test_cache_ls_lists_shipped_and_path_configs_with_their_source(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from autofuse.configfile import export_winners
+    from autofuse.configs import KernelConfig
+    from autofuse.key import current_environment, make_key
+    from autofuse.store import Winner
+
+    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    other = Store(tmp_path / "elsewhere")
+    other.put_winner(Winner(key, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0))
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    export_winners(other, folder / "team.json")
+    for name in ("package.json", "tsconfig.json", "notes.json"):  # unrelated JSON beside it
+        (folder / name).write_text('{"name": "x"}')
+    monkeypatch.setenv("AUTOFUSE_CACHE_PATH", str(folder))
+    from autofuse import resolve
+
+    resolve.invalidate()
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        listed = CliRunner().invoke(main, ["cache", "ls"])
+    assert listed.exit_code == 0 and "shipped:team.json" in listed.output
+    assert "1 more key from shipped files" in listed.output or "more keys from shipped files" in listed.output
+    unrelated = [r for r in caplog.records if "not valid config exports" in r.getMessage()]
+    assert len(unrelated) == 1 and "3 file(s)" in unrelated[0].getMessage()  # one line for the folder

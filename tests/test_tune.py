@@ -17,7 +17,7 @@ import autofuse
 from autofuse import resolve
 from autofuse.cli import main
 from autofuse.configs import KernelConfig, Library
-from autofuse.key import current_environment, make_key
+from autofuse.key import TuningKey, current_environment, make_key
 from autofuse.store import Store, Winner
 
 TINY = {"dtype": "bfloat16", "tokens": [3, 37],
@@ -192,7 +192,8 @@ def test_shipped_files_and_a_bad_one(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="autofuse"):
         lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
         assert lin.config_sources(3) == {"linear": "shipped:gpu.json"}
-    assert [r.getMessage() for r in caplog.records if "ignoring pretuned file: broken.json" in r.getMessage()]
+    assert [r.getMessage() for r in caplog.records if "ignoring 1 file(s) in" in r.getMessage()
+            and "broken.json: not valid JSON" in r.getMessage()]
 
 
 def test_baseline_winner_runs_eager_and_is_correct():
@@ -276,12 +277,16 @@ def test_cache_show_clear_and_kernel(tmp_path):
     _tune(["--shapes", str(write_json(tmp_path / "s.json", TINY)), "--trials", "2", "--tokens", "3"])
     ls = CliRunner().invoke(main, ["cache", "ls"])
     assert ls.exit_code == 0 and "4 tuned keys" in ls.output
-    key_id = next(line.strip() for line in ls.output.splitlines() if line.strip().startswith("op=gated_up"))
-    show = CliRunner().invoke(main, ["cache", "show", key_id])
-    assert show.exit_code == 0 and json.loads(show.output)["key"]["op"] == "gated_up"
-    kernel = CliRunner().invoke(main, ["kernel", key_id])
+    row = next(line.split() for line in ls.output.splitlines() if " gated_up " in line and "user-cache" in line)
+    short = row[0]
+    for given in (short, short[:6]):  # the short id `cache ls` prints, or a unique prefix of it
+        show = CliRunner().invoke(main, ["cache", "show", given])
+        assert show.exit_code == 0 and json.loads(show.output)["key"]["op"] == "gated_up"
+    full_id = TuningKey.from_dict(json.loads(show.output)["key"]).id()  # the whole key id still works
+    kernel = CliRunner().invoke(main, ["kernel", full_id])
     assert kernel.exit_code == 0 and "def autofuse_gated_up_silu(" in kernel.output
     assert CliRunner().invoke(main, ["cache", "show", "op=nonsense"]).exit_code == 2
+    assert "at least 4 characters" in CliRunner().invoke(main, ["cache", "show", "ab"]).output
     clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
     assert clear.exit_code == 0 and "removed 4 tuned configs" in clear.output
     assert list(Store().winners()) == []

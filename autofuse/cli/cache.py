@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 
@@ -23,39 +24,61 @@ def cache():
     """Inspect, export, import or clear tuned configs."""
 
 
+def short_id(key: TuningKey) -> str:
+    """A key's short name in `cache ls`, which `cache show` and `kernel` take (or any unique prefix of it)."""
+    return hashlib.sha256(key.id().encode()).hexdigest()[:10]
+
+
+def _all_winners() -> list[tuple[Winner, str]]:
+    """(winner, source) for every config this process can see: the user cache, then shipped files and
+    AUTOFUSE_CACHE_PATH's (those a user-cache record overrides are left out)."""
+    index = resolve_module.tuned_index()
+    rows = [(w, "user-cache") for w in index.user.values()]
+    rows += [(w, f"shipped:{name}") for key, (w, name) in index.shipped.items() if key not in index.user]
+    return sorted(rows, key=lambda r: (r[0].key.gpu, r[0].key.op, r[0].key.n, r[0].key.k, r[0].key.m_bucket))
+
+
 @cache.command("ls")
 def cache_ls():
-    """List tuned keys in the user cache."""
+    """List the tuned keys this process sees: the user cache, shipped files and AUTOFUSE_CACHE_PATH."""
     directory = user_cache_dir()
-    if not store_exists(directory):
-        click.echo(f"0 tuned keys in {directory} (no cache there yet)")
-        return
-    winners = sorted(Store(directory).winners(), key=lambda w: (w.key.gpu, w.key.op, w.key.n, w.key.k, w.key.m_bucket))
-    click.echo(f"{plural(len(winners), 'tuned key')} in {directory}")
-    for w in winners:
+    rows = _all_winners()
+    user = sum(source == "user-cache" for _, source in rows)
+    where = "" if store_exists(directory) else " (no cache there yet)"
+    click.echo(f"{plural(user, 'tuned key')} in {directory}{where}; {plural(len(rows) - user, 'more key')} from "
+               "shipped files and AUTOFUSE_CACHE_PATH")
+    for w, source in rows:
         k = w.key
-        click.echo(f"{k.op:<8} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "
+        click.echo(f"{short_id(k)}  {k.op:<9} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "
                    f"bias={int(k.bias)} {w.config.short():<28} {w.time_ms:.4f} ms (library {w.baseline_ms:.4f})  "
-                   f"{k.gpu}")
-        click.echo(f"    {k.id()}")
+                   f"{k.gpu}  {source}")
 
 
 def winner_for(key_text: str) -> Winner:
-    """The user cache's record of a key given as `autofuse cache ls` prints it."""
-    try:
-        key = TuningKey.parse(key_text)
-    except ValueError as e:
-        raise AutofuseError(str(e)) from None
-    winner = Store(user_cache_dir()).get_winner(key) if store_exists() else None
-    if winner is None:
-        raise AutofuseError("no tuned config for that key in the user cache (see `autofuse cache ls`)")
-    return winner
+    """The record of a key given as `autofuse cache ls` prints it: its short id, a unique prefix of
+    it, or the whole key id."""
+    if "=" in key_text:
+        try:
+            key = TuningKey.parse(key_text)
+        except ValueError as e:
+            raise AutofuseError(str(e)) from None
+        found = [w for w, _ in _all_winners() if w.key == key]
+    else:
+        if len(key_text) < 4:
+            raise AutofuseError(f"give at least 4 characters of a key's short id (see `autofuse cache ls`), got "
+                                f"{key_text!r}")
+        found = [w for w, _ in _all_winners() if short_id(w.key).startswith(key_text)]
+        if len(found) > 1:
+            raise AutofuseError(f"{len(found)} keys start with {key_text!r}: give more of the short id")
+    if not found:
+        raise AutofuseError("no tuned config for that key (see `autofuse cache ls`)")
+    return found[0]
 
 
 @cache.command("show")
 @click.argument("key")
 def cache_show(key):
-    """Show the stored record of KEY (an id printed by `autofuse cache ls`)."""
+    """Show the stored record of KEY (a short id, or its prefix, or a whole key id, as `cache ls` prints)."""
     click.echo(json.dumps(winner_for(key).to_record(), indent=1))
 
 
