@@ -64,8 +64,8 @@ def export_winners(store: Store, path: Path | str, gpu: str | None = None) -> in
     winners = [w for w in store.winners() if gpu is None or w.key.gpu == gpu]
     if not winners:
         have = sorted({w.key.gpu for w in store.winners()})
-        raise AutofuseError(f"nothing to export{f' for GPU {gpu!r}' if gpu else ''}; "
-                            f"the cache holds configs for: {', '.join(have) or 'no GPU'}")
+        held = f"configs for: {', '.join(have)}" if have else "no tuned configs (run `autofuse tune` first)"
+        raise AutofuseError(f"nothing to export{f' for GPU {gpu!r}' if gpu else ''}; the cache holds {held}")
     document = build_document(winners)
     path = Path(path)
     if not path.parent.is_dir():  # a typo in -o would otherwise make folders nobody asked for

@@ -5,7 +5,11 @@ kernels, and the memory traffic the kernels imply; one Chrome trace per run (Per
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -61,6 +65,26 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
     return (weights + gemms + hidden) * itemsize / 1e6
 
 
+@contextlib.contextmanager
+def _without_usdt_lines():
+    """torch's profiler (kineto, in C++) writes a "USDT:" line to stderr at every start and stop, and
+    no switch silences it: pass stderr's other lines through, drop those."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+
+
 def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_dir: Path,
                  providers=PROVIDERS, iters: int = 20) -> list[ProfileRow]:
     torch.manual_seed(0)
@@ -96,7 +120,7 @@ def profile_case(shape, M: int, dtype: torch.dtype, device: torch.device, out_di
             if on_gpu:
                 torch.cuda.synchronize(device)
             host = host_us_per_call(lambda fn=fn: fn(x), calls=30)
-            with torch.profiler.profile(activities=activities) as prof:
+            with _without_usdt_lines(), torch.profiler.profile(activities=activities) as prof:
                 for _ in range(iters):
                     fn(x)
                 if on_gpu:

@@ -134,3 +134,32 @@ def test_cache_ls_lists_shipped_and_path_configs_with_their_source(tmp_path, mon
     assert "1 more key from shipped files" in listed.output or "more keys from shipped files" in listed.output
     unrelated = [r for r in caplog.records if "not valid config exports" in r.getMessage()]
     assert len(unrelated) == 1 and "3 file(s)" in unrelated[0].getMessage()  # one line for the folder
+
+
+def test_the_smaller_rough_edges(tmp_path):
+    import subprocess
+    import sys
+
+    runner = CliRunner()
+    Store()  # an empty cache
+    empty = runner.invoke(main, ["cache", "export", "-o", str(tmp_path / "e.json")])
+    assert empty.exit_code == 2 and "no tuned configs" in empty.output and "no GPU" not in empty.output
+    declined = runner.invoke(main, ["cache", "clear"], input="n\n")
+    assert declined.exit_code == 0 and "nothing removed" in declined.output and "Aborted" not in declined.output
+    demo = runner.invoke(main, ["demo", "--tokens", "2", "--dtype", "float32"])
+    assert demo.exit_code == 0 and "all checks passed (float32)" in demo.output
+    assert {line.split()[2] for line in demo.output.splitlines() if line.startswith("tiny")} == {"2"}
+    _tune_ok = runner.invoke(main, ["tune", "--shapes", str(_shapes(tmp_path, dict(TINY, tokens=[3]))),
+                                    "--trials", "1"])
+    assert _tune_ok.exit_code == 0
+    exported = tmp_path / "x.json"
+    assert runner.invoke(main, ["cache", "export", "-o", str(exported)]).exit_code == 0
+    twice = runner.invoke(main, ["cache", "import", str(exported)])
+    assert twice.exit_code == 0 and "0 new, 1 already there unchanged, 0 replaced" in twice.output
+    bench = runner.invoke(main, ["bench", "--tokens", "2", "--providers", "eager", "--out", str(tmp_path)])
+    assert bench.exit_code == 0 and "no plot on the CPU" in bench.output
+    profile = subprocess.run([sys.executable, "-m", "autofuse.cli", "profile", "--mlp", "64,128", "--tokens", "4",
+                              "--providers", "autofuse", "--out", str(tmp_path / "p")],
+                             capture_output=True, text=True, timeout=300)
+    assert profile.returncode == 0, profile.stderr
+    assert "USDT" not in profile.stderr + profile.stdout

@@ -97,9 +97,14 @@ def cache_export(output, gpu):
 @click.argument("file", type=click.Path(dir_okay=False))
 def cache_import(file):
     """Validate an export and add its configs to the user cache (all or nothing)."""
-    winners = import_winners(Store(user_cache_dir()), file)
+    store = Store(user_cache_dir())
+    before = {w.key: w for w in store.winners()}
+    winners = import_winners(store, file)
     resolve_module.invalidate()
-    click.echo(f"imported {len(winners)} configs from {file}")
+    new = sum(w.key not in before for w in winners)
+    same = sum(before.get(w.key) == w for w in winners)
+    click.echo(f"imported {plural(len(winners), 'config')} from {file}: {new} new, {same} already there unchanged, "
+               f"{len(winners) - new - same} replaced")
 
 
 @cache.command("clear")
@@ -107,8 +112,9 @@ def cache_import(file):
 def cache_clear(yes):
     """Delete every tuned config and trial from the user cache (and repair a damaged one)."""
     directory = user_cache_dir()
-    if not yes:
-        click.confirm(f"delete every tuned config in {directory}?", abort=True)
+    if not yes and not click.confirm(f"delete every tuned config in {directory}?"):
+        click.echo("nothing removed")
+        return
     try:
         store = Store(directory)
         removed = store.clear()

@@ -25,9 +25,15 @@ from .common import main, parse_choices, parse_tokens, select_device
 @main.command("demo")
 @click.option("--shapes", "shapes_path", type=click.Path(dir_okay=False), default=None,
               help="Shapes file (JSON, see README); default: a small bundled example.")
-def demo_command(shapes_path):
+@click.option("--tokens", default=None, help="Override the file's token counts, e.g. 1,16,128.")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help="Override the file's dtype.")
+def demo_command(shapes_path, tokens, dtype):
     """Build fused modules for a shapes file, check them against PyTorch, time them against eager."""
     shapes = load_shapes(shapes_path or example_shapes_path())
+    if parse_tokens(tokens):
+        shapes = dataclasses.replace(shapes, tokens=parse_tokens(tokens))
+    if dtype:
+        shapes = dataclasses.replace(shapes, dtype=DTYPES[dtype])
     device = select_device()
     unit = "ms (CPU, interpreter)" if device == "cpu" else "ms (GPU median, L2 flushed)"
     click.echo(f"{'shape':<20} {'op':<6} {'M':>6} {'config':<42} {'rel.err':>9} {'check':<5} "
@@ -142,7 +148,9 @@ def bench_command(shapes_path, tokens, providers, out_dir, rounds):
         click.echo(f"{row['shape']:<20} {row['M']:>6} {row['provider']:<19} {row['ms']:>10.4f} {ratio:>10} "
                    f"{host:>8} {graph:>8} {row['rel_error']:>8.1e}")
     picture = plot(rows, str(out / "bench.png")) if device == "cuda" else None
-    click.echo(f"rows: {out / 'bench.json'}" + (f", plot: {picture}" if picture else ""))
+    skipped = "" if picture else (" (no plot: matplotlib is not installed)" if device == "cuda" else
+                                  " (no plot on the CPU: interpreter times are not GPU speed)")
+    click.echo(f"rows: {out / 'bench.json'}" + (f", plot: {picture}" if picture else skipped))
     if any(r["status"] == "wrong" for r in rows):
         click.echo("some providers gave wrong results (see above)", err=True)
         sys.exit(1)
