@@ -9,11 +9,13 @@ import sys
 import time
 
 import pytest
+import torch
 from _helpers import write_json
 from click.testing import CliRunner
 
 from autofuse.cli import main
 from autofuse.errors import AutofuseError
+from autofuse.shapes import load_shapes
 from autofuse.store import Store
 from autofuse.tune import worklist
 from autofuse.tune.coordinator import parse_devices
@@ -134,3 +136,47 @@ def test_cli_refuses_a_repeated_gpu_in_one_line(tmp_path):
 
 def test_cpu_devices_may_repeat():
     assert parse_devices("cpu,cpu") == ["cpu", "cpu"]
+
+
+def test_a_poisoned_shared_storage_is_skipped_and_the_run_still_tunes_every_key(tmp_path, caplog):
+    import logging
+
+    from autofuse.tune.driver import jobs_for_shapes
+
+    shapes_path = write_json(tmp_path / "s.json", SHAPES)
+    storage = str(tmp_path / "shared.log")
+    jobs = jobs_for_shapes(load_shapes(shapes_path), torch.device("cpu"))
+    settings = dict(train=False, ops=None, trials=1, time_budget_s=None, policy="optuna", seed=0)
+    run = worklist.run_name(jobs, settings)  # what the CLI's workers will compute
+    opened = worklist.open_storage(storage)
+    from optuna.study import StudyDirection
+
+    def study(name, **attrs):
+        study_id = opened.create_new_study([StudyDirection.MINIMIZE], name)
+        for key, value in attrs.items():
+            opened.set_study_user_attr(study_id, key, value)
+
+    study(f"autofuse/{run}/abc/0", done=True)  # a key index that is no number
+    study(f"autofuse/{run}/99999/0", done=True)  # an index past the run's keys
+    study(f"autofuse/{run}/00000/0", done=True, winner={"bad": 1}, heartbeat="soon")  # a broken winner and beat
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes_path), "--trials", "1", "--devices", "cpu",
+                                           "--storage", storage])
+    assert result.exit_code == 0, result.output
+    assert len(list(Store().winners())) == len(jobs)  # key 0 was tuned again, not taken from the broken claim
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "not one of this run's keys" in warned and "winner is not valid" in warned and "not a time" in warned
+
+
+def test_a_run_whose_worker_failed_exits_non_zero(tmp_path, monkeypatch):
+    from autofuse.tune import coordinator
+
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *'--worker cpu1'*) exit 3;; esac\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(coordinator.sys, "executable", str(wrapper))
+    shapes = write_json(tmp_path / "s.json", SHAPES)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1", "--devices", "cpu,cpu",
+                                       "--storage", str(tmp_path / "j.log")])
+    assert result.exit_code == 2 and "cpu1 (exit 3) failed" in result.output and "Traceback" not in result.output
+    assert len(list(Store().winners())) > 0  # the other worker's keys are kept

@@ -100,6 +100,7 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     if len(found) < len(jobs):
         raise AutofuseError(f"{len(jobs) - len(found)} of {len(jobs)} keys were not tuned; workers that failed: "
                             f"{', '.join(failed) or 'none'}; see {log_dir}. Run the same command again to finish.")
-    if failed:
-        logger.warning("worker(s) %s failed; the others finished their keys (logs: %s)", ", ".join(failed), log_dir)
+    if failed:  # every key is tuned, by the others: still a failed run (exit non-zero), which says so
+        raise AutofuseError(f"worker(s) {', '.join(failed)} failed, although the others finished every key and their "
+                            f"winners are in the cache; see {log_dir}")
     return jobs, found

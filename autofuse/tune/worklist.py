@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterable
 
@@ -23,6 +24,7 @@ from ..store import Store, Winner
 from .driver import Job, tune_key
 
 _PREFIX = "autofuse"
+logger = logging.getLogger("autofuse")
 
 
 def open_storage(url: str):
@@ -58,21 +60,47 @@ class WorkList:
 
     def __init__(self, storage, run: str, jobs: list[Job]) -> None:
         self.storage, self.run, self.jobs = storage, run, jobs
+        self._skipped: set[tuple[str, str]] = set()
 
     def _name(self, index: int, generation: int) -> str:
         return f"{_PREFIX}/{self.run}/{index:05d}/{generation}"
 
     def claims(self) -> dict[int, Claim]:
-        """The newest claim of every claimed job."""
+        """The newest claim of every claimed job. The storage may be shared with other people's runs
+        and machines: a study of this run that is not what a worker writes (a key index that is no
+        number or no job, a winner that does not validate, a heartbeat that is no time) is skipped
+        or taken as not done, with one warning, never trusted."""
         newest: dict[int, Claim] = {}
         for study in self.storage.get_all_studies():
             parts = study.study_name.split("/")
             if len(parts) != 4 or parts[0] != _PREFIX or parts[1] != self.run:
-                continue
-            index, generation = int(parts[2]), int(parts[3])
-            if index not in newest or generation > newest[index].generation:
-                newest[index] = Claim(index, generation, dict(study.user_attrs))
+                continue  # another run's, or not autofuse's at all
+            claim = self._claim_of(study.study_name, parts, dict(study.user_attrs))
+            if claim is not None and (claim.job_index not in newest or
+                                      claim.generation > newest[claim.job_index].generation):
+                newest[claim.job_index] = claim
         return newest
+
+    def _claim_of(self, name: str, parts: list[str], attrs: dict) -> Claim | None:
+        if not (parts[2].isdigit() and parts[3].isdigit()) or int(parts[2]) >= len(self.jobs):
+            self._skip(name, "its key index is not one of this run's keys")
+            return None
+        heartbeat = attrs.get("heartbeat", 0)
+        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)):
+            self._skip(name, f"its heartbeat {str(heartbeat)[:20]!r} is not a time: taken as stale")
+            attrs["heartbeat"] = 0
+        if attrs.get("done"):
+            try:
+                attrs["winner"] = Winner.from_record(attrs.get("winner"))
+            except (ValueError, TypeError) as e:
+                self._skip(name, f"its winner is not valid ({e}): the key is tuned again")
+                attrs["done"] = False
+        return Claim(int(parts[2]), int(parts[3]), attrs)
+
+    def _skip(self, name: str, why: str) -> None:
+        if (name, why) not in self._skipped:  # once per study and problem: the storage is polled
+            self._skipped.add((name, why))
+            logger.warning("autofuse: shared storage study %s: %s", name, why)
 
     def try_claim(self, index: int, generation: int, worker: str) -> int | None:
         """The claim study's id if this worker got the job (generation 0: first claim, later: a takeover)."""
@@ -93,7 +121,7 @@ class WorkList:
     def winners(self) -> list[Winner]:
         """Every finished key's winner as the storage holds it (from any worker, on any machine)."""
         # Validated like an imported file: the storage may be shared with other people's machines.
-        return [Winner.from_record(c.attrs["winner"]) for c in self.claims().values() if c.attrs.get("done")]
+        return [c.attrs["winner"] for c in self.claims().values() if c.attrs.get("done")]
 
     def status(self) -> tuple[int, list[str]]:
         """(jobs done, one phrase per job in progress: worker, key, trials, best time) for the progress line."""
@@ -103,6 +131,7 @@ class WorkList:
         for index, c in sorted(claims.items()):
             if not c.attrs.get("done"):
                 best = c.attrs.get("best_ms")
+                best = best if isinstance(best, (int, float)) and not isinstance(best, bool) else None
                 job = self.jobs[index]
                 running.append(f"{c.attrs.get('worker', '?')}: {job.label} M={job.M} trial "
                                f"{c.attrs.get('trials_done', 0)} best {'-' if best is None else f'{best:.4f} ms'}")
