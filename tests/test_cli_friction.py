@@ -163,3 +163,19 @@ def test_the_smaller_rough_edges(tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert profile.returncode == 0, profile.stderr
     assert "USDT" not in profile.stderr + profile.stdout
+
+
+def test_readme_explains_before_it_uses_and_points_the_right_way():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    intro = readme[:readme.index("## Use")]
+    for term in ("main job", "trials", "M bucket"):  # used in the intro: explained there
+        assert term in intro, term
+    assert "only where a CPU build of torch 2.13.0 is what pip finds" in intro
+    assert ".venv/" in (root / ".gitignore").read_text().splitlines()
+    commands = readme[readme.index("## Command line"):readme.index("## Layout")]
+    bench = next(line for line in commands.splitlines() if "autofuse bench" in line)
+    assert "below" in bench and readme.index("## Speed") > readme.index("## Command line")
+    assert "--resume" not in readme  # resuming is the default; --fresh starts over
