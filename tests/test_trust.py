@@ -362,3 +362,15 @@ def _tiny_shapes(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps({"tokens": [3], "linears": [{"in_features": 40, "out_features": 56}]}))
     return path
+
+
+def test_a_kernels_folder_owned_by_another_user_is_not_used(monkeypatch):
+    if os.getuid() != 0:
+        pytest.skip("making a folder another user's needs root")
+    render = _fresh_kernel_loads(monkeypatch)
+    theirs = user_cache_dir() / "kernels"
+    theirs.mkdir(parents=True, mode=0o755)
+    os.chown(theirs, 54321, 54321)  # another local user pre-created it, writable by them alone
+    kernel = render.load_kernel(render.KernelSpec(autofuse.ops.get("linear"), "gelu"))
+    assert Path(kernel.fn.fn.__code__.co_filename).parent == render._process_folder != theirs
+    assert not list(theirs.glob("*.py"))
