@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .configs import Device, KernelConfig, SearchSpace, gemm_heuristic
+from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, gemm_heuristic
+
+# A GEMM-shaped op with every variant the shared template pieces give (split-K, persistent TMA) and the
+# default search spaces: what linear and gated_up declare, and an op added outside may too.
+GEMM_VARIANTS = dict(split_k=True, tma=True, space=SearchSpace(), interpreter_space=INTERPRETER_SPACE)
 
 # KernelSpec flags an operand may depend on ("!" negates): its bias, residual, TMA variant.
 OPERAND_CONDITIONS = ("has_bias", "has_residual", "tma", "!tma")

@@ -8,8 +8,8 @@ import torch
 
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
-from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
-from ..opspec import Operand, OpSpec
+from ..configs import KernelConfig
+from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
 
 OPERANDS = (
@@ -68,12 +68,9 @@ GATED_UP = OpSpec(
     operands=OPERANDS,
     activations=GATED_ACTIVATIONS,
     run=_run,
-    split_k=True,
-    tma=True,
+    **GEMM_VARIANTS,
     operand_tiles=(1, 2),
     narrow_n=True,
-    space=SearchSpace(),
-    interpreter_space=INTERPRETER_SPACE,
     library={"eager": _eager},
     reference=_reference,
     make_operands=_make_operands,

@@ -10,8 +10,8 @@ import torch
 
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
-from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
-from ..opspec import Operand, OpSpec
+from ..configs import KernelConfig
+from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 
 OPERANDS = (
@@ -68,10 +68,7 @@ LINEAR = OpSpec(
     activations=LINEAR_ACTIVATIONS,
     run=_run,
     residual=True,
-    split_k=True,
-    tma=True,
-    space=SearchSpace(),
-    interpreter_space=INTERPRETER_SPACE,
+    **GEMM_VARIANTS,
     library={"eager": _eager},
     reference=_reference,
     make_operands=_make_operands,

@@ -40,46 +40,54 @@ def default_storage() -> str:
     return str(user_cache_dir() / "tune-journal.log")
 
 
+def _start_worker(i: int, device: str, worker_args: list[str], log_dir: Path):
+    """(name, process, log file) of a worker that sees only its own device."""
+    env = dict(os.environ)
+    name = f"cpu{i}" if device == "cpu" else f"gpu{device}"
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = device
+        env.pop("TRITON_INTERPRET", None)
+    log = open(log_dir / f"worker-{name}.log", "w")  # noqa: SIM115 - closed when the worker has exited
+    cmd = [sys.executable, "-m", "autofuse.cli", "tune", *worker_args, "--worker", name]
+    return name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def _show_progress(procs: list, work_list, total: int, poll_s: float) -> None:
+    """One status line for every worker (keys done, the run's ETA, each running key) until all exit."""
+    tty = sys.stderr.isatty()
+    last = ""
+    started = time.monotonic()
+    while any(p.poll() is None for _, p, _ in procs):
+        time.sleep(poll_s)
+        try:
+            done, running = work_list.status()
+        except Exception as e:  # noqa: BLE001 - a storage hiccup must not stop the workers
+            running, done = [f"(storage unreadable: {type(e).__name__})"], 0
+        eta = (time.monotonic() - started) / done * (total - done) if done else None
+        line = f"[{done}/{total} keys done, run ETA {'?' if eta is None else duration(eta)}] " + " | ".join(running)
+        if line != last:
+            print(("\r" if tty else "") + line[:200].ljust(120 if tty else 0), end="" if tty else "\n",
+                  file=sys.stderr, flush=True)
+            last = line
+    if tty:
+        print(file=sys.stderr)
+
+
 def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, log_dir: Path,
                 poll_s: float = 0.5) -> tuple[list[Job], list[Winner]]:
     """Start one worker per device, then (while they start up) `plan()` -> (jobs, run name) here; show
     their progress until all have exited; merge the winners into this machine's cache."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for i, device in enumerate(devices):
-        env = dict(os.environ)
-        name = f"cpu{i}" if device == "cpu" else f"gpu{device}"
-        if device == "cpu":
-            env["TRITON_INTERPRET"] = "1"
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = device
-            env.pop("TRITON_INTERPRET", None)
-        log = open(log_dir / f"worker-{name}.log", "w")  # noqa: SIM115 - closed when the worker has exited
-        cmd = [sys.executable, "-m", "autofuse.cli", "tune", *worker_args, "--worker", name]
-        procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    procs = [_start_worker(i, device, worker_args, log_dir) for i, device in enumerate(devices)]
     jobs, run = plan()
     # Opened once: a journal storage then reads only what was appended since the last poll.
     work_list = worklist.WorkList(worklist.open_storage(storage), run, jobs)
     logger.info("tuning %s on %s (%s), run %s, storage %s, worker logs in %s", plural(len(jobs), "key"),
-                plural(len(devices), "worker"),
-                ", ".join(n for n, _, _ in procs), run, storage, log_dir)
-    tty = sys.stderr.isatty()
-    last = ""
-    started = time.monotonic()
+                plural(len(devices), "worker"), ", ".join(n for n, _, _ in procs), run, storage, log_dir)
     try:
-        while any(p.poll() is None for _, p, _ in procs):
-            time.sleep(poll_s)
-            try:
-                done, running = work_list.status()
-            except Exception as e:  # noqa: BLE001 - a storage hiccup must not stop the workers
-                running, done = [f"(storage unreadable: {type(e).__name__})"], 0
-            eta = (time.monotonic() - started) / done * (len(jobs) - done) if done else None
-            line = (f"[{done}/{len(jobs)} keys done, run ETA {'?' if eta is None else duration(eta)}] "
-                    + " | ".join(running))
-            if line != last:
-                print(("\r" if tty else "") + line[:200].ljust(120 if tty else 0), end="" if tty else "\n",
-                      file=sys.stderr, flush=True)
-                last = line
+        _show_progress(procs, work_list, len(jobs), poll_s)
     except KeyboardInterrupt:
         for _, p, _ in procs:
             p.terminate()
@@ -87,8 +95,6 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     finally:
         for _, _, log in procs:
             log.close()
-    if tty:
-        print(file=sys.stderr)
     found = work_list.winners()
     store = Store(user_cache_dir())
     try:
