@@ -25,7 +25,7 @@ from .configfile import read_export
 from .configs import Device, KernelConfig, Library, clamp_to_problem
 from .device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit, tma_usable
 from .errors import AutofuseError
-from .key import MAX_M_BUCKET, current_environment, m_bucket, make_key
+from .key import current_environment, m_bucket, make_key
 from .opspec import OpSpec
 from .resources import shipped_cache_dir, user_cache_dir
 from .store import exists as store_exists
@@ -33,7 +33,7 @@ from .store import open_store
 
 logger = logging.getLogger("autofuse")
 
-__all__ = ["MAX_M_BUCKET", "Choice", "heuristic_for", "invalidate", "m_bucket", "resolve", "resolve_tuned"]
+__all__ = ["Choice", "heuristic_for", "invalidate", "resolve", "resolve_tuned"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,3 +168,14 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
     torch.ops.autofuse.mlp(x, *w, "gelu_tanh", True)
     torch.ops.autofuse.linear(x, lin.weight, lin.bias, None, "none", True)
     assert seen == [True, True] and not workspaces._per_call.get()
+
+
+def test_released_workspaces_are_allocated_afresh_and_results_stay_right(device):
+    x, (w,) = _operands(8, 32, 64, torch.float32, device)
+    linear(x, w, None, None, "none", SPLIT)
+    assert workspaces._workspaces
+    workspaces.release_workspaces()
+    assert workspaces._workspaces == {} and workspaces._retired == []
+    out = linear(x, w, None, None, "none", SPLIT)
+    assert workspaces._workspaces and _workspaces_are_zero()
+    assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))

@@ -87,9 +87,5 @@ def model_option(help_text: str):
     return click.option("--model", "model_path", type=click.Path(), default=None, help=help_text)
 
 
-def tokens_option(help_text: str = "Override the file's token counts, e.g. 1,16,128.", default: str | None = None):
-    return click.option("--tokens", default=default, show_default=default is not None, help=help_text)
-
-
 def dtype_option(help_text: str):
     return click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help=help_text)
