@@ -24,21 +24,8 @@ from .activations import TORCH_ACTIVATIONS, activation_backward
 from .configs import KernelConfig
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import gated_backward, gated_backward_eager
+from .ops.gated_up import pre_activations
 from .ops.linear import linear
-
-
-def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
-                    b_up: torch.Tensor | None) -> torch.Tensor:
-    """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): two cuBLAS GEMMs writing the two
-    halves of one buffer (no concatenated weight copy)."""
-    F_ = w_gate.shape[0]
-    gu = torch.empty(x.shape[0], 2 * F_, dtype=x.dtype, device=x.device)
-    for w, b, half in ((w_gate, b_gate, gu[:, :F_]), (w_up, b_up, gu[:, F_:])):
-        if b is None:
-            torch.mm(x, w.t(), out=half)
-        else:
-            torch.addmm(b, x, w.t(), out=half)
-    return gu
 
 
 def _refuse_double_backward() -> None:

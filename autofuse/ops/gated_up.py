@@ -11,6 +11,7 @@ from ..activations import GATED_ACTIVATIONS
 from ..configs import KernelConfig
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
+from .gated_act import gated_activation
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk", tma_block=("BLOCK_M", "BLOCK_K")),
@@ -44,12 +45,33 @@ def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: 
     return h
 
 
+def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
+                    b_up: torch.Tensor | None) -> torch.Tensor:
+    """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): two cuBLAS GEMMs writing the two
+    halves of one buffer (no concatenated weight copy)."""
+    F_ = w_gate.shape[0]
+    gu = torch.empty(x.shape[0], 2 * F_, dtype=x.dtype, device=x.device)
+    for w, b, half in ((w_gate, b_gate, gu[:, :F_]), (w_up, b_up, gu[:, F_:])):
+        if b is None:
+            torch.mm(x, w.t(), out=half)
+        else:
+            torch.addmm(b, x, w.t(), out=half)
+    return gu
+
+
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     return gated_up(ops["x"], ops["wg"], ops["wu"], ops.get("bg"), ops.get("bu"), activation, config, out=out)
 
 
 def _eager(ops: dict, activation: str) -> torch.Tensor:
     return eager_gated(ops["x"], ops["wg"], ops["wu"], ops.get("bg"), ops.get("bu"), activation)
+
+
+def _cublas_gated_act(ops: dict, activation: str) -> torch.Tensor:
+    """cuBLAS for G and U into one [M, 2N] buffer, then ONE pointwise pass act(G) * U (op gated_act):
+    what torch.compile generates for a gated MLP, and the training forward's own first half."""
+    gu = pre_activations(ops["x"], ops["wg"], ops.get("bg"), ops["wu"], ops.get("bu"))
+    return gated_activation(gu, activation)
 
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -71,7 +93,7 @@ GATED_UP = OpSpec(
     **GEMM_VARIANTS,
     operand_tiles=(1, 2),
     narrow_n=True,
-    library={"eager": _eager},
+    library={"eager": _eager, "cublas_gated_act": _cublas_gated_act},
     reference=_reference,
     make_operands=_make_operands,
     output_width=lambda n, k: n,

@@ -1,0 +1,67 @@
+"""Library paths as choices (issue 16, first part): every op's library candidates are correct, the tuner picks
+one exactly when it is timed faster than every kernel, and its record, config_for and the module say which."""
+
+import pytest
+import torch
+from _helpers import DTYPES
+
+import autofuse
+from autofuse import ops, resolve
+from autofuse.activations import GATED_ACTIVATIONS
+from autofuse.configs import KernelConfig, Library
+from autofuse.key import current_environment, make_key
+from autofuse.reference import ERROR_BOUNDS, relative_error
+from autofuse.store import Store, TrialRecord
+from autofuse.tune import driver
+
+
+def _operands(spec, n, k, M, bias, dtype, device):
+    return spec.make_operands(n, k, M, bias, False, lambda *s: torch.randn(*s, device=device).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_library_candidate_is_correct(device, dtype, activation, bias):
+    for name in ("gated_up", "mlp", "linear", "down"):
+        spec = ops.get(name)
+        act = activation if activation in spec.activations else spec.activations[0]
+        operands = _operands(spec, 72, 40, 5, bias, dtype, device)
+        ref = spec.reference(operands, act, dtype)
+        for candidate, run in spec.library.items():
+            with torch.no_grad():
+                out = run(operands, act)
+            # One rounding of the output (and of H, for the whole MLP) in the dtype: reference.ERROR_BOUNDS.
+            assert out.shape == ref.shape and relative_error(out, ref) <= ERROR_BOUNDS[dtype], (name, candidate)
+    assert list(ops.get("gated_up").library) == ["eager", "cublas_gated_act"]
+
+
+def _choose(library_ms: dict, kernel_ms: float):
+    """The tuner's winner rule on fake timings, as a GPU run applies it (interpreter timings mean nothing)."""
+    key = make_key("gated_up", 72, 40, 4, torch.float32, "silu", False, False,
+                   current_environment(torch.device("cpu")))
+    config = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
+    done = {config: TrialRecord(config, "ok", kernel_ms)}
+    return driver.choose_winner(driver.Job(key, 4, "fake"), done, library_ms, config, 0.1, "random",
+                                times_mean_speed=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
+def test_a_library_candidate_wins_exactly_when_it_is_timed_fastest():
+    winner = _choose({"eager": 2.0, "cublas_gated_act": 1.0}, kernel_ms=3.0)
+    assert winner.config == Library("cublas_gated_act") and winner.time_ms == 1.0
+    assert winner.baseline_ms == 1.0  # the fastest library path is what a kernel must beat
+    assert isinstance(_choose({"eager": 2.0, "cublas_gated_act": 1.0}, kernel_ms=0.5).config, KernelConfig)
+    assert _choose({"eager": 1.0, "cublas_gated_act": 2.0}, kernel_ms=3.0).config == Library("eager")
+    # Stored and resolved: the record names it, config_for says it, the module runs it.
+    Store().put_winner(winner)
+    assert Store().get_winner(winner.key).to_record()["config"] == "library:cublas_gated_act"
+    resolve.invalidate()
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
+    assert mlp.config_for(4)["gated_up"] == Library("cublas_gated_act")
+    x = torch.randn(4, 40)
+    with torch.no_grad():
+        out = mlp(x)
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    expected = torch.nn.functional.linear(torch.nn.functional.silu(x @ w[0].T) * (x @ w[1].T), w[2])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
