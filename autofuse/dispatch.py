@@ -144,6 +144,12 @@ def _replayable(M: int, bound_M: int) -> bool:
     return M == bound_M and not workspaces.per_call() and not torch.autograd.profiler._is_profiler_enabled
 
 
+def _bindable(M: int, bound_M: int) -> bool:
+    # Keep what a call recorded only where it ran at the M its entry stands for: an empty batch
+    # shares the one-row entry (resolve keys M=0 as one row) but launches nothing to bind.
+    return M == bound_M and not workspaces.per_call()
+
+
 class BoundMLP:
     """A gated MLP's table entry, run through the JIT on its first call while its kernel launches
     are bound, and replayed from them afterwards (launch.BoundLaunch): per call only the input, H
@@ -163,7 +169,7 @@ class BoundMLP:
             return self._replay(x2d, wg, bg, wu, bu, wd, bd)
         with launch.binding() as recorded:
             y = run_mlp(x2d, wg, bg, wu, bu, wd, bd, self.activation, self.table)
-        if not workspaces.per_call():
+        if _bindable(x2d.shape[0], self.M):
             self.launches, self.weights = recorded, weights
             # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
             capturing = x2d.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -213,7 +219,7 @@ class BoundLinear:
             return linear(x2d, weight, bias, r2d, self.activation, config, out=y)
         with launch.binding() as recorded:
             y = run_linear(x2d, weight, bias, r2d, self.activation, self.table)
-        if not workspaces.per_call():
+        if _bindable(x2d.shape[0], self.M):
             self.launches, self.weights = recorded, weights
         return y
 

@@ -149,3 +149,20 @@ def test_a_cache_import_is_seen_without_clearing_the_tables(device):
         x = torch.randn(4, 40, device=device)
         expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, lin.weight, lin.bias))
         torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_empty_batch_first_leaves_the_one_row_entry_to_bind(device):
+    # M=0 and M=1 share a table entry; the empty batch launches nothing, so it must not be kept as
+    # the entry's (empty) bound launches.
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device=device, tuned=False)
+    lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device=device, tuned=False)
+    x = torch.randn(1, 40, device=device)
+    with torch.no_grad():
+        assert mlp(x[:0]).shape == (0, 40) and lin(x[:0]).shape == (0, 56)
+        for _ in range(2):  # binds, then replays
+            expected = torch.nn.functional.linear(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x),
+                                                  mlp.down_proj.weight)
+            torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lin(x), torch.nn.functional.gelu(torch.nn.functional.linear(x, lin.weight,
+                                                                                                   lin.bias)),
+                                       rtol=1e-5, atol=1e-5)
