@@ -96,15 +96,15 @@ def _run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation, table):
 
 
 def _library(op: str, choice: Choice, operands: dict, activation: str) -> torch.Tensor:
+    """The op's library candidate that `choice` names, on operands named as its OpSpec names them."""
     return ops.get(op).library[choice.config.name](operands, activation)
 
 
 def run_choice(op: str, choice: Choice, operands: dict, activation: str, out: torch.Tensor | None = None):
     """Run one op's choice on operands named as its OpSpec names them."""
-    spec = ops.get(op)
     if isinstance(choice.config, KernelConfig):
-        return spec.run(operands, activation, choice.config, out=out)
-    return spec.library[choice.config.name](operands, activation)
+        return ops.get(op).run(operands, activation, choice.config, out=out)
+    return _library(op, choice, operands, activation)
 
 
 def call(op: str, operands: dict, *, activation: str, bias: bool = False, residual: bool = False,
@@ -116,7 +116,7 @@ def call(op: str, operands: dict, *, activation: str, bias: bool = False, residu
     x = next(iter(operands.values()))
     M, k = x.shape
     n = _n_of(spec, operands, k)
-    choice = resolve(op, max(M, 1), n, k, x.dtype, x.device, activation=activation, bias=bias, residual=residual,
+    choice = resolve(op, M, n, k, x.dtype, x.device, activation=activation, bias=bias, residual=residual,
                      tuned=tuned)
     return run_choice(op, choice, operands, activation)
 

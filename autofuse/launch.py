@@ -21,7 +21,7 @@ from .configs import KernelConfig
 from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs, supports_tma
 from .opspec import OpSpec, launch_args
 from .render import Kernel, KernelSpec, load_kernel
-from .workspaces import split_k_workspace
+from .workspaces import raw_stream, split_k_workspace
 
 
 class LaunchError(RuntimeError):
@@ -123,7 +123,7 @@ class BoundLaunch:
         self.device = cuda_index(device) if device.type == "cuda" else None
         self.compiled = compiled if self.device is not None else None
         if self.compiled is not None:
-            self.stream = _raw_stream(self.device)
+            self.stream = raw_stream(self.device)
             self.run = compiled.run
             self.head = (*grid_, 1, 1)[:3]  # (gridX, gridY, gridZ)
             self.hooks = triton_knobs().runtime
@@ -141,7 +141,7 @@ class BoundLaunch:
         if compiled is None:  # the interpreter
             self.fn[self.grid](*args[:self.positional], **self.options)
             return True
-        stream = _raw_stream(self.device)
+        stream = raw_stream(self.device)
         if stream != self.stream:
             return False
         hooks = self.hooks
@@ -150,10 +150,6 @@ class BoundLaunch:
                  compiled.launch_metadata(self.grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
                  *args)
         return True
-
-
-# What Triton's own launcher calls for the current stream; absent from CPU-only builds of torch.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @cache

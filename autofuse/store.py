@@ -135,6 +135,11 @@ _DAMAGE = (sqlite3.DatabaseError, OSError, zlib.error)
 _PARTS = ("configs", "trials")
 
 
+def _folder(directory: Path | str | None) -> Path:
+    """The cache folder: `directory`, or the user's (AUTOFUSE_CACHE_DIR)."""
+    return Path(directory) if directory is not None else user_cache_dir()
+
+
 def check_cache_dir(directory: Path) -> None:
     """AutofuseError where the cache folder cannot be one: a file stands there."""
     if directory.exists() and not directory.is_dir():
@@ -144,7 +149,7 @@ def check_cache_dir(directory: Path) -> None:
 
 def exists(directory: Path | str | None = None) -> bool:
     """Whether a cache was ever written there (read-only commands open none that is not)."""
-    directory = Path(directory) if directory is not None else user_cache_dir()
+    directory = _folder(directory)
     check_cache_dir(directory)
     return (directory / "configs").exists()
 
@@ -155,7 +160,7 @@ class Store:
     def __init__(self, directory: Path | str | None = None) -> None:
         import diskcache  # here, not at the top: `import autofuse` need not load SQLite
 
-        self.directory = Path(directory) if directory is not None else user_cache_dir()
+        self.directory = _folder(directory)
         self._refused = 0
         check_cache_dir(self.directory)
         for part in _PARTS:
@@ -189,7 +194,7 @@ class Store:
     def repair(directory: Path | str | None = None) -> Path:
         """Remove the cache's databases (only those: the folder may hold kernels and logs too), so that
         the next Store starts them afresh."""
-        directory = Path(directory) if directory is not None else user_cache_dir()
+        directory = _folder(directory)
         for part in _PARTS:
             target = directory / part
             if target.is_dir() and not target.is_symlink():

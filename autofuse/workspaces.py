@@ -24,13 +24,13 @@ _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 def _stream_id(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
-    if _raw_stream is not None:  # what Triton's launcher calls: far cheaper than building a Stream object
-        return _raw_stream(cuda_index(device))
+    if raw_stream is not None:  # what Triton's launcher calls: far cheaper than building a Stream object
+        return raw_stream(cuda_index(device))
     return torch.cuda.current_stream(device).cuda_stream
 
 
 # What Triton's own launcher calls for the current stream; absent from CPU-only builds of torch.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 # Set while a torch.library op runs (custom_ops.py, i.e. under torch.compile / torch.export): its
