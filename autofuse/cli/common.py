@@ -38,6 +38,7 @@ def main():
     logger = logging.getLogger("autofuse")
     if not any(isinstance(h, _TerminalHandler) for h in logger.handlers):
         logger.addHandler(_TerminalHandler())
+    if logger.getEffectiveLevel() > logging.INFO:  # every invocation: something may have reset the level since
         logger.setLevel(logging.INFO)
 
 
