@@ -85,14 +85,8 @@ def run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation: str, table: dict[str, Choic
 def _run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation, table):
     if "mlp" in table:
         return mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, table["mlp"].kernel)
-    up, down = table["gated_up"], table["down"]
-    if up.kernel is None:
-        h = _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, activation)
-    else:
-        h = gated_up(x2d, wg, wu, bg, bu, activation, up.kernel)
-    if down.kernel is None:
-        return _library("down", down, {"x": h, "w": wd, "b": bd}, "none")
-    return linear(h, wd, bd, None, "none", down.kernel)
+    params = (wg, bg, wu, bu, wd, bd)
+    return _down(_gated_up(x2d, params, activation, table["gated_up"]), params, table["down"])
 
 
 def _library(op: str, choice: Choice, operands: dict, activation: str) -> torch.Tensor:
@@ -128,101 +122,125 @@ def _n_of(spec, operands: dict, k: int) -> int:
     raise ValueError(f"op {spec.name}: cannot tell n from operands {list(operands)}")
 
 
-def _weights_of(*tensors) -> tuple:
+def addresses(tensors) -> list[int]:
     """What bound launches hold of a module's parameters: their addresses (a `.to()`, a new
     Parameter or `.data =` moves them, and the launches are bound again)."""
-    return tuple(map(_address, tensors))
+    return [t.data_ptr() for t in tensors if t is not None]
 
 
-def _address(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+def _replayable() -> bool:
+    # Bound launches replay outside torch.compile's ops (per-call workspaces) and outside a
+    # profiler (which wants the ranges of run_mlp / run_linear).
+    return not workspaces.per_call() and not torch.autograd.profiler._is_profiler_enabled
 
 
-def _replayable(M: int, bound_M: int) -> bool:
-    # Bound launches replay only what they were bound for: the same M (sizes are bound), outside
-    # torch.compile's ops (per-call workspaces) and outside a profiler (which wants the ranges).
-    return M == bound_M and not workspaces.per_call() and not torch.autograd.profiler._is_profiler_enabled
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _bindable(M: int, bound_M: int) -> bool:
-    # Keep what a call recorded only where it ran at the M its entry stands for: an empty batch
-    # shares the one-row entry (resolve keys M=0 as one row) but launches nothing to bind.
-    return M == bound_M and not workspaces.per_call()
+def _only(recorded: list):
+    """The one launch an op recorded while binding, or None (a library path, or nothing bindable)."""
+    return recorded[0] if len(recorded) == 1 else None
 
 
 class BoundMLP:
-    """A gated MLP's table entry, run through the JIT on its first call while its kernel launches
-    are bound, and replayed from them afterwards (launch.BoundLaunch): per call only the input, H
-    and the output change. Any launch that declines falls back to its op's JIT launcher."""
+    """A gated MLP's table entry at one M: run through the JIT on its first call while each op's
+    kernel launch is bound, and replayed from them afterwards (bound.BoundLaunch): per call only the
+    input, H and the output change. A launch that declines falls back to its op's JIT launcher; a
+    library choice runs as it is."""
 
     def __init__(self, table: dict[str, Choice], activation: str, M: int) -> None:
         self.table, self.activation, self.M = table, activation, M
-        self.launches: list | None = None
-        self.weights: tuple = ()
+        self.launches: dict | None = None
+        self.weights: list = []
         # H between the two kernels, reused call after call: replays run in order on the stream
         # they were bound to, so the next call's writes come after this call's reads.
         self.hidden: torch.Tensor | None = None
 
-    def __call__(self, x2d, wg, bg, wu, bu, wd, bd) -> torch.Tensor:
-        weights = _weights_of(wg, bg, wu, bu, wd, bd)
-        if self.launches is not None and weights == self.weights and _replayable(x2d.shape[0], self.M):
-            return self._replay(x2d, wg, bg, wu, bu, wd, bd)
-        with launch.binding() as recorded:
-            y = run_mlp(x2d, wg, bg, wu, bu, wd, bd, self.activation, self.table)
-        if _bindable(x2d.shape[0], self.M):
-            self.launches, self.weights = recorded, weights
-            # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
-            capturing = x2d.is_cuda and torch.cuda.is_current_stream_capturing()
-            self.hidden = None if capturing else x2d.new_empty((x2d.shape[0], wg.shape[0]))
+    def __call__(self, x: torch.Tensor, params: tuple, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
+        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd); weights: addresses(params)."""
+        if self.launches is not None and weights == self.weights and M == self.M and _replayable():
+            return self._replay(x, params, out_shape)
+        x2d = _rows(x)
+        if M != self.M or not _replayable():
+            return run_mlp(x2d, *params, self.activation, self.table).reshape(out_shape)
+        y, self.launches = self._bind(x2d, params)
+        self.weights = weights
+        # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        self.hidden = None if capturing else x.new_empty((M, params[0].shape[0]))
+        return y.reshape(out_shape)
+
+    def _bind(self, x2d, params) -> tuple[torch.Tensor, dict]:
+        (wg, bg, wu, bu, wd, bd), act, table = params, self.activation, self.table
+        if "mlp" in table:
+            with launch.binding() as recorded:
+                y = mlp_decode(x2d, wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel)
+            return y, {"mlp": _only(recorded)}
+        up, down = table["gated_up"], table["down"]
+        with launch.binding() as up_launches:
+            h = _gated_up(x2d, params, act, up)
+        with launch.binding() as down_launches:
+            y = _down(h, params, down)
+        return y, {"gated_up": None if up.kernel is None else _only(up_launches),
+                   "down": None if down.kernel is None else _only(down_launches)}
+
+    def _replay(self, x, params, out_shape) -> torch.Tensor:
+        (wg, bg, wu, bu, wd, bd), act, table, launches = params, self.activation, self.table, self.launches
+        if "mlp" in table:
+            y = x.new_empty(out_shape)
+            bound = launches["mlp"]
+            if bound is None or not bound({"x": x, "y": y}):
+                mlp_decode(_rows(x), wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel, out=_rows(y))
+            return y
+        h = self.hidden
+        bound = launches["gated_up"]
+        if h is None or bound is None or not bound({"x": x, "h": h}):
+            h = _gated_up(_rows(x), params, act, table["gated_up"])
+        bound = launches["down"]
+        if bound is None:
+            return _down(h, params, table["down"]).reshape(out_shape)
+        y = x.new_empty(out_shape)
+        if not bound({"x": h, "y": y}):
+            linear(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
         return y
 
-    def _replay(self, x2d, wg, bg, wu, bu, wd, bd) -> torch.Tensor:
-        launches, table, act = iter(self.launches), self.table, self.activation
-        M = x2d.shape[0]
-        if "mlp" in table:
-            y = x2d.new_empty((M, wd.shape[0]))
-            if not _replay_one(next(launches), {"x": x2d, "y": y}):
-                mlp_decode(x2d, wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel, out=y)
-            return y
-        up, down = table["gated_up"], table["down"]
-        if up.kernel is None:
-            h = _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, act)
-        else:
-            h = self.hidden if self.hidden is not None else x2d.new_empty((M, wg.shape[0]))
-            if not _replay_one(next(launches), {"x": x2d, "h": h}):
-                h = gated_up(x2d, wg, wu, bg, bu, act, up.kernel)
-        if down.kernel is None:
-            return _library("down", down, {"x": h, "w": wd, "b": bd}, "none")
-        y = x2d.new_empty((M, wd.shape[0]))
-        if not _replay_one(next(launches), {"x": h, "y": y}):
-            linear(h, wd, bd, None, "none", down.kernel, out=y)
-        return y
+
+def _gated_up(x2d, params, activation: str, up: Choice) -> torch.Tensor:
+    wg, bg, wu, bu = params[:4]
+    if up.kernel is None:
+        return _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, activation)
+    return gated_up(x2d, wg, wu, bg, bu, activation, up.kernel)
+
+
+def _down(h, params, down: Choice) -> torch.Tensor:
+    wd, bd = params[4:]
+    if down.kernel is None:
+        return _library("down", down, {"x": h, "w": wd, "b": bd}, "none")
+    return linear(h, wd, bd, None, "none", down.kernel)
 
 
 class BoundLinear:
-    """A Linear's table entry, bound like BoundMLP: per call only the input, residual and output change."""
+    """A Linear's table entry at one M, bound like BoundMLP: per call only the input, residual and output change."""
 
     def __init__(self, table: dict[str, Choice], activation: str, M: int) -> None:
         self.table, self.activation, self.M = table, activation, M
-        self.launches: list | None = None
-        self.weights: tuple = ()
+        self.launch = None
+        self.weights: list = []
 
-    def __call__(self, x2d, weight, bias, r2d) -> torch.Tensor:
+    def __call__(self, x, weight, bias, residual, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
         config = self.table["linear"].kernel
-        if config is None:  # a library path: nothing to bind
-            return run_linear(x2d, weight, bias, r2d, self.activation, self.table)
-        weights = _weights_of(weight, bias)
-        if self.launches and weights == self.weights and _replayable(x2d.shape[0], self.M):
-            y = x2d.new_empty((x2d.shape[0], weight.shape[0]))
-            if _replay_one(self.launches[0], {"x": x2d, "r": r2d, "y": y}):
-                return y
-            return linear(x2d, weight, bias, r2d, self.activation, config, out=y)
+        bound = self.launch
+        if bound is not None and weights == self.weights and M == self.M and _replayable():
+            y = x.new_empty(out_shape)
+            if not bound({"x": x, "r": residual, "y": y}):
+                r2d = None if residual is None else _rows(residual)
+                linear(_rows(x), weight, bias, r2d, self.activation, config, out=_rows(y))
+            return y
+        x2d, r2d = _rows(x), None if residual is None else _rows(residual)
+        if config is None or M != self.M or not _replayable():  # a library path: nothing to bind
+            return run_linear(x2d, weight, bias, r2d, self.activation, self.table).reshape(out_shape)
         with launch.binding() as recorded:
-            y = run_linear(x2d, weight, bias, r2d, self.activation, self.table)
-        if _bindable(x2d.shape[0], self.M):
-            self.launches, self.weights = recorded, weights
-        return y
-
-
-def _replay_one(bound, tensors: dict) -> bool:
-    return bound is not None and bound(tensors)
+            y = linear(x2d, weight, bias, r2d, self.activation, config)
+        self.launch, self.weights = _only(recorded), weights
+        return y.view(out_shape)

@@ -17,11 +17,12 @@ from functools import cache
 
 import torch
 
+from .bound import BoundLaunch
 from .configs import KernelConfig
 from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs, supports_tma
 from .opspec import OpSpec, launch_args
 from .render import Kernel, KernelSpec, load_kernel
-from .workspaces import raw_stream, split_k_workspace
+from .workspaces import split_k_workspace
 
 
 class LaunchError(RuntimeError):
@@ -88,76 +89,6 @@ def binding():
         yield recorded
     finally:
         _recorded.reset(token)
-
-
-class BoundLaunch:
-    """One kernel launch with everything bound but the tensors that change per call.
-
-    Bound once (from a launch through the JIT): the compiled kernel, grid, sizes, weights and their
-    strides, constexprs, the split-K workspace and the stream it belongs to. A call swaps in the
-    per-call tensors (Kernel.per_call, by operand name) and launches the compiled kernel directly.
-    It declines (returns False, the caller then takes the JIT path) whenever the JIT might have
-    chosen another compiled variant or another workspace: a per-call tensor with other strides, of
-    another dtype or without 16-byte alignment (what Triton specializes pointers and strides on),
-    another stream.
-    Under the interpreter there is no compiled kernel: the same arguments go through `fn[grid]`."""
-
-    __slots__ = ("fn", "grid", "args", "positional", "options", "slots", "layouts", "device", "stream", "run",
-                 "head", "compiled", "hooks")
-
-    @classmethod
-    def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled):
-        per_call = {name: tensors[name] for name in kernel.per_call if tensors.get(name) is not None}
-        if any(t.data_ptr() % 16 for t in per_call.values()):
-            return None  # compiled for unaligned rows: leave such inputs to the JIT
-        self = cls()
-        self.fn, self.grid, self.options, self.positional = kernel.fn, grid_, options, len(args)
-        # The compiled launcher takes every parameter, constexprs included, in signature order.
-        self.args = list(args) + [options[name] for name in kernel.constexprs]
-        # Pointer and descriptor positions take the new tensors; their strides stay bound (checked equal).
-        self.slots = [(i, p.operand, p.block and (options[p.block[0]], options[p.block[1]]))
-                      for i, p in enumerate(kernel.parameters)
-                      if p.operand in per_call and p.kind in ("tensor", "descriptor")]
-        self.layouts = {name: (t.stride(), t.dtype) for name, t in per_call.items()}
-        device = next(iter(per_call.values())).device
-        self.device = cuda_index(device) if device.type == "cuda" else None
-        self.compiled = compiled if self.device is not None else None
-        if self.compiled is not None:
-            self.stream = raw_stream(self.device)
-            self.run = compiled.run
-            self.head = (*grid_, 1, 1)[:3]  # (gridX, gridY, gridZ)
-            self.hooks = triton_knobs().runtime
-        return self
-
-    def __call__(self, tensors: dict) -> bool:
-        args = self.args.copy()
-        layouts = self.layouts
-        for i, name, block in self.slots:
-            t = tensors[name]
-            if t.data_ptr() % 16 or (t.stride(), t.dtype) != layouts[name]:
-                return False
-            args[i] = t if block is None else descriptor(t, *block)
-        compiled = self.compiled
-        if compiled is None:  # the interpreter
-            self.fn[self.grid](*args[:self.positional], **self.options)
-            return True
-        stream = raw_stream(self.device)
-        if stream != self.stream:
-            return False
-        hooks = self.hooks
-        # What the JIT's own launch passes: launch metadata and Triton's hook chains (profilers).
-        self.run(*self.head, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(self.grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
-                 *args)
-        return True
-
-
-@cache
-def triton_knobs():
-    # Imported here, not at the top: Triton is imported only once the first kernel is built.
-    from triton import knobs
-
-    return knobs
 
 
 def tma_config(config: KernelConfig, *operands: torch.Tensor) -> KernelConfig:

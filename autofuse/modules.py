@@ -16,9 +16,9 @@ from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .configs import KernelConfig, Library
 from .device import check_device
-from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
+from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, table_key
 from .errors import AutofuseError
-from .resolve import Choice, resolve
+from .resolve import Choice, generation, resolve
 from .shapes import DTYPES
 from .training import LinearFunction, MLPFunction
 
@@ -65,18 +65,21 @@ class _FusedBase(nn.Module):
         self.tuned = tuned  # False: ignore tuned caches, always use the built-in heuristic
         self._configs: dict[tuple, dict[str, Choice]] = {}
         self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
+        self._last: tuple | None = None  # (M, residual, weight addresses, generation, entry): _entry
 
     def _reference_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _flatten(self, x: object, what: str, weight: torch.Tensor) -> torch.Tensor:
-        # Runs on every forward: only the checks that depend on x. Whether autofuse can run on the
-        # weights' dtype and device is checked when a config table entry is built (_config_table).
+    def _rows_of(self, x: object, what: str, weight: torch.Tensor) -> int:
+        """How many rows x holds, after the checks that protect users. Runs on every forward: only
+        what depends on x. Whether autofuse can run on the weights' dtype and device is checked when
+        a config table entry is built (_config_table)."""
         if not isinstance(x, torch.Tensor):
             raise AutofuseError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
+        shape = x.shape
+        if not shape or shape[-1] != self.in_features:
             raise AutofuseError(
-                f"expected input of shape (..., {self.in_features}) ({what}), got {tuple(x.shape)}"
+                f"expected input of shape (..., {self.in_features}) ({what}), got {tuple(shape)}"
             )
         if x.dtype != weight.dtype:
             raise AutofuseError(
@@ -84,7 +87,22 @@ class _FusedBase(nn.Module):
             )
         if x.device != weight.device:
             raise AutofuseError(f"input is on {x.device} but the module's weights are on {weight.device}")
-        return x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        return x.numel() // self.in_features
+
+    def _entry(self, M: int, weights: list, weight: torch.Tensor, residual: bool = False):
+        """The bound table entry (dispatch.BoundMLP / BoundLinear) for M rows: the last one again while
+        M, the weights' addresses and what was read of tuned configs stay the same (no key built)."""
+        last = self._last
+        current = generation()
+        if last is not None and last[0] == M and last[1] == residual and last[2] == weights and last[3] == current:
+            return last[4]
+        self._check_parameters()
+        entry = self._bound_table(M, weight, residual)
+        self._last = (M, residual, weights, current, entry)
+        return entry
+
+    def _check_parameters(self) -> None:
+        """Checks of the parameters that need not run while they stay where they are."""
 
     def _config_table(self, M: int, residual: bool = False) -> dict[str, Choice]:
         """Choices for M, resolved once per (M, bucket, dtype, device): no disk access per forward.
@@ -129,6 +147,7 @@ class _FusedBase(nn.Module):
         """Resolve again on the next forward (a tune or `cache import` in this process is seen anyway)."""
         self._configs.clear()
         self._bound.clear()
+        self._last = None
 
 
 class FusedLinear(_FusedBase):
@@ -162,27 +181,34 @@ class FusedLinear(_FusedBase):
         return BoundLinear(table, self.activation, M)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        weight, bias, activation = self.weight, self.bias, self.activation
-        x2d = self._flatten(x, "in_features", weight)
+        parameters = self._parameters  # not self.weight: an nn.Module attribute lookup costs host time
+        weight, bias, activation = parameters["weight"], parameters["bias"], self.activation
+        M = self._rows_of(x, "in_features", weight)
         out_shape = (*x.shape[:-1], self.out_features)
-        r2d = None
         if residual is not None:
-            if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != out_shape:
-                got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
-                raise AutofuseError(f"residual must have the output's shape {out_shape}, got {got}")
-            if residual.dtype != x.dtype or residual.device != x.device:
-                raise AutofuseError(
-                    f"residual must match the input's dtype and device ({x.dtype}, {x.device}), "
-                    f"got ({residual.dtype}, {residual.device})"
-                )
-            r2d = residual.reshape(-1, self.out_features)
+            self._check_residual(residual, x, out_shape)
         if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
-            return torch.ops.autofuse.linear(x2d, weight, bias, r2d, activation, self.tuned).reshape(out_shape)
-        if _needs_grad(x2d, weight, bias, r2d):
-            config = self._config_table(x2d.shape[0], r2d is not None)["linear"].kernel
-            return LinearFunction.apply(x2d, weight, bias, r2d, activation, config).reshape(out_shape)
-        y = self._bound_table(x2d.shape[0], weight, r2d is not None)(x2d, weight, bias, r2d)
-        return y if x.dim() == 2 else y.reshape(out_shape)
+            r2d = None if residual is None else residual.reshape(-1, self.out_features)
+            return torch.ops.autofuse.linear(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
+                                             self.tuned).reshape(out_shape)
+        if _needs_grad(x, weight, bias, residual):
+            r2d = None if residual is None else residual.reshape(-1, self.out_features)
+            config = self._config_table(M, r2d is not None)["linear"].kernel
+            return LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
+                                        config).reshape(out_shape)
+        weights = addresses((weight, bias))
+        entry = self._entry(M, weights, weight, residual is not None)
+        return entry(x, weight, bias, residual, weights, M, out_shape)
+
+    def _check_residual(self, residual: object, x: torch.Tensor, out_shape: tuple) -> None:
+        if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != out_shape:
+            got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            raise AutofuseError(f"residual must have the output's shape {out_shape}, got {got}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise AutofuseError(
+                f"residual must match the input's dtype and device ({x.dtype}, {x.device}), "
+                f"got ({residual.dtype}, {residual.device})"
+            )
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -220,23 +246,40 @@ class FusedMLP(_FusedBase):
         return BoundMLP(table, self.activation, M)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Parameters fetched once: every nn.Module attribute lookup costs host time on each forward.
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        params = (wg, bg, wu, bu, wd, bd) = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
-        x2d = self._flatten(x, "d_model", wg)
+        params = self._params()
+        wg = params[0]
+        M = self._rows_of(x, "d_model", wg)
         out_shape = (*x.shape[:-1], self.d_model)
+        activation = self.activation
+        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
+            self._check_parameters()
+            return torch.ops.autofuse.mlp(x.reshape(-1, self.d_model), *params, activation,
+                                          self.tuned).reshape(out_shape)
+        if _needs_grad(x, *params):
+            self._check_parameters()
+            down_config, backward_config = self._training_configs(M, wg)
+            return MLPFunction.apply(x.reshape(-1, self.d_model), *params, activation, down_config,
+                                     backward_config).reshape(out_shape)
+        weights = addresses(params)
+        return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
+
+    def _params(self) -> tuple:
+        """(wg, bg, wu, bu, wd, bd), read from the submodules' parameter dicts: an nn.Module attribute
+        lookup costs host time on every forward."""
+        modules = self._modules
+        try:
+            gate, up, down = (modules["gate_proj"]._parameters, modules["up_proj"]._parameters,
+                              modules["down_proj"]._parameters)
+            return gate["weight"], gate.get("bias"), up["weight"], up.get("bias"), down["weight"], down.get("bias")
+        except (KeyError, AttributeError, TypeError):
+            raise AutofuseError("FusedMLP's gate_proj, up_proj and down_proj must stay nn.Linear-like modules "
+                                "holding a `weight` parameter") from None
+
+    def _check_parameters(self) -> None:
+        wg, _, wu, _, wd, _ = self._params()
         for w in (wu, wd):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
-        activation = self.activation
-        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
-            return torch.ops.autofuse.mlp(x2d, *params, activation, self.tuned).reshape(out_shape)
-        if _needs_grad(x2d, *params):
-            down_config, backward_config = self._training_configs(x2d.shape[0], wg)
-            return MLPFunction.apply(x2d, wg, bg, wu, bu, wd, bd, activation, down_config,
-                                     backward_config).reshape(out_shape)
-        y = self._bound_table(x2d.shape[0], wg)(x2d, *params)
-        return y if x.dim() == 2 else y.reshape(out_shape)
 
     def _training_configs(self, M: int, weight: torch.Tensor) -> tuple[KernelConfig | None, KernelConfig | None]:
         """For a forward that builds a graph (see training.MLPFunction): the down projection's config and

@@ -86,6 +86,9 @@ def tiny_rows(calls: int, rounds: int) -> dict:
         fns[f"autofuse MLP {d}x{f}, M={M}"] = lambda M=M: mlp(x[M])
         fns[f"autofuse Linear {d}->{f} + bias + gelu, M={M}"] = lambda M=M: lin(x[M])
         fns[f"F.gelu(F.linear), M={M}"] = lambda M=M: F.gelu(F.linear(x[M], lin.weight, lin.bias))
+    x3 = torch.randn(1, 1, d, device="cuda", dtype=torch.bfloat16)  # [batch, seq, d] as a model passes it
+    fns["eager gated MLP (five ops), [1, 1, d] input"] = lambda: eager(x3)
+    fns["autofuse MLP, [1, 1, d] input"] = lambda: mlp(x3)
     with torch.inference_mode():
         rows = wall_us(fns, calls, rounds)
         rows["autofuse MLP choices, M=1"] = {k: v.short() for k, v in mlp.config_for(1).items()}

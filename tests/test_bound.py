@@ -166,3 +166,22 @@ def test_an_empty_batch_first_leaves_the_one_row_entry_to_bind(device):
             torch.testing.assert_close(lin(x), torch.nn.functional.gelu(torch.nn.functional.linear(x, lin.weight,
                                                                                                    lin.bias)),
                                        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_triton_3_6_a_bound_launch_calls_the_c_launcher_directly():
+    """The direct launch (bound._RawLaunch) is built from Triton 3.6's launcher layout, checked field
+    by field; were that layout to change in a 3.6 patch release, launches would quietly take the slower
+    CompiledKernel.run path. This test says so instead, for both kinds of kernel (with and without TMA)."""
+    import triton
+
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip("the direct launch is built for Triton 3.6's launcher only")
+    w = torch.randn(N, K, device="cuda") / K**0.5
+    for config in (PLAIN, TMA):
+        _, bound = _bound(lambda: linear(torch.randn(M, K, device="cuda"), w, None, None, "none", config))
+        assert bound.raw is not None, config.short()
+        x, y = torch.randn(2, M, K, device="cuda"), torch.empty(M, N, device="cuda")
+        for rows in x:  # two addresses: a descriptor encoded for each
+            assert bound({"x": rows, "y": y})
+            torch.testing.assert_close(y, linear(rows, w, None, None, "none", config), rtol=0, atol=0)

@@ -1,0 +1,267 @@
+"""Bound launches: one kernel launch replayed with everything bound but the tensors that change per
+call, so that an un-graphed call costs little more host time than the launch itself (issue 15).
+
+A launch through Triton's JIT binds its arguments on every call (specialisation keys, a cache
+lookup, the launcher's Python wrapper, a data_ptr() call and a driver query per tensor argument and
+a TMA descriptor encoded per descriptor argument). A BoundLaunch keeps what the JIT compiled on the
+first call and what does not change: the grid, sizes, constexprs, weight pointers (as integers, which
+the launcher takes as they are) and the split-K workspace. Per call it checks the per-call tensors
+(contiguous, same dtype, 16-byte aligned: what Triton specialises pointers and strides on; the rows
+are bound) and swaps in their addresses.
+
+Two ways to call the compiled kernel:
+- `_RawLaunch`, for the launcher layout of Triton 3.6 (the GPU image's), checked field by field when
+  bound: the C launch function directly, weight TMA descriptors encoded once, a per-call operand's
+  descriptor encoded once per address (a caching allocator hands the same few addresses back).
+- otherwise `CompiledKernel.run`, as the JIT calls it, with integer pointers.
+While a launch hook (Triton's profiler hooks) is installed, bound launches decline: the JIT passes it
+the launch metadata it wants.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from .device import cuda_index
+from .render import Kernel
+from .workspaces import raw_stream
+
+# Per-call operands' encoded TMA descriptors kept per BoundLaunch, by address: a decode loop's
+# allocator cycles through a few addresses; past this many the dict starts over.
+_DESCRIPTORS_KEPT = 16
+
+
+class _Address:
+    """What a TensorDescriptor needs of its base (an address and a dtype), without holding the tensor:
+    cached descriptors must not keep a caller's activations alive."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _tensor_descriptor(address: int, dtype: torch.dtype, bound):
+    # Imported here, not at the top: Triton is imported only once the first kernel is built.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(_Address(address, dtype), bound.shape, bound.strides, bound.block_shape)
+
+
+class BoundLaunch:
+    """One kernel launch with everything bound but the per-call tensors (Kernel.per_call, by operand
+    name). Calling it launches and returns True, or declines (returns False; the caller takes the JIT
+    path) where the JIT might choose another compiled variant: a per-call tensor that is not
+    contiguous, of another dtype or not 16-byte aligned, or another stream. Rows are bound: callers
+    replay only at the M that was bound. Under the interpreter the bound arguments go through fn[grid]."""
+
+    __slots__ = ("fn", "grid", "options", "positional", "args", "slots", "dtypes", "device", "stream",
+                 "compiled", "keep", "raw", "descriptors")
+
+    @classmethod
+    def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled):
+        per_call = {name: tensors[name] for name in kernel.per_call if tensors.get(name) is not None}
+        if any(not t.is_contiguous() or t.data_ptr() % 16 for t in per_call.values()):
+            return None  # compiled for other strides or unaligned rows: leave such inputs to the JIT
+        self = cls()
+        self.fn, self.grid, self.options, self.positional = kernel.fn, grid_, options, len(args)
+        self.dtypes = {name: t.dtype for name, t in per_call.items()}
+        # The compiled launcher takes every parameter, constexprs included, in signature order.
+        full = list(args) + [options[name] for name in kernel.constexprs]
+        # (position, operand, whether a TMA descriptor) for each per-call tensor.
+        self.slots = [(i, p.operand, p.kind == "descriptor") for i, p in enumerate(kernel.parameters)
+                      if p.operand in per_call and p.kind in ("tensor", "descriptor")]
+        device = next(iter(per_call.values())).device
+        self.device = cuda_index(device) if device.type == "cuda" else None
+        self.compiled = compiled if self.device is not None else None
+        self.descriptors = {}
+        if self.compiled is None:  # the interpreter: tensors stay tensors
+            self.args, self.keep, self.raw = full, None, None
+            return self
+        self.stream = raw_stream(self.device)
+        self.args = [_pointer(a) for a in full]
+        # Bound tensors (weights, workspace) stay alive while their addresses are bound; of the
+        # per-call operands only their descriptors' layout is kept, not the tensors.
+        self.keep = full
+        for i, _, is_descriptor in self.slots:
+            d = full[i]
+            full[i] = _tensor_descriptor(d.base.data_ptr(), d.base.dtype, d) if is_descriptor else None
+        self.raw = _RawLaunch.make(compiled, grid_, self)
+        return self
+
+    def __call__(self, tensors: dict) -> bool:
+        compiled = self.compiled
+        if compiled is None:
+            return self._interpret(tensors)
+        # A profiler's launch hook wants the JIT's launch metadata: leave such launches to the JIT.
+        if _hooks_installed() or raw_stream(self.device) != self.stream:
+            return False
+        if self.raw is not None:
+            return self.raw(self, tensors)
+        args = self.args.copy()
+        for i, name, is_descriptor in self.slots:
+            address = _address_of(tensors[name], self.dtypes[name])
+            if address is None:
+                return False
+            args[i] = self._descriptor(i, address) if is_descriptor else address
+        grid3 = (*self.grid, 1, 1)
+        compiled.run(grid3[0], grid3[1], grid3[2], self.stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *args)
+        return True
+
+    def _descriptor(self, i: int, address: int):
+        """The TMA descriptor of the per-call operand at position i, at this address (rows bound)."""
+        descriptors = self.descriptors
+        desc = descriptors.get((i, address))
+        if desc is None:
+            if len(descriptors) >= _DESCRIPTORS_KEPT:
+                descriptors.clear()
+            bound = self.keep[i]
+            desc = descriptors[(i, address)] = _tensor_descriptor(address, bound.base.dtype, bound)
+        return desc
+
+    def _interpret(self, tensors: dict) -> bool:
+        args = self.args.copy()
+        for i, name, is_descriptor in self.slots:
+            t = tensors[name]
+            if _address_of(t, self.dtypes[name]) is None:
+                return False
+            bound = self.args[i]
+            shape = bound.shape
+            if t.dim() != len(shape):  # rows are bound: a caller may pass [B, S, K] for [M, K]
+                t = t.view(shape)
+            args[i] = type(bound)(t, shape, bound.strides, bound.block_shape) if is_descriptor else t
+        self.fn[self.grid](*args[:self.positional], **self.options)
+        return True
+
+
+def _pointer(arg):
+    """What the compiled launcher takes for an argument: a tensor (or _Address) as its address."""
+    if isinstance(arg, (torch.Tensor, _Address)):
+        return arg.data_ptr()
+    return arg
+
+
+def _address_of(t: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """A per-call tensor's address, or None where the bound kernel cannot take it (see BoundLaunch)."""
+    address = t.data_ptr()
+    if address % 16 or t.dtype != dtype or not t.is_contiguous():
+        return None
+    return address
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch hook is installed (Triton's profiler, proton): then launches pass launch
+    metadata and the hooks, as the JIT does. Triton 3.6 keeps them as (usually empty) chains."""
+    knobs = triton_knobs().runtime
+    return _installed(knobs.launch_enter_hook) or _installed(knobs.launch_exit_hook)
+
+
+def _installed(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+@cache
+def triton_knobs():
+    # Imported here, not at the top: Triton is imported only once the first kernel is built.
+    from triton import knobs
+
+    return knobs
+
+
+class _RawLaunch:
+    """Triton 3.6's C launch function called directly: what CudaLauncher.__call__ and its descriptor
+    wrapper do, with bound descriptors encoded once. `make` returns None for any other layout (another
+    Triton, scratch memory, an unknown wrapper), and the launch goes through CompiledKernel.run."""
+
+    __slots__ = ("launch", "head", "flat", "slots", "metas")
+
+    @classmethod
+    def make(cls, compiled, grid_: tuple, bound: BoundLaunch):
+        layout = _launcher_layout(compiled.run)
+        if layout is None:
+            return None
+        launch, indices, metas, expand = layout
+        run = compiled.run
+        self = cls()
+        self.launch = launch
+        grid3 = (*grid_, 1, 1)[:3]
+        self.head = (*grid3, bound.stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                     compiled.packed_metadata, None, None, None)
+        flat: list = []
+        self.slots = {}
+        self.metas = {}
+        per_call = {i for i, _, _ in bound.slots}
+        for i, arg in enumerate(bound.args):
+            if i in indices:
+                meta = metas[len(self.metas)]
+                self.metas[i] = (meta, expand)
+                expanded = [_pointer(a) for a in expand(bound.keep[i], meta)]
+                start = len(flat)
+                flat.extend(expanded)
+                if i in per_call:
+                    self.slots[i] = (start, len(expanded))
+            else:
+                if i in per_call:
+                    self.slots[i] = (len(flat), 1)
+                flat.append(arg)
+        self.flat = flat
+        return self
+
+    def __call__(self, bound: BoundLaunch, tensors: dict) -> bool:
+        flat = self.flat.copy()
+        slots = self.slots
+        for i, name, is_descriptor in bound.slots:
+            address = _address_of(tensors[name], bound.dtypes[name])
+            if address is None:
+                return False
+            start, length = slots[i]
+            if is_descriptor:
+                flat[start:start + length] = self._expanded(bound, i, address)
+            else:
+                flat[start] = address
+        self.launch(*self.head, *flat)
+        return True
+
+    def _expanded(self, bound: BoundLaunch, i: int, address: int) -> list:
+        """The launcher's arguments for the per-call descriptor at position i, encoded once per address."""
+        descriptors = bound.descriptors
+        expanded = descriptors.get((i, address))
+        if expanded is None:
+            if len(descriptors) >= _DESCRIPTORS_KEPT:
+                descriptors.clear()
+            meta, expand = self.metas[i]
+            desc = _tensor_descriptor(address, bound.keep[i].base.dtype, bound.keep[i])
+            expanded = descriptors[(i, address)] = [_pointer(a) for a in expand(desc, meta)]
+        return expanded
+
+
+def _launcher_layout(run):
+    """(C launch function, descriptor positions, their metadata, make_tensordesc_arg) where `run` is
+    Triton 3.6's CudaLauncher without scratch memory; else None."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return None
+    if (getattr(nvidia, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or type(run) is not getattr(
+            nvidia, "CudaLauncher", None) or run.global_scratch_size or run.profile_scratch_size):
+        return None
+    expand = getattr(nvidia, "make_tensordesc_arg", None)
+    if expand is None or expand.__code__.co_argcount != 2:
+        return None
+    launch = run.launch
+    if type(launch).__name__ == "builtin_function_or_method":
+        return launch, frozenset(), [], expand
+    code = getattr(launch, "__code__", None)
+    if code is None or code.co_name != "inner" or launch.__closure__ is None:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+    if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        return None
+    metas = cells["tensordesc_meta"] or [None] * len(cells["tensordesc_indices"])
+    return cells["launcher"], frozenset(cells["tensordesc_indices"]), list(metas), expand
