@@ -20,8 +20,6 @@ the launch metadata it wants.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from .device import cuda_index
@@ -61,7 +59,7 @@ class BoundLaunch:
     replay only at the M that was bound. Under the interpreter the bound arguments go through fn[grid]."""
 
     __slots__ = ("fn", "grid", "options", "positional", "args", "slots", "dtypes", "device", "stream",
-                 "compiled", "keep", "raw", "descriptors")
+                 "compiled", "keep", "raw", "descriptors", "knobs")
 
     @classmethod
     def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled):
@@ -84,6 +82,9 @@ class BoundLaunch:
             self.args, self.keep, self.raw = full, None, None
             return self
         self.stream = raw_stream(self.device)
+        self.knobs = _hook_chains()
+        if self.knobs is None:  # a Triton whose launch hooks are not chains: its JIT passes them itself
+            return None
         self.args = [_pointer(a) for a in full]
         # Bound tensors (weights, workspace) stay alive while their addresses are bound; of the
         # per-call operands only their descriptors' layout is kept, not the tensors.
@@ -99,7 +100,9 @@ class BoundLaunch:
         if compiled is None:
             return self._interpret(tensors)
         # A profiler's launch hook wants the JIT's launch metadata: leave such launches to the JIT.
-        if _hooks_installed() or raw_stream(self.device) != self.stream:
+        knobs = self.knobs
+        if (getattr(knobs.launch_enter_hook, "calls", True) or getattr(knobs.launch_exit_hook, "calls", True)
+                or raw_stream(self.device) != self.stream):
             return False
         if self.raw is not None:
             return self.raw(self, tensors)
@@ -155,23 +158,15 @@ def _address_of(t: torch.Tensor, dtype: torch.dtype) -> int | None:
     return address
 
 
-def _hooks_installed() -> bool:
-    """Whether a launch hook is installed (Triton's profiler, proton): then launches pass launch
-    metadata and the hooks, as the JIT does. Triton 3.6 keeps them as (usually empty) chains."""
-    knobs = triton_knobs().runtime
-    return _installed(knobs.launch_enter_hook) or _installed(knobs.launch_exit_hook)
-
-
-def _installed(hook) -> bool:
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-@cache
-def triton_knobs():
+def _hook_chains():
+    """Triton's runtime knobs where their launch hooks are hook chains (Triton 3.6 and later, read on
+    every call: a profiler adds to them); else None."""
     # Imported here, not at the top: Triton is imported only once the first kernel is built.
     from triton import knobs
 
-    return knobs
+    runtime = knobs.runtime
+    chains = (getattr(runtime, "launch_enter_hook", None), getattr(runtime, "launch_exit_hook", None))
+    return runtime if all(isinstance(getattr(c, "calls", None), list) for c in chains) else None
 
 
 class _RawLaunch:

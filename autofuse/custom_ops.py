@@ -19,20 +19,22 @@ import torch.nn.functional as F
 
 from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
-from .dispatch import linear_choices, mlp_choices, run_linear, run_mlp, table_key
+from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, table_key
 from .training import sum_rows
 
-_tables: dict[tuple, dict] = {}
+_entries: dict[tuple, object] = {}
 
 
-def _table(choices, M: int, weight: torch.Tensor, problem: tuple, tuned: bool) -> dict:
-    """choices(*problem, M, dtype, device, tuned), memoised like a module's config table (per M up to
-    the largest bucket, then per bucket, and per resolve generation)."""
+def _entry(bind, choices, M: int, weight: torch.Tensor, problem: tuple, activation: str, tuned: bool):
+    """The bound entry (dispatch.BoundMLP / BoundLinear, made by `bind`) for choices(*problem, M, dtype,
+    device, tuned), memoised like a module's (per M up to the largest bucket, then per bucket, and per
+    resolve generation)."""
     key = (choices, *table_key(M, weight), problem, tuned)
-    table = _tables.get(key)
-    if table is None:
-        table = _tables[key] = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
-    return table
+    entry = _entries.get(key)
+    if entry is None:
+        table = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
+        entry = _entries[key] = bind(table, activation, max(M, 1), inside_ops=True)
+    return entry
 
 
 @torch.library.custom_op("autofuse::mlp", mutates_args=())
@@ -40,10 +42,12 @@ def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up
         b_up: torch.Tensor | None, w_down: torch.Tensor, b_down: torch.Tensor | None, activation: str,
         tuned: bool) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
-    table = _table(mlp_choices, x.shape[0], w_gate, (x.shape[1], w_gate.shape[0], activation, b_gate is not None),
-                   tuned)
+    M = x.shape[0]
+    entry = _entry(BoundMLP, mlp_choices, M, w_gate, (x.shape[1], w_gate.shape[0], activation, b_gate is not None),
+                   activation, tuned)
+    params = (w_gate, b_gate, w_up, b_up, w_down, b_down)
     with workspaces.workspaces_per_call():
-        return run_mlp(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, table)
+        return entry(x, params, addresses(params), M, (M, w_down.shape[0]))
 
 
 @mlp.register_fake
@@ -55,10 +59,11 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, tuned):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
            activation: str, tuned: bool) -> torch.Tensor:
     """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
-    table = _table(linear_choices, x.shape[0], weight,
-                   (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), tuned)
+    M = x.shape[0]
+    entry = _entry(BoundLinear, linear_choices, M, weight,
+                   (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), activation, tuned)
     with workspaces.workspaces_per_call():
-        return run_linear(x, weight, bias, residual, activation, table)
+        return entry(x, weight, bias, residual, addresses((weight, bias)), M, (M, weight.shape[0]))
 
 
 @linear.register_fake

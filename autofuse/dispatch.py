@@ -128,10 +128,11 @@ def addresses(tensors) -> list[int]:
     return [t.data_ptr() for t in tensors if t is not None]
 
 
-def _replayable() -> bool:
-    # Bound launches replay outside torch.compile's ops (per-call workspaces) and outside a
-    # profiler (which wants the ranges of run_mlp / run_linear).
-    return not workspaces.per_call() and not torch.autograd.profiler._is_profiler_enabled
+def _replayable(inside_ops: bool) -> bool:
+    # Entries of the modules replay outside torch.library ops (custom_ops.py keeps its own entries,
+    # whose workspaces and H are allocated per call); none replays under a profiler (which wants
+    # the ranges of run_mlp / run_linear).
+    return inside_ops == workspaces.per_call() and not torch.autograd.profiler._is_profiler_enabled
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -149,8 +150,11 @@ class BoundMLP:
     input, H and the output change. A launch that declines falls back to its op's JIT launcher; a
     library choice runs as it is."""
 
-    def __init__(self, table: dict[str, Choice], activation: str, M: int) -> None:
+    def __init__(self, table: dict[str, Choice], activation: str, M: int, inside_ops: bool = False) -> None:
         self.table, self.activation, self.M = table, activation, M
+        # Inside the torch.library ops: launches with a split-K workspace are not bound, H is not kept
+        # (CUDA-graph trees allow no persistent allocation in their pool).
+        self.inside_ops = inside_ops
         self.launches: dict | None = None
         self.weights: list = []
         # H between the two kernels, reused call after call: replays run in order on the stream
@@ -159,16 +163,17 @@ class BoundMLP:
 
     def __call__(self, x: torch.Tensor, params: tuple, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
         """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd); weights: addresses(params)."""
-        if self.launches is not None and weights == self.weights and M == self.M and _replayable():
+        replayable = M == self.M and _replayable(self.inside_ops)
+        if replayable and self.launches is not None and weights == self.weights:
             return self._replay(x, params, out_shape)
         x2d = _rows(x)
-        if M != self.M or not _replayable():
+        if not replayable:
             return run_mlp(x2d, *params, self.activation, self.table).reshape(out_shape)
         y, self.launches = self._bind(x2d, params)
         self.weights = weights
         # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        self.hidden = None if capturing else x.new_empty((M, params[0].shape[0]))
+        self.hidden = None if capturing or self.inside_ops else x.new_empty((M, params[0].shape[0]))
         return y.reshape(out_shape)
 
     def _bind(self, x2d, params) -> tuple[torch.Tensor, dict]:
@@ -194,8 +199,10 @@ class BoundMLP:
                 mlp_decode(_rows(x), wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel, out=_rows(y))
             return y
         h = self.hidden
+        if h is None:
+            h = x.new_empty((self.M, wg.shape[0]))
         bound = launches["gated_up"]
-        if h is None or bound is None or not bound({"x": x, "h": h}):
+        if bound is None or not bound({"x": x, "h": h}):
             h = _gated_up(_rows(x), params, act, table["gated_up"])
         bound = launches["down"]
         if bound is None:
@@ -221,26 +228,32 @@ def _down(h, params, down: Choice) -> torch.Tensor:
 
 
 class BoundLinear:
-    """A Linear's table entry at one M, bound like BoundMLP: per call only the input, residual and output change."""
+    """A Linear's table entry at one M, bound like BoundMLP: per call only the input, residual and
+    output change. A library choice is called directly (no launch to bind)."""
 
-    def __init__(self, table: dict[str, Choice], activation: str, M: int) -> None:
-        self.table, self.activation, self.M = table, activation, M
+    def __init__(self, table: dict[str, Choice], activation: str, M: int, inside_ops: bool = False) -> None:
+        self.table, self.activation, self.M, self.inside_ops = table, activation, M, inside_ops
+        choice = table["linear"]
+        self.kernel = choice.kernel
+        self.library = None if self.kernel is not None else ops.get("linear").library[choice.config.name]
         self.launch = None
         self.weights: list = []
 
     def __call__(self, x, weight, bias, residual, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
-        config = self.table["linear"].kernel
         bound = self.launch
-        if bound is not None and weights == self.weights and M == self.M and _replayable():
+        replayable = M == self.M and _replayable(self.inside_ops)
+        if replayable and bound is not None and weights == self.weights:
             y = x.new_empty(out_shape)
             if not bound({"x": x, "r": residual, "y": y}):
                 r2d = None if residual is None else _rows(residual)
-                linear(_rows(x), weight, bias, r2d, self.activation, config, out=_rows(y))
+                linear(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
             return y
         x2d, r2d = _rows(x), None if residual is None else _rows(residual)
-        if config is None or M != self.M or not _replayable():  # a library path: nothing to bind
+        if self.library is not None and not torch.autograd.profiler._is_profiler_enabled:
+            return self.library({"x": x2d, "w": weight, "b": bias, "r": r2d}, self.activation).reshape(out_shape)
+        if self.kernel is None or not replayable:
             return run_linear(x2d, weight, bias, r2d, self.activation, self.table).reshape(out_shape)
         with launch.binding() as recorded:
-            y = linear(x2d, weight, bias, r2d, self.activation, config)
+            y = linear(x2d, weight, bias, r2d, self.activation, self.kernel)
         self.launch, self.weights = _only(recorded), weights
-        return y.view(out_shape)
+        return y.reshape(out_shape)

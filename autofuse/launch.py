@@ -17,6 +17,7 @@ from functools import cache
 
 import torch
 
+from . import workspaces
 from .bound import BoundLaunch
 from .configs import KernelConfig
 from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs, supports_tma
@@ -74,7 +75,10 @@ def launch(kernel: Kernel, grid_: tuple, tensors: dict, sizes: tuple[int, ...], 
     compiled = kernel.fn[grid_](*args, **options)
     recorded = _recorded.get()
     if recorded is not None:
-        recorded.append(BoundLaunch.bind(kernel, grid_, args, options, tensors, compiled))
+        # A workspace allocated for this call only (inside torch.library ops) cannot be bound.
+        per_call_workspace = bool(workspace) and workspaces.per_call()
+        recorded.append(None if per_call_workspace else BoundLaunch.bind(kernel, grid_, args, options, tensors,
+                                                                          compiled))
 
 
 _recorded: contextvars.ContextVar[list | None] = contextvars.ContextVar("autofuse_bound_launches", default=None)

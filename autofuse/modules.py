@@ -182,7 +182,7 @@ class FusedLinear(_FusedBase):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         parameters = self._parameters  # not self.weight: an nn.Module attribute lookup costs host time
-        weight, bias, activation = parameters["weight"], parameters["bias"], self.activation
+        weight, bias, activation = parameters["weight"], parameters.get("bias"), self.activation
         M = self._rows_of(x, "in_features", weight)
         out_shape = (*x.shape[:-1], self.out_features)
         if residual is not None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15 on the device, one call: the bound-launch tests and every GPU-marked test (compiled there), the
 # host-cost table (benchmarks/host_cost.py), generate's wall time and host profiles
-# (benchmarks/host_profile.py), then the Hugging Face forwards (benchmarks/hf_bench.py). Carry .whl.
+# (benchmarks/host_profile.py), one MLP under torch.compile(mode="reduce-overhead") (benchmarks/compile_bench.py),
+# then the Hugging Face forwards (benchmarks/hf_bench.py). Carry .whl.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 AUTOFUSE_CACHE_DIR=/tmp/autofuse-host
@@ -11,4 +12,5 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env
 timeout 120 python3 benchmarks/host_cost.py --out "$OUT" 2>&1 | grep -v "warn" | tee "$OUT/host_cost.txt"
 timeout 150 python3 benchmarks/host_profile.py --out "$OUT" 2>&1 | grep -v "warn" | grep "generate 64" \
     | tee "$OUT/generate.txt"
+timeout 200 python3 benchmarks/compile_bench.py --layers 1 --out "$OUT" 2>&1 | grep '^{' | tee "$OUT/compile.txt"
 timeout 150 python3 benchmarks/hf_bench.py --out "$OUT" 2>&1 | grep -v "warn" | tail -7

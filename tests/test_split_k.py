@@ -10,6 +10,7 @@ from autofuse.ops.gated_up import gated_up
 from autofuse.ops.linear import linear
 from autofuse.ops.mlp import mlp_decode
 from autofuse.reference import eager_gated, eager_linear, gated_reference, linear_reference
+from autofuse.resolve import Choice
 
 SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=4)
 
@@ -159,8 +160,8 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
             return run(*args)
         return wrapped
 
-    monkeypatch.setattr(custom_ops, "run_mlp", spy(custom_ops.run_mlp))
-    monkeypatch.setattr(custom_ops, "run_linear", spy(custom_ops.run_linear))
+    for entry in (custom_ops.BoundMLP, custom_ops.BoundLinear):
+        monkeypatch.setattr(entry, "__call__", spy(entry.__call__))
     mlp = autofuse.get_mlp(32, 48, dtype=torch.float32, device=device)
     lin = autofuse.get_linear(32, 24, dtype=torch.float32, device=device)
     x = torch.randn(3, 32, device=device)
@@ -168,6 +169,25 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
     torch.ops.autofuse.mlp(x, *w, "gelu_tanh", True)
     torch.ops.autofuse.linear(x, lin.weight, lin.bias, None, "none", True)
     assert seen == [True, True] and not workspaces._per_call.get()
+
+
+def test_the_library_ops_bind_no_per_call_workspace_and_replay_the_rest(device):
+    """Inside the torch.library ops a split-K launch's workspace lives for one call: such a launch is
+    not bound (every call takes the JIT path); launches without one are bound and replayed."""
+    from autofuse import custom_ops
+
+    workspaces.release_workspaces()
+    x, (w,) = _operands(8, 32, 64, torch.float32, device)
+    split, plain = custom_ops.BoundLinear({"linear": Choice(SPLIT, "test")}, "none", 8, inside_ops=True), \
+        custom_ops.BoundLinear({"linear": Choice(KernelConfig(16, 32, 32, group_m=1, num_stages=2), "test")}, "none",
+                               8, inside_ops=True)
+    expected = linear_reference(x, w, None, None, "none")
+    with workspaces.workspaces_per_call():
+        for entry in (split, plain, split, plain):
+            out = entry(x, w, None, None, [w.data_ptr()], 8, (8, 32))
+            assert_matches_reference(out, expected, eager_linear(x, w, None, None, "none"))
+    assert split.launch is None and plain.launch is not None
+    assert workspaces._workspaces == {}  # nothing persistent was allocated inside the ops
 
 
 def test_released_workspaces_are_allocated_afresh_and_results_stay_right(device):
