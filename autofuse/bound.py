@@ -55,14 +55,16 @@ class BoundLaunch:
     """One kernel launch with everything bound but the per-call tensors (Kernel.per_call, by operand
     name). Calling it launches and returns True, or declines (returns False; the caller takes the JIT
     path) where the JIT might choose another compiled variant: a per-call tensor that is not
-    contiguous, of another dtype or not 16-byte aligned, or another stream. Rows are bound: callers
+    contiguous, of another dtype or not 16-byte aligned; a split-K launch on another stream than its
+    workspace's. It launches on the caller's current stream. Rows are bound: callers
     replay only at the M that was bound. Under the interpreter the bound arguments go through fn[grid]."""
 
     __slots__ = ("fn", "grid", "options", "positional", "args", "slots", "dtypes", "device", "stream",
                  "compiled", "keep", "raw", "descriptors", "knobs")
 
     @classmethod
-    def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled):
+    def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled,
+             workspace: bool = False):
         per_call = {name: tensors[name] for name in kernel.per_call if tensors.get(name) is not None}
         if any(not t.is_contiguous() or t.data_ptr() % 16 for t in per_call.values()):
             return None  # compiled for other strides or unaligned rows: leave such inputs to the JIT
@@ -81,7 +83,9 @@ class BoundLaunch:
         if self.compiled is None:  # the interpreter: tensors stay tensors
             self.args, self.keep, self.raw = full, None, None
             return self
-        self.stream = raw_stream(self.device)
+        # A split-K workspace belongs to the stream it was made for (concurrent streams must not share
+        # one): such a launch replays on that stream only. Any other launches on the caller's stream.
+        self.stream = raw_stream(self.device) if workspace else None
         self.knobs = _hook_chains()
         if self.knobs is None:  # a Triton whose launch hooks are not chains: its JIT passes them itself
             return None
@@ -101,11 +105,13 @@ class BoundLaunch:
             return self._interpret(tensors)
         # A profiler's launch hook wants the JIT's launch metadata: leave such launches to the JIT.
         knobs = self.knobs
-        if (getattr(knobs.launch_enter_hook, "calls", True) or getattr(knobs.launch_exit_hook, "calls", True)
-                or raw_stream(self.device) != self.stream):
+        if getattr(knobs.launch_enter_hook, "calls", True) or getattr(knobs.launch_exit_hook, "calls", True):
+            return False
+        stream = raw_stream(self.device)
+        if self.stream is not None and stream != self.stream:
             return False
         if self.raw is not None:
-            return self.raw(self, tensors)
+            return self.raw(self, tensors, stream)
         args = self.args.copy()
         for i, name, is_descriptor in self.slots:
             address = _address_of(tensors[name], self.dtypes[name])
@@ -113,7 +119,7 @@ class BoundLaunch:
                 return False
             args[i] = self._descriptor(i, address) if is_descriptor else address
         grid3 = (*self.grid, 1, 1)
-        compiled.run(grid3[0], grid3[1], grid3[2], self.stream, compiled.function, compiled.packed_metadata, None,
+        compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata, None,
                      None, None, *args)
         return True
 
@@ -174,7 +180,7 @@ class _RawLaunch:
     wrapper do, with bound descriptors encoded once. `make` returns None for any other layout (another
     Triton, scratch memory, an unknown wrapper), and the launch goes through CompiledKernel.run."""
 
-    __slots__ = ("launch", "head", "flat", "slots", "metas")
+    __slots__ = ("launch", "grid3", "head", "flat", "slots", "metas")
 
     @classmethod
     def make(cls, compiled, grid_: tuple, bound: BoundLaunch):
@@ -186,7 +192,8 @@ class _RawLaunch:
         self = cls()
         self.launch = launch
         grid3 = (*grid_, 1, 1)[:3]
-        self.head = (*grid3, bound.stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+        self.grid3 = grid3
+        self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                      compiled.packed_metadata, None, None, None)
         flat: list = []
         self.slots = {}
@@ -208,7 +215,7 @@ class _RawLaunch:
         self.flat = flat
         return self
 
-    def __call__(self, bound: BoundLaunch, tensors: dict) -> bool:
+    def __call__(self, bound: BoundLaunch, tensors: dict, stream: int) -> bool:
         flat = self.flat.copy()
         slots = self.slots
         for i, name, is_descriptor in bound.slots:
@@ -220,7 +227,8 @@ class _RawLaunch:
                 flat[start:start + length] = self._expanded(bound, i, address)
             else:
                 flat[start] = address
-        self.launch(*self.head, *flat)
+        grid3 = self.grid3
+        self.launch(grid3[0], grid3[1], grid3[2], stream, *self.head, *flat)
         return True
 
     def _expanded(self, bound: BoundLaunch, i: int, address: int) -> list:

@@ -159,7 +159,7 @@ class BoundMLP:
         self.weights: list = []
         # H between the two kernels, reused call after call: replays run in order on the stream
         # they were bound to, so the next call's writes come after this call's reads.
-        self.hidden: torch.Tensor | None = None
+        self.hidden: tuple[int, torch.Tensor] | None = None  # (stream, H)
 
     def __call__(self, x: torch.Tensor, params: tuple, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
         """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd); weights: addresses(params)."""
@@ -173,7 +173,8 @@ class BoundMLP:
         self.weights = weights
         # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        self.hidden = None if capturing or self.inside_ops else x.new_empty((M, params[0].shape[0]))
+        if not (capturing or self.inside_ops):
+            self.hidden = (workspaces.stream_id(x.device), x.new_empty((M, params[0].shape[0])))
         return y.reshape(out_shape)
 
     def _bind(self, x2d, params) -> tuple[torch.Tensor, dict]:
@@ -198,8 +199,12 @@ class BoundMLP:
             if bound is None or not bound({"x": x, "y": y}):
                 mlp_decode(_rows(x), wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel, out=_rows(y))
             return y
-        h = self.hidden
-        if h is None:
+        # H is reused on the stream it was made on; a call on another stream (which might run at the
+        # same time) gets its own.
+        hidden = self.hidden
+        if hidden is not None and hidden[0] == workspaces.stream_id(x.device):
+            h = hidden[1]
+        else:
             h = x.new_empty((self.M, wg.shape[0]))
         bound = launches["gated_up"]
         if bound is None or not bound({"x": x, "h": h}):

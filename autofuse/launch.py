@@ -78,7 +78,7 @@ def launch(kernel: Kernel, grid_: tuple, tensors: dict, sizes: tuple[int, ...], 
         # A workspace allocated for this call only (inside torch.library ops) cannot be bound.
         per_call_workspace = bool(workspace) and workspaces.per_call()
         recorded.append(None if per_call_workspace else BoundLaunch.bind(kernel, grid_, args, options, tensors,
-                                                                          compiled))
+                                                                          compiled, workspace=bool(workspace)))
 
 
 _recorded: contextvars.ContextVar[list | None] = contextvars.ContextVar("autofuse_bound_launches", default=None)

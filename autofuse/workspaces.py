@@ -21,7 +21,8 @@ _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def _stream_id(device: torch.device) -> int:
+def stream_id(device: torch.device) -> int:
+    """The device's current stream as the driver's handle (0 off CUDA)."""
     if device.type != "cuda":
         return 0
     if raw_stream is not None:  # what Triton's launcher calls: far cheaper than building a Stream object
@@ -60,7 +61,7 @@ def workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Ten
     if _per_call.get():
         buffer = torch.zeros(sums + counters, dtype=torch.float32, device=device)
         return buffer[:sums], buffer[sums:].view(torch.int32)  # one allocation, one memset
-    key = (device, _stream_id(device))
+    key = (device, stream_id(device))
     found = _workspaces.get(key)
     if _too_small(found, sums, counters) and _capturing(device):
         # A torch.cuda.graph capture of an eager module runs on a stream of its own, after a warm-up

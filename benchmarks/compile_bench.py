@@ -30,7 +30,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_mlp
-from autofuse.timing import host_us_sample
+from autofuse.timing import host_profile_text, host_us_sample
 
 D_MODEL, D_FF, ACTIVATION = 2048, 16384, "gelu_tanh"
 
@@ -169,8 +169,11 @@ def main() -> None:
                                host_us=host[name])
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                _profile_calls(calls["autofuse, compile reduce-overhead"], Path(args.out, "compile_profile.txt"),
-                               f"autofuse, compile reduce-overhead: {layers} layers, M = {M}")
+                for name in ("autofuse, compile reduce-overhead", "eager nn.Module, compile reduce-overhead"):
+                    title = f"{name}: {layers} layers, M = {M}"
+                    _profile_calls(calls[name], Path(args.out, "compile_profile.txt"), title)
+                    with Path(args.out, "compile_cprofile.txt").open("a") as f:  # Python's share of the host time
+                        f.write(f"{title}\n{host_profile_text(calls[name], calls=500, top=25)}\n")
         del model, eager, compiled, providers, fns, calls
         torch._dynamo.reset()
         torch.cuda.empty_cache()

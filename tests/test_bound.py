@@ -185,3 +185,26 @@ def test_on_triton_3_6_a_bound_launch_calls_the_c_launcher_directly():
         for rows in x:  # two addresses: a descriptor encoded for each
             assert bound({"x": rows, "y": y})
             torch.testing.assert_close(y, linear(rows, w, None, None, "none", config), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_launches_bound_on_a_side_stream_replay_on_another(monkeypatch):
+    """CUDA-graph recipes warm a model up on a side stream: its launches are bound there, and later
+    calls on the default stream must still replay them (not decline into the JIT every call), with
+    H not shared between the streams."""
+    results = []
+    real = launch.BoundLaunch.__call__
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: results.append(real(self, t)) or results[-1])
+    mlp = autofuse.get_mlp(40, 72, activation="gelu_tanh", dtype=torch.float16, device="cuda", tuned=False)
+    x = torch.randn(5, 40, device="cuda").half()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(side):
+            first = mlp(x)  # binds
+        torch.cuda.current_stream().wait_stream(side)
+        second = mlp(x)  # replays on the default stream
+    replayed_without_split_k = [r for r, c in zip(results, (mlp.config_for(5)[op] for op in ("gated_up", "down")))
+                                if c.split_k == 1]
+    assert results and all(replayed_without_split_k)
+    _assert_same(second, first, atomic=True)
