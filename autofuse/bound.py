@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import workspaces
 from .device import cuda_index
 from .render import Kernel
 from .workspaces import raw_stream
@@ -60,7 +61,7 @@ class BoundLaunch:
     replay only at the M that was bound. Under the interpreter the bound arguments go through fn[grid]."""
 
     __slots__ = ("fn", "grid", "options", "positional", "args", "slots", "dtypes", "device", "stream",
-                 "compiled", "keep", "raw", "descriptors", "knobs")
+                 "compiled", "keep", "raw", "descriptors", "knobs", "workspace_slots", "other_streams")
 
     @classmethod
     def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled,
@@ -84,8 +85,12 @@ class BoundLaunch:
             self.args, self.keep, self.raw = full, None, None
             return self
         # A split-K workspace belongs to the stream it was made for (concurrent streams must not share
-        # one): such a launch replays on that stream only. Any other launches on the caller's stream.
+        # one): on another stream the launch takes that stream's own (_workspace_on).
         self.stream = raw_stream(self.device) if workspace else None
+        # (position, which: 0 the float32 sums, 1 the int32 counters, size) of the workspace arguments.
+        self.workspace_slots = [(i, p.index, full[i].numel()) for i, p in enumerate(kernel.parameters)
+                                if p.kind == "workspace"]
+        self.other_streams = {}
         self.knobs = _hook_chains()
         if self.knobs is None:  # a Triton whose launch hooks are not chains: its JIT passes them itself
             return None
@@ -108,11 +113,16 @@ class BoundLaunch:
         if getattr(knobs.launch_enter_hook, "calls", True) or getattr(knobs.launch_exit_hook, "calls", True):
             return False
         stream = raw_stream(self.device)
+        workspace = None
         if self.stream is not None and stream != self.stream:
-            return False
+            workspace = self._workspace_on(stream)
+            if workspace is None:
+                return False
         if self.raw is not None:
-            return self.raw(self, tensors, stream)
+            return self.raw(self, tensors, stream, workspace)
         args = self.args.copy()
+        for i, address in workspace or ():
+            args[i] = address
         for i, name, is_descriptor in self.slots:
             address = _address_of(tensors[name], self.dtypes[name])
             if address is None:
@@ -122,6 +132,21 @@ class BoundLaunch:
         compiled.run(grid3[0], grid3[1], grid3[2], stream, compiled.function, compiled.packed_metadata, None,
                      None, None, *args)
         return True
+
+    def _workspace_on(self, stream: int) -> list | None:
+        """[(position, address)] of this stream's own split-K workspace (workspaces.workspace, as the
+        JIT path takes it), kept per stream; None while a CUDA graph captures (the JIT path then
+        finds one without allocating in the graph's pool)."""
+        found = self.other_streams.get(stream)
+        if found is None:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            device = torch.device("cuda", self.device)
+            sizes = {which: size for _, which, size in self.workspace_slots}
+            tensors = workspaces.workspace(device, sizes.get(0, 0), sizes.get(1, 0))
+            found = self.other_streams[stream] = (
+                [(i, tensors[which].data_ptr()) for i, which, _ in self.workspace_slots], tensors)
+        return found[0]
 
     def _descriptor(self, i: int, address: int):
         """The TMA descriptor of the per-call operand at position i, at this address (rows bound)."""
@@ -198,7 +223,7 @@ class _RawLaunch:
         flat: list = []
         self.slots = {}
         self.metas = {}
-        per_call = {i for i, _, _ in bound.slots}
+        per_call = {i for i, _, _ in bound.slots} | {i for i, _, _ in bound.workspace_slots}
         for i, arg in enumerate(bound.args):
             if i in indices:
                 meta = metas[len(self.metas)]
@@ -215,9 +240,11 @@ class _RawLaunch:
         self.flat = flat
         return self
 
-    def __call__(self, bound: BoundLaunch, tensors: dict, stream: int) -> bool:
+    def __call__(self, bound: BoundLaunch, tensors: dict, stream: int, workspace: list | None) -> bool:
         flat = self.flat.copy()
         slots = self.slots
+        for i, address in workspace or ():
+            flat[slots[i][0]] = address
         for i, name, is_descriptor in bound.slots:
             address = _address_of(tensors[name], bound.dtypes[name])
             if address is None:

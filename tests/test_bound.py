@@ -191,7 +191,7 @@ def test_on_triton_3_6_a_bound_launch_calls_the_c_launcher_directly():
 def test_launches_bound_on_a_side_stream_replay_on_another(monkeypatch):
     """CUDA-graph recipes warm a model up on a side stream: its launches are bound there, and later
     calls on the default stream must still replay them (not decline into the JIT every call), with
-    H not shared between the streams."""
+    neither H nor a split-K workspace shared between the streams."""
     results = []
     real = launch.BoundLaunch.__call__
     monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: results.append(real(self, t)) or results[-1])
@@ -204,7 +204,23 @@ def test_launches_bound_on_a_side_stream_replay_on_another(monkeypatch):
             first = mlp(x)  # binds
         torch.cuda.current_stream().wait_stream(side)
         second = mlp(x)  # replays on the default stream
-    replayed_without_split_k = [r for r, c in zip(results, (mlp.config_for(5)[op] for op in ("gated_up", "down")))
-                                if c.split_k == 1]
-    assert results and all(replayed_without_split_k)
+    assert results and all(results)  # a split-K launch takes the default stream's own workspace
     _assert_same(second, first, atomic=True)
+
+
+@pytest.mark.gpu
+def test_a_split_k_launch_bound_on_one_stream_replays_on_another_with_its_own_workspace():
+    from autofuse import workspaces
+
+    w = torch.randn(N, K, device="cuda") / K**0.5
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _, bound = _bound(lambda: linear(torch.randn(M, K, device="cuda"), w, None, None, "none", SPLIT))
+    torch.cuda.current_stream().wait_stream(side)
+    x, y = torch.randn(M, K, device="cuda"), torch.empty(M, N, device="cuda")
+    for _ in range(2):
+        assert bound({"x": x, "y": y})
+        _assert_same(y, linear(x, w, None, None, "none", SPLIT), atomic=True)
+    default = workspaces.stream_id(torch.device("cuda"))
+    assert list(bound.other_streams) == [default] and bound.stream != default
