@@ -125,6 +125,18 @@ def launch_args(params: tuple[Parameter, ...], tensors: Mapping[str, torch.Tenso
 Dims = Callable[[object], tuple[int, int, str]]
 
 
+@dataclasses.dataclass(frozen=True)
+class LibraryPath:
+    """A library candidate that computes the op for some of its keys only (e.g. one activation):
+    `applies(activation, bias, residual)` says for which. Called like a plain candidate."""
+
+    run: Callable  # fn(operands: dict, activation) -> output
+    applies: Callable[[str, bool, bool], bool]
+
+    def __call__(self, operands: Mapping, activation: str) -> torch.Tensor:
+        return self.run(operands, activation)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, so KernelSpec can hold one
 class OpSpec:
     """Everything about one op that is not its kernel source or its launcher's code."""
@@ -149,8 +161,9 @@ class OpSpec:
     space: SearchSpace | None = None  # None: nothing to tune
     interpreter_space: SearchSpace | None = None
     heuristic: Callable[[int, int, int, torch.dtype, Device], KernelConfig] | None = None  # None: gemm_heuristic
-    # Library candidates: name -> fn(operands: dict, activation) -> output, what the op runs without
-    # a kernel. "eager" (what a PyTorch model runs) comes first and is every op's fallback.
+    # Library candidates: name -> fn(operands: dict, activation) -> output (or a LibraryPath, for
+    # candidates that serve some keys only), what the op runs without a kernel. "eager" (what a
+    # PyTorch model runs) comes first and is every op's fallback.
     library: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     reference: Callable | None = None  # fn(operands, activation, dtype) -> the float64 output
     # The tuner's problem: make_operands(n, k, M, bias, residual, rand) -> dict; its first operand is
@@ -170,6 +183,11 @@ class OpSpec:
         if not self.template_files:
             object.__setattr__(self, "template_files",
                                (f"{self.template}.py.jinja", f"{self.template}_tma.py.jinja", "_common.py.jinja"))
+
+    def library_for(self, activation: str, bias: bool, residual: bool) -> dict[str, Callable]:
+        """The library candidates that compute this op for a key with these flags (eager always does)."""
+        return {name: run for name, run in self.library.items()
+                if not isinstance(run, LibraryPath) or run.applies(activation, bias, residual)}
 
     @property
     def tunable(self) -> bool:

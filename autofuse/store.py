@@ -68,8 +68,10 @@ class Winner:
                              f"unknown {sorted(set(record) - expected)}")
         key = TuningKey.from_dict(record["key"])
         config = choice_from_json(record["config"])
-        if isinstance(config, Library) and config.name not in key.spec.library:
-            raise ValueError(f"op {key.op!r} has no library candidate {config.name!r}")
+        if isinstance(config, Library) and config.name not in key.spec.library_for(key.activation, key.bias,
+                                                                                   key.residual):
+            raise ValueError(f"op {key.op!r} has no library candidate {config.name!r} for activation "
+                             f"{key.activation}, bias {key.bias}, residual {key.residual}")
         refused = key.spec.refuse_config(config) if isinstance(config, KernelConfig) else None
         if refused:
             raise ValueError(refused)

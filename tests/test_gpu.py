@@ -120,3 +120,23 @@ def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
     assert "error" not in result, result.get("error")
     args = (x, w, None, None, "gelu")
     assert_matches_reference(result["y"], linear_reference(*args), eager_linear(*args))
+
+
+def test_the_cublaslt_epilogue_computes_the_tanh_gelu():
+    """library:cublaslt_gelu_tanh stands in for gelu_tanh only because cuBLASLt's GELU epilogue is the
+    tanh approximation: in float32, where the two GELUs differ by far more than the rounding (about
+    1e-4 relative here against about 1e-6), it must match tanh and not erf."""
+    from autofuse import ops
+
+    torch.manual_seed(0)
+    x = torch.randn(77, 1000, device="cuda") * 2
+    w = torch.randn(3000, 1000, device="cuda") / 1000**0.5
+    b = torch.randn(3000, device="cuda")
+    out = ops.get("linear").library["cublaslt_gelu_tanh"]({"x": x, "w": w, "b": b}, "gelu_tanh").double()
+    z = torch.addmm(b.double(), x.double(), w.double().t())
+
+    def error(approximate):
+        ref = torch.nn.functional.gelu(z, approximate=approximate)
+        return ((out - ref).norm() / ref.norm()).item()
+
+    assert error("tanh") < 2e-5 < 5e-5 < error("none")

@@ -28,12 +28,36 @@ def test_every_library_candidate_is_correct(device, dtype, activation, bias):
         act = activation if activation in spec.activations else spec.activations[0]
         operands = _operands(spec, 72, 40, 5, bias, dtype, device)
         ref = spec.reference(operands, act, dtype)
-        for candidate, run in spec.library.items():
+        for candidate, run in spec.library_for(act, bias, False).items():
             with torch.no_grad():
                 out = run(operands, act)
             # One rounding of the output (and of H, for the whole MLP) in the dtype: reference.ERROR_BOUNDS.
             assert out.shape == ref.shape and relative_error(out, ref) <= ERROR_BOUNDS[dtype], (name, candidate)
     assert list(ops.get("gated_up").library) == ["eager", "cublas_gated_act"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_cublaslt_epilogue_serves_gelu_tanh_with_a_bias_only_and_is_correct_there(device, dtype, residual):
+    spec = ops.get("linear")
+    assert "cublaslt_gelu_tanh" in spec.library_for("gelu_tanh", True, residual)
+    for activation, bias in (("gelu", True), ("gelu_tanh", False), ("silu", True), ("none", True)):
+        assert "cublaslt_gelu_tanh" not in spec.library_for(activation, bias, residual)
+    assert list(ops.get("down").library) == ["eager"]
+    operands = spec.make_operands(72, 40, 5, True, residual, lambda *s: torch.randn(*s, device=device).to(dtype))
+    with torch.no_grad():
+        out = spec.library["cublaslt_gelu_tanh"](operands, "gelu_tanh")
+    assert relative_error(out, spec.reference(operands, "gelu_tanh", dtype)) <= ERROR_BOUNDS[dtype]
+
+
+def test_a_record_naming_a_library_candidate_its_key_cannot_use_is_refused():
+    from autofuse.store import Winner
+
+    key = make_key("linear", 72, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    record = Winner(key, Library("eager"), 1.0, 1.0).to_record()
+    assert Winner.from_record(record).config == Library("eager")
+    with pytest.raises(ValueError, match="no library candidate 'cublaslt_gelu_tanh'"):
+        Winner.from_record({**record, "config": "library:cublaslt_gelu_tanh"})
 
 
 def _choose(library_ms: dict, kernel_ms: float):

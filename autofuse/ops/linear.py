@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
-from ..opspec import GEMM_VARIANTS, Operand, OpSpec
+from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 
 OPERANDS = (
@@ -50,6 +51,21 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
     return eager_linear(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation)
 
 
+def _cublaslt_gelu_tanh(ops: dict, activation: str) -> torch.Tensor:
+    """cuBLASLt's GEMM with its bias + GELU epilogue (torch._addmm_activation): one kernel, no separate
+    pointwise pass. On CUDA its GELU is the tanh approximation (float32 on an H200:
+    benchmarks/addmm_gelu_probe.py and tests/test_gpu.py), so it serves gelu_tanh keys with a bias only.
+    Elsewhere (the CPU, ROCm) PyTorch's fallback may compute another GELU: the same function is
+    computed unfused there."""
+    x, w, b = ops["x"], ops["w"], ops["b"]
+    if x.is_cuda and torch.version.hip is None:
+        y = torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    else:
+        y = F.gelu(torch.addmm(b, x, w.t()), approximate="tanh")
+    r = ops.get("r")
+    return y if r is None else y.add_(r)
+
+
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     return linear_reference(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation)
 
@@ -69,7 +85,8 @@ LINEAR = OpSpec(
     run=_run,
     residual=True,
     **GEMM_VARIANTS,
-    library={"eager": _eager},
+    library={"eager": _eager, "cublaslt_gelu_tanh": LibraryPath(
+        _cublaslt_gelu_tanh, applies=lambda activation, bias, residual: activation == "gelu_tanh" and bias)},
     reference=_reference,
     make_operands=_make_operands,
     output_width=lambda n, k: n,
@@ -83,6 +100,7 @@ DOWN = dataclasses.replace(
     doc="a gated MLP's down projection: the linear kernel without activation",
     activations=("none",),
     residual=False,
+    library={"eager": _eager},
     serves="mlp",
     dims=lambda s: (s.d_model, s.d_ff, "none"),
 )

@@ -9,6 +9,7 @@ OpSpec, so any registered op is tuned the same way.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 from collections.abc import Callable
 
@@ -22,6 +23,8 @@ from ..key import TuningKey
 from ..reference import ERROR_BOUNDS, relative_error
 from ..store import TrialRecord
 from ..timing import cpu_median_ms, gpu_median_ms, graph_replay_us
+
+logger = logging.getLogger("autofuse")
 
 # Up to this M, trials and library candidates are timed replayed from a CUDA graph (what a decode
 # step pays); above it, by do_bench's median with L2 flushed between runs. At decode sizes do_bench's
@@ -106,10 +109,23 @@ class Evaluator:
         return gpu_median_ms(fn)
 
     def library_ms(self) -> dict[str, float]:
-        """Each library candidate of the op, timed like the trials."""
+        """Each library candidate that computes this key, checked like a trial and timed like one.
+        A wrong one is left out (logged); eager, what the user's model runs anyway, always stays."""
+        key = self.key
         x = self.operands[self._input]
+        times = {}
         with torch.no_grad():
-            return {name: self._time(lambda name=name: self.library(name, x)) for name in self.spec.library}
+            for name in self.spec.library_for(key.activation, key.bias, key.residual):
+                wrong = None if name == "eager" else self._verify_library(name)
+                if wrong is not None:
+                    logger.warning("library candidate %s of %s left out: %s", name, key.op, wrong)
+                    continue
+                times[name] = self._time(lambda name=name: self.library(name, x))
+        return times
+
+    def _verify_library(self, name: str) -> str | None:
+        x = self._random(*self.operands[self._input].shape)
+        return self._check(self.library(name, x), x)
 
     def evaluate(self, config: KernelConfig) -> TrialRecord:
         try:
@@ -164,6 +180,9 @@ class Evaluator:
         x = self._random(*self.operands[self._input].shape)
         out = torch.full((self.M, self.out_features), float("nan"), dtype=self.dtype, device=self.device)
         self._launch(config, x, out=out)
+        return self._check(out, x)
+
+    def _check(self, out: torch.Tensor, x: torch.Tensor) -> str | None:
         if not torch.isfinite(out).all():
             return f"{(~torch.isfinite(out)).sum().item()} non-finite or unwritten elements"
         error = relative_error(out, self._reference(x))
