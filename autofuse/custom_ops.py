@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
+from .checked import pending
 from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, table_key
 from .training import sum_rows
 
@@ -33,7 +34,9 @@ def _entry(bind, choices, M: int, weight: torch.Tensor, problem: tuple, activati
     entry = _entries.get(key)
     if entry is None:
         table = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
-        entry = _entries[key] = bind(table, activation, max(M, 1), inside_ops=True)
+        entry = bind(table, activation, max(M, 1), inside_ops=True)
+        if not pending(table):  # no check runs inside the ops: an eager call's check is seen next time
+            _entries[key] = entry
     return entry
 
 
@@ -43,10 +46,10 @@ def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up
         tuned: bool) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
     M = x.shape[0]
-    entry = _entry(BoundMLP, mlp_choices, M, w_gate, (x.shape[1], w_gate.shape[0], activation, b_gate is not None),
-                   activation, tuned)
     params = (w_gate, b_gate, w_up, b_up, w_down, b_down)
-    with workspaces.workspaces_per_call():
+    with workspaces.workspaces_per_call():  # resolved inside too: no first-use check runs in the ops
+        entry = _entry(BoundMLP, mlp_choices, M, w_gate,
+                       (x.shape[1], w_gate.shape[0], activation, b_gate is not None), activation, tuned)
         return entry(x, params, addresses(params), M, (M, w_down.shape[0]))
 
 
@@ -60,9 +63,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
            activation: str, tuned: bool) -> torch.Tensor:
     """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
     M = x.shape[0]
-    entry = _entry(BoundLinear, linear_choices, M, weight,
-                   (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), activation, tuned)
-    with workspaces.workspaces_per_call():
+    with workspaces.workspaces_per_call():  # resolved inside too: no first-use check runs in the ops
+        entry = _entry(BoundLinear, linear_choices, M, weight,
+                       (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), activation,
+                       tuned)
         return entry(x, weight, bias, residual, addresses((weight, bias)), M, (M, weight.shape[0]))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import launch, ops, workspaces
+from .checked import checked
 from .configs import KernelConfig
 from .key import MAX_M_BUCKET, m_bucket
 from .ops.gated_up import gated_up
@@ -24,10 +25,20 @@ def table_key(M: int, weight: torch.Tensor) -> tuple:
     return (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device, generation())
 
 
+def resolve_checked(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
+                    bias: bool, residual: bool = False, tuned: bool = True) -> Choice:
+    """resolve(), with a kernel config that no tuning compared on this GPU and key checked against the
+    library paths first (autofuse/checked.py). `tuned=False` (the heuristic, as it is) is never checked."""
+    choice = resolve(op, M, N, K, dtype, device, activation=activation, bias=bias, residual=residual, tuned=tuned)
+    if not tuned:
+        return choice
+    return checked(op, choice, M, N, K, dtype, device, activation=activation, bias=bias, residual=residual)
+
+
 def linear_choices(in_features: int, out_features: int, activation: str, bias: bool, residual: bool, M: int,
                    dtype: torch.dtype, device: torch.device, tuned: bool) -> dict[str, Choice]:
-    return {"linear": resolve("linear", M, out_features, in_features, dtype, device, activation=activation,
-                              bias=bias, residual=residual, tuned=tuned)}
+    return {"linear": resolve_checked("linear", M, out_features, in_features, dtype, device, activation=activation,
+                                      bias=bias, residual=residual, tuned=tuned)}
 
 
 def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
@@ -35,9 +46,9 @@ def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dt
     """{"gated_up", "down"}, or {"mlp"} where the one-launch kernel was tuned faster than the two
     tuned ops together (and than their library paths)."""
     pair = {
-        "gated_up": resolve("gated_up", M, d_ff, d_model, dtype, device, activation=activation, bias=bias,
-                            tuned=tuned),
-        "down": resolve("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned),
+        "gated_up": resolve_checked("gated_up", M, d_ff, d_model, dtype, device, activation=activation, bias=bias,
+                                    tuned=tuned),
+        "down": resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned),
     }
     if not tuned or M > MLP.max_m:
         return pair

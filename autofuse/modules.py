@@ -14,11 +14,12 @@ from torch import nn
 
 from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
+from .checked import pending
 from .configs import KernelConfig, Library
 from .device import check_device
-from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, table_key
+from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, resolve_checked, table_key
 from .errors import AutofuseError
-from .resolve import Choice, generation, resolve
+from .resolve import Choice, generation
 from .shapes import DTYPES
 from .training import LinearFunction, MLPFunction
 
@@ -98,7 +99,8 @@ class _FusedBase(nn.Module):
             return last[4]
         self._check_parameters()
         entry = self._bound_table(M, weight, residual)
-        self._last = (M, residual, weights, current, entry)
+        if not pending(entry.table):
+            self._last = (M, residual, weights, current, entry)
         return entry
 
     def _check_parameters(self) -> None:
@@ -114,7 +116,9 @@ class _FusedBase(nn.Module):
         if table is None:
             _check_dtype(weight.dtype)
             check_device(weight.device)
-            table = self._configs[key] = self._resolve(M, weight.dtype, weight.device, residual)
+            table = self._resolve(M, weight.dtype, weight.device, residual)
+            if not pending(table):  # a choice made while no check could run is made again next time
+                self._configs[key] = table
         return table
 
     _table_key = staticmethod(table_key)
@@ -124,7 +128,10 @@ class _FusedBase(nn.Module):
         key = (*self._table_key(max(M, 1), weight), residual)
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[key] = self._bind(self._config_table(M, residual), max(M, 1))
+            table = self._config_table(M, residual)
+            bound = self._bind(table, max(M, 1))
+            if not pending(table):
+                self._bound[key] = bound
         return bound
 
     def _bind(self, table: dict[str, Choice], M: int):
@@ -289,10 +296,14 @@ class FusedMLP(_FusedBase):
         if key not in self._training_table:
             bias = self.gate_proj.bias is not None
             common = dict(dtype=weight.dtype, device=weight.device, bias=bias, tuned=self.tuned)
-            self._training_table[key] = (
-                resolve("down", M, self.d_model, self.d_ff, activation="none", **common).kernel,
-                resolve("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common).kernel,
+            choices = (
+                resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common),
+                resolve_checked("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common),
             )
+            configs = tuple(c.kernel for c in choices)
+            if pending(dict(enumerate(choices))):
+                return configs
+            self._training_table[key] = configs
         return self._training_table[key]
 
     def clear_config_table(self) -> None:

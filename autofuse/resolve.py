@@ -33,6 +33,10 @@ from .store import open_store
 
 logger = logging.getLogger("autofuse")
 
+# The policy of a user-cache record that a first-use check made (autofuse/checked.py), and the source
+# of a choice read from one.
+CHECKED = "checked"
+
 __all__ = ["Choice", "heuristic_for", "invalidate", "resolve", "resolve_tuned"]
 
 
@@ -41,7 +45,7 @@ class Choice:
     """What an op runs at one M: a kernel config or a library path, and where that choice came from."""
 
     config: KernelConfig | Library
-    source: str  # "user-cache", "shipped:<file>", "nearest:<key id>", "heuristic"
+    source: str  # "user-cache", "checked", "shipped:<file>", "nearest:<key id>", "heuristic", checked.PENDING
     time_ms: float | None = None  # the tuned winner's time, where the choice is one
 
     @property
@@ -128,6 +132,14 @@ def tuned_index() -> TunedIndex:
     return _indexes[where]
 
 
+def remember(winner) -> None:
+    """Add a winner just stored in the user cache (a first-use check's) to what this process has read,
+    without reading everything again (which invalidate() would make every module do)."""
+    index = tuned_index()
+    index.user[winner.key.id()] = winner
+    index.by_problem.setdefault(winner.key.problem(), []).append(winner)
+
+
 _generation = 0
 
 
@@ -154,7 +166,7 @@ def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: t
         key = make_key(op, N, K, bucket, dtype, activation, bias, residual, env)
         found = index.user.get(key.id())
         if found is not None:
-            return Choice(found.config, "user-cache", found.time_ms)
+            return Choice(found.config, CHECKED if found.policy == CHECKED else "user-cache", found.time_ms)
         shipped = index.shipped.get(key.id())
         if shipped is not None:
             return Choice(shipped[0].config, f"shipped:{shipped[1]}", shipped[0].time_ms)

@@ -1,4 +1,5 @@
-"""Test setup: the interpreter switch, seeds, a private cache folder, and the gpu marker.
+"""Test setup: the interpreter switch, seeds, a private cache folder, first-use checks off, and the gpu
+marker.
 
 Without a CUDA GPU the kernels run under Triton's interpreter, which must be switched on before
 any kernel is generated; with one, the same tests run compiled on the GPU.
@@ -28,6 +29,13 @@ def pytest_collection_modifyitems(config, items):
 def _isolated_cache(tmp_path, monkeypatch):
     # Generated kernels and caches go to a per-test folder, never the user's.
     monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "autofuse-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _no_first_use_checks(monkeypatch):
+    # First-use checks (autofuse/checked.py) verify and time each unchecked config once; under the
+    # interpreter that would multiply the suite's time. tests/test_checked.py turns them on.
+    monkeypatch.setenv("AUTOFUSE_CHECK", "0")
 
 
 @pytest.fixture(autouse=True)

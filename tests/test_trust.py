@@ -63,7 +63,7 @@ def test_pickle_rows_are_refused_and_never_unpickled(tmp_path, caplog):
         listed = CliRunner().invoke(main, ["cache", "ls"])
     assert not marker_value.exists() and not marker_key.exists()
     assert [w.key for w in winners] == [_a_winner().key]  # the real record still loads
-    assert listed.exit_code == 0 and "1 tuned key in" in listed.output
+    assert listed.exit_code == 0 and "1 tuned key and 0 checked keys" in listed.output
     assert any("not plain JSON" in r.getMessage() for r in caplog.records)
 
 

@@ -33,7 +33,7 @@ def _all_winners() -> list[tuple[Winner, str]]:
     """(winner, source) for every config this process can see: the user cache, then shipped files and
     AUTOFUSE_CACHE_PATH's (those a user-cache record overrides are left out)."""
     index = resolve_module.tuned_index()
-    rows = [(w, "user-cache") for w in index.user.values()]
+    rows = [(w, "checked" if w.policy == resolve_module.CHECKED else "user-cache") for w in index.user.values()]
     rows += [(w, f"shipped:{name}") for key, (w, name) in index.shipped.items() if key not in index.user]
     return sorted(rows, key=lambda r: (r[0].key.gpu, r[0].key.op, r[0].key.n, r[0].key.k, r[0].key.m_bucket))
 
@@ -44,9 +44,11 @@ def cache_ls():
     directory = user_cache_dir()
     rows = _all_winners()
     user = sum(source == "user-cache" for _, source in rows)
+    checked = sum(source == "checked" for _, source in rows)
     where = "" if store_exists(directory) else " (no cache there yet)"
-    click.echo(f"{plural(user, 'tuned key')} in {directory}{where}; {plural(len(rows) - user, 'more key')} from "
-               "shipped files and AUTOFUSE_CACHE_PATH")
+    click.echo(f"{plural(user, 'tuned key')} and {plural(checked, 'checked key')} (decided at first use, not "
+               f"tuned) in {directory}{where}; {plural(len(rows) - user - checked, 'more key')} from shipped files "
+               "and AUTOFUSE_CACHE_PATH")
     for w, source in rows:
         k = w.key
         click.echo(f"{short_id(k)}  {k.op:<9} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "

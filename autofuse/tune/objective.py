@@ -71,8 +71,9 @@ class Evaluator:
     element is finite (outputs are poisoned with NaN before the run)."""
 
     def __init__(self, key: TuningKey, M: int, device: torch.device, seed: int = 0,
-                 compile_timeout_s: float = 120.0) -> None:
+                 compile_timeout_s: float = 120.0, quick: bool = False) -> None:
         self.key, self.M, self.device = key, M, device
+        self.quick = quick  # shorter timings: a first-use check (autofuse/checked.py), not a tuning run
         self.spec = key.spec
         self.dtype = key.torch_dtype
         self.compile_timeout_s = compile_timeout_s
@@ -105,8 +106,8 @@ class Evaluator:
         if self.interpret:
             return cpu_median_ms(fn, repeats=1)
         if self.M <= GRAPH_TIMED_MAX_M:
-            return graph_replay_us(fn) / 1e3
-        return gpu_median_ms(fn)
+            return graph_replay_us(fn, replays=20 if self.quick else 100) / 1e3
+        return gpu_median_ms(fn, 5, 25) if self.quick else gpu_median_ms(fn)
 
     def library_ms(self) -> dict[str, float]:
         """Each library candidate that computes this key, checked like a trial and timed like one.

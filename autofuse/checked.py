@@ -1,0 +1,101 @@
+"""No unchecked kernel config off the tuned grid (issue 16).
+
+A kernel config that no tuning compared on this GPU and key — a nearest key's, or the heuristic's — is
+compared once, at its first eager use, against the op's library candidates on operands of the key's
+shape (tune.objective.Evaluator: checked against the float64 reference, then timed like a tuning
+trial, only shorter). The faster is kept and stored in the user cache as a *checked* record (policy
+"checked"; `autofuse tune` replaces it with a tuned one), so later processes reuse the decision.
+
+While a CUDA graph captures, torch.compile traces, or a torch.library op runs (where timing would
+allocate in a graph's pool or run during tracing), an op without a decision runs its eager library
+path, and nothing is memoised: the next eager call checks.
+
+Opt out with AUTOFUSE_CHECK=0: nearest and heuristic configs then run unchecked, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from . import resolve, workspaces
+from .configs import Library
+from .device import interpreting
+from .errors import AutofuseError
+from .key import current_environment, m_bucket, make_key
+from .resolve import CHECKED, Choice
+from .store import Store, Winner
+
+logger = logging.getLogger("autofuse")
+
+# The source of a choice made while no check could run: the eager library path, not memoised.
+PENDING = "library: not checked yet"
+
+
+def enabled() -> bool:
+    """Whether first-use checks run (read at a check, never per call)."""
+    return os.environ.get("AUTOFUSE_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def pending(choices: dict[str, Choice]) -> bool:
+    """Whether a table holds a choice made without its check (and must not be memoised)."""
+    return any(c.source == PENDING for c in choices.values())
+
+
+def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *,
+            activation: str, bias: bool, residual: bool = False) -> Choice:
+    """`choice`, where tuning chose it, it is a library path, or checks are off; otherwise the faster of its
+    kernel and the op's library candidates, checked and stored now (or the eager library path, PENDING,
+    where no check can run now)."""
+    if choice.kernel is None or not choice.source.startswith(("nearest:", "heuristic")) or not enabled():
+        return choice
+    if _cannot_time(device):
+        return Choice(Library("eager"), PENDING)
+    M = max(M, 1)
+    key = make_key(op, N, K, m_bucket(M), dtype, activation, bias, residual, current_environment(device))
+    try:
+        winner = _compare(key, M, choice, device)
+    except AutofuseError as e:  # e.g. not enough memory to build the operands: the library path is safe
+        logger.warning("autofuse: could not check %s's %s config (%s); running its eager library path", op,
+                       choice.source.split(":")[0], e)
+        return Choice(Library("eager"), PENDING)
+    try:
+        Store().put_winner(winner)
+    except AutofuseError as e:  # an unwritable cache: the decision holds for this process
+        logger.warning("autofuse: could not store a checked decision: %s", e)
+    resolve.remember(winner)
+    logger.info("autofuse: checked %s (n=%d, k=%d, M bucket %d): %s %s (library %s)", op, N, K, key.m_bucket,
+                winner.config.short(), _ms(winner.time_ms), _ms(winner.baseline_ms))
+    return Choice(winner.config, CHECKED, winner.time_ms)
+
+
+def _cannot_time(device: torch.device) -> bool:
+    return (torch.compiler.is_compiling() or workspaces.per_call()
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+
+def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
+    # Imported here, not at the top: the tuner is loaded only where a check runs.
+    from .tune.driver import Job, choose_winner
+    from .tune.objective import Evaluator
+
+    start = time.perf_counter()
+    evaluator = Evaluator(key, M, device, quick=True)
+    try:
+        with torch.no_grad():
+            library_ms = evaluator.library_ms()
+            record = evaluator.evaluate(choice.kernel)
+    finally:
+        evaluator.close()
+    if record.status != "ok":
+        logger.warning("autofuse: %s's %s config %s failed its check (%s: %s); running a library path", key.op,
+                       choice.source.split(":")[0], choice.kernel.short(), record.status, record.detail)
+    return choose_winner(Job(key, M, "first use"), {choice.kernel: record}, library_ms, choice.kernel,
+                         time.perf_counter() - start, CHECKED, times_mean_speed=not interpreting())
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.1f} us" if value < 1 else f"{value:.3f} ms"

@@ -1,0 +1,142 @@
+"""First-use checks (autofuse/checked.py, issue 16): no kernel config that neither tuning nor a check
+compared on this GPU and key runs; the check's decision is stored once as a checked record and reused
+by later processes; where no check can run (inside the torch.library ops, capturing, tracing) the eager
+library path runs and nothing is memoised."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import autofuse
+from autofuse import checked, launch, resolve, workspaces
+from autofuse.configs import KernelConfig, Library
+from autofuse.reference import eager_mlp
+from autofuse.store import Store, TrialRecord
+from autofuse.tune import objective
+
+D, F_, M = 40, 72, 5
+
+
+@pytest.fixture(autouse=True)
+def _checks_on(monkeypatch):
+    monkeypatch.setenv("AUTOFUSE_CHECK", "1")
+    resolve.invalidate()
+
+
+def _fake_timer(monkeypatch, library_ms: float, kernel_ms: float):
+    """Times as a GPU would report them (the interpreter's mean nothing): every library candidate at
+    library_ms, the kernel at kernel_ms once it has been checked correct on the real run."""
+    monkeypatch.setattr(checked, "interpreting", lambda: False)
+    real_evaluate = objective.Evaluator.evaluate
+    monkeypatch.setattr(objective.Evaluator, "library_ms",
+                        lambda self: {name: library_ms for name in self.spec.library_for(
+                            self.key.activation, self.key.bias, self.key.residual)})
+
+    def evaluate(self, config):
+        record = real_evaluate(self, config)  # compiled, verified and timed for real
+        return TrialRecord(config, record.status, kernel_ms if record.status == "ok" else None, record.detail)
+    monkeypatch.setattr(objective.Evaluator, "evaluate", evaluate)
+
+
+def _mlp(device, dtype=torch.float32):
+    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=dtype, device=device)
+    return mlp, (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("library_faster", [True, False])
+def test_the_first_eager_call_checks_and_keeps_the_faster(device, monkeypatch, library_faster):
+    _fake_timer(monkeypatch, library_ms=1.0 if library_faster else 3.0, kernel_ms=2.0)
+    mlp, w = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        out = mlp(x)
+    torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
+    assert mlp.config_sources(M) == {"gated_up": "checked", "down": "checked"}
+    chosen = mlp.config_for(M)
+    if library_faster:
+        assert chosen == {"gated_up": Library("eager"), "down": Library("eager")}
+    else:
+        assert all(isinstance(c, KernelConfig) for c in chosen.values())
+    stored = {w.key.op: w for w in Store().winners()}
+    assert set(stored) == {"gated_up", "down"} and all(w.policy == "checked" for w in stored.values())
+    assert stored["down"].config == chosen["down"]
+
+
+def test_a_wrong_kernel_loses_its_check(device, monkeypatch):
+    _fake_timer(monkeypatch, library_ms=5.0, kernel_ms=1.0)
+    real = objective.Evaluator.evaluate
+    monkeypatch.setattr(objective.Evaluator, "evaluate",
+                        lambda self, config: TrialRecord(config, "wrong_result", None, "poisoned for the test"))
+    mlp, _ = _mlp(device)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    assert mlp.config_for(M) == {"gated_up": Library("eager"), "down": Library("eager")}
+    monkeypatch.setattr(objective.Evaluator, "evaluate", real)
+
+
+def test_a_second_process_reuses_the_decision_without_checking(device, monkeypatch, tmp_path):
+    _fake_timer(monkeypatch, library_ms=1.0, kernel_ms=2.0)
+    mlp, _ = _mlp(device)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    script = textwrap.dedent(f"""
+        import os, torch
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["AUTOFUSE_CHECK"] = "1"
+        import autofuse
+        from autofuse.tune import objective
+        def refuse(*args, **kwargs):
+            raise SystemExit("a second check ran")
+        objective.Evaluator.__init__ = refuse
+        mlp = autofuse.get_mlp({D}, {F_}, activation="silu", dtype=torch.float32, device="{device}")
+        with torch.no_grad():
+            mlp(torch.randn({M}, {D}, device="{device}"))
+        print(sorted(mlp.config_sources({M}).values()), sorted(c.to_json() for c in mlp.config_for({M}).values()))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['checked', 'checked'] ['library:eager', 'library:eager']"
+
+
+def test_no_kernel_runs_for_an_unchecked_key_inside_the_library_ops(device, monkeypatch):
+    """Inside torch.ops.autofuse.* (what torch.compile and CUDA-graph trees run) no check can run:
+    the eager library path runs, no Triton kernel is launched, nothing is stored or memoised; the next
+    eager call checks."""
+    launches = []
+    real_launch = launch.launch
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: launches.append(a[0]) or real_launch(*a, **k))
+    mlp, w = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        out = torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
+    torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
+    assert launches == [] and list(Store().winners()) == []
+    with workspaces.workspaces_per_call():
+        assert mlp.config_sources(M) == {"gated_up": checked.PENDING, "down": checked.PENDING}
+    _fake_timer(monkeypatch, library_ms=3.0, kernel_ms=2.0)
+    with torch.no_grad():
+        mlp(x)  # eager: checked now, and the kernels win
+    assert mlp.config_sources(M) == {"gated_up": "checked", "down": "checked"}
+    launches.clear()
+    with torch.no_grad():
+        torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
+    assert len(launches) == 2  # the ops now run the checked kernels
+
+
+def test_checks_can_be_switched_off(device, monkeypatch):
+    monkeypatch.setenv("AUTOFUSE_CHECK", "0")
+    mlp, _ = _mlp(device)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    assert set(mlp.config_sources(M).values()) == {"heuristic"} and list(Store().winners()) == []
+
+
+def test_untuned_modules_are_not_checked(device):
+    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device=device, tuned=False)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    assert set(mlp.config_sources(M).values()) == {"heuristic"} and list(Store().winners()) == []
