@@ -1,0 +1,150 @@
+"""The "never slower" sweep (issue 16): autofuse on shapes nobody tuned, against the best peer.
+
+  python benchmarks/never_slower.py --out DIR [--mlps 12] [--linears 4] [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000]
+
+Shapes come from a seeded generator (d_model 512-8192, d_ff 1-8x d_model, some not multiples of 8 or
+64; activations gelu_tanh / silu, Linear with a bias and gelu_tanh), none of them in the shipped files.
+Run it with an empty user cache (AUTOFUSE_CACHE_DIR pointing at a fresh folder): every config autofuse
+runs then comes from a first-use check (autofuse/checked.py), a shipped file or a library path. Per
+shape and M: CUDA-graph-replayed GPU time (median of replays of 10 back-to-back calls) of eager
+PyTorch, torch.compile (default mode), Liger (where installed; gated MLPs) and autofuse, all in this
+process; the ratio is the best peer's time over autofuse's (>= 1: autofuse at least as fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import autofuse
+from autofuse.reference import eager_linear, eager_mlp
+from autofuse.timing import graph_replay_us
+
+ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
+
+
+def draw_shapes(seed: int, mlps: int, linears: int) -> tuple[list[dict], list[dict]]:
+    rng = random.Random(seed)
+
+    def width(low: int, high: int) -> int:
+        value = rng.randint(low, high)
+        kind = rng.random()
+        if kind < 0.5:
+            return value // 64 * 64 or 64  # aligned to 64
+        if kind < 0.8:
+            return value // 8 * 8 or 8  # a multiple of 8, not of 64
+        return value | 1  # odd: rows of the next GEMM are not 16-byte aligned
+
+    gated = []
+    for _ in range(mlps):
+        d = width(512, 8192)
+        gated.append(dict(d_model=d, d_ff=width(d, min(8 * d, 28672)), activation=rng.choice(list(ACT))))
+    linear = [dict(in_features=width(512, 8192), out_features=width(512, 16384), activation="gelu_tanh")
+              for _ in range(linears)]
+    return gated, linear
+
+
+def _liger_gate():
+    try:
+        from liger_kernel.ops.geglu import LigerGELUMulFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return None
+    return {"gelu_tanh": LigerGELUMulFunction.apply, "silu": LigerSiLUMulFunction.apply}
+
+
+def mlp_providers(shape: dict, liger) -> dict:
+    d, f, act = shape["d_model"], shape["d_ff"], shape["activation"]
+    module = autofuse.get_mlp(d, f, activation=act, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    wg, wu, wd = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+
+    def eager(x):
+        return eager_mlp(x, wg, wu, wd, activation=act)
+
+    providers = {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
+    if liger is not None:
+        gate = liger[act]
+        providers["liger"] = lambda x: F.linear(gate(F.linear(x, wg), F.linear(x, wu)), wd)
+    return providers
+
+
+def linear_providers(shape: dict) -> dict:
+    module = autofuse.get_linear(shape["in_features"], shape["out_features"], bias=True,
+                                 activation=shape["activation"], dtype=torch.bfloat16, device="cuda")
+    w, b = module.weight, module.bias
+
+    def eager(x):
+        return eager_linear(x, w, b, None, "gelu_tanh")
+
+    return {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
+
+
+def measure(providers: dict, d_in: int, M: int) -> dict:
+    x = torch.randn(M, d_in, device="cuda", dtype=torch.bfloat16)
+    ref = providers["eager"](x).float()
+    times, errors = {}, {}
+    for name, fn in providers.items():
+        out = fn(x)  # first calls: compile, first-use checks
+        errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        times[name] = graph_replay_us(lambda fn=fn: fn(x), replays=20 if M >= 1000 else 50)
+    peers = {k: v for k, v in times.items() if k != "autofuse"}
+    best = min(peers, key=peers.get)
+    return dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--seed", type=int, default=16)
+    parser.add_argument("--mlps", type=int, default=12)
+    parser.add_argument("--linears", type=int, default=4)
+    parser.add_argument("--tokens", default="1,2,5,16,48,77,128,300,1000,2048,5000")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    gated, linear = draw_shapes(args.seed, args.mlps, args.linears)
+    liger = _liger_gate()
+    rows = []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for kind, shapes in (("mlp", gated), ("linear", linear)):
+            for shape in shapes:
+                providers = mlp_providers(shape, liger) if kind == "mlp" else linear_providers(shape)
+                d_in = shape.get("d_model", shape.get("in_features"))
+                for M in tokens:
+                    row = dict(kind=kind, **shape, **measure(providers, d_in, M))
+                    row["sources"] = providers["autofuse"].config_sources(M)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del providers
+                torch._dynamo.reset()
+    ratios = [r["ratio"] for r in rows]
+    small = [r["ratio"] for r in rows if r["M"] <= 128]
+    large = [r["ratio"] for r in rows if r["M"] >= 1024]
+
+    def geomean(v):
+        return math.exp(statistics.fmean(map(math.log, v))) if v else float("nan")
+
+    summary = dict(points=len(rows), min_ratio=min(ratios), below_0_97=sum(r < 0.97 for r in ratios),
+                   geomean_m_le_128=geomean(small), geomean_m_ge_1024=geomean(large),
+                   seconds=time.perf_counter() - start)
+    print(json.dumps(summary), flush=True)
+    Path(args.out, "never_slower.json").write_text(json.dumps(dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        seed=args.seed, liger=liger is not None, summary=summary, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
