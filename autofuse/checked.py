@@ -2,7 +2,7 @@
 
 A kernel config that no tuning compared on this GPU and key — a nearest key's, or the heuristic's — is
 compared once, at its first eager use, against the op's library candidates on operands of the key's
-shape (tune.objective.Evaluator: checked against the float64 reference, then timed like a tuning
+shape (evaluator.Evaluator: checked against the float64 reference, then timed like a tuning
 trial, only shorter). The faster is kept and stored in the user cache as a *checked* record (policy
 "checked"; `autofuse tune` replaces it with a tuned one), so later processes reuse the decision.
 
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from . import resolve, workspaces
+from . import ops, resolve, workspaces
 from .configs import Library
 from .device import interpreting
 from .errors import AutofuseError
 from .key import current_environment, m_bucket, make_key
-from .resolve import CHECKED, Choice
+from .resolve import CHECKED, Choice, heuristic_for
 from .store import Store, Winner
 
 logger = logging.getLogger("autofuse")
@@ -47,15 +47,18 @@ def pending(choices: dict[str, Choice]) -> bool:
 
 def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *,
             activation: str, bias: bool, residual: bool = False) -> Choice:
-    """`choice`, where tuning chose it, it is a library path, or checks are off; otherwise the faster of its
-    kernel and the op's library candidates, checked and stored now (or the eager library path, PENDING,
-    where no check can run now)."""
-    if choice.kernel is None or not choice.source.startswith(("nearest:", "heuristic")) or not enabled():
+    """`choice`, where tuning or a check chose it for this key, or checks are off; otherwise (a nearest
+    key's choice, the heuristic's) the fastest of a kernel — the nearest key's, or the heuristic's where
+    the nearest key chose a library path — and the op's library candidates, checked and stored now
+    (or the eager library path, PENDING, where no check can run now)."""
+    if not choice.source.startswith(("nearest:", "heuristic")) or not enabled():
         return choice
     if _cannot_time(device):
         return Choice(Library("eager"), PENDING)
     M = max(M, 1)
     key = make_key(op, N, K, m_bucket(M), dtype, activation, bias, residual, current_environment(device))
+    if choice.kernel is None:  # which library path is fastest also depends on the shape: compare here
+        choice = Choice(heuristic_for(ops.get(op), m_bucket(M), N, K, dtype, device), "heuristic")
     try:
         winner = _compare(key, M, choice, device)
     except AutofuseError as e:  # e.g. not enough memory to build the operands: the library path is safe
@@ -79,8 +82,7 @@ def _cannot_time(device: torch.device) -> bool:
 
 def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
     # Imported here, not at the top: the tuner is loaded only where a check runs.
-    from .tune.driver import Job, choose_winner
-    from .tune.objective import Evaluator
+    from .evaluator import Evaluator, choose_winner
 
     start = time.perf_counter()
     evaluator = Evaluator(key, M, device, quick=True)
@@ -93,7 +95,7 @@ def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
     if record.status != "ok":
         logger.warning("autofuse: %s's %s config %s failed its check (%s: %s); running a library path", key.op,
                        choice.source.split(":")[0], choice.kernel.short(), record.status, record.detail)
-    return choose_winner(Job(key, M, "first use"), {choice.kernel: record}, library_ms, choice.kernel,
+    return choose_winner(key, {choice.kernel: record}, library_ms, choice.kernel,
                          time.perf_counter() - start, CHECKED, times_mean_speed=not interpreting())
 
 

@@ -164,9 +164,9 @@ def ceilings() -> dict:
 
 
 def explore(keys) -> list[dict]:
+    from autofuse.evaluator import Evaluator
     from autofuse.key import current_environment, make_key
     from autofuse.timing import graph_replay_us
-    from autofuse.tune.objective import Evaluator
 
     device = torch.device("cuda")
     rows = []

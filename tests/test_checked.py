@@ -12,10 +12,10 @@ import torch
 
 import autofuse
 from autofuse import checked, launch, resolve, workspaces
+from autofuse import evaluator as objective
 from autofuse.configs import KernelConfig, Library
 from autofuse.reference import eager_mlp
 from autofuse.store import Store, TrialRecord
-from autofuse.tune import objective
 
 D, F_, M = 40, 72, 5
 
@@ -88,7 +88,7 @@ def test_a_second_process_reuses_the_decision_without_checking(device, monkeypat
             os.environ["TRITON_INTERPRET"] = "1"
         os.environ["AUTOFUSE_CHECK"] = "1"
         import autofuse
-        from autofuse.tune import objective
+        from autofuse import evaluator as objective
         def refuse(*args, **kwargs):
             raise SystemExit("a second check ran")
         objective.Evaluator.__init__ = refuse
@@ -140,3 +140,19 @@ def test_untuned_modules_are_not_checked(device):
     with torch.no_grad():
         mlp(torch.randn(M, D, device=device))
     assert set(mlp.config_sources(M).values()) == {"heuristic"} and list(Store().winners()) == []
+
+
+def test_a_nearest_keys_library_choice_is_checked_again_at_another_bucket(device, monkeypatch):
+    """Which path is fastest depends on M: a decision made at one bucket is a neighbour's, not this
+    bucket's, so it is compared again here (with the heuristic's kernel beside the library paths)."""
+    _fake_timer(monkeypatch, library_ms=1.0, kernel_ms=2.0)
+    mlp, _ = _mlp(device)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    assert mlp.config_for(M)["down"] == Library("eager")
+    _fake_timer(monkeypatch, library_ms=3.0, kernel_ms=2.0)
+    with torch.no_grad():
+        mlp(torch.randn(100, D, device=device))
+    assert mlp.config_sources(100) == {"gated_up": "checked", "down": "checked"}
+    assert all(isinstance(c, KernelConfig) for c in mlp.config_for(100).values())
+    assert len(list(Store().winners())) == 4  # two ops at two buckets

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from autofuse.configs import INTERPRETER_SPACE, KernelConfig, Library, SearchSpace
+from autofuse.evaluator import Evaluator
 from autofuse.key import current_environment, make_key
 from autofuse.ops import linear as linear_module
 from autofuse.ops.linear import linear
 from autofuse.store import Store, TrialRecord
 from autofuse.tune.driver import Job, tune_key
-from autofuse.tune.objective import Evaluator
 from autofuse.tune.policies import ExhaustivePolicy, OptunaPolicy, RandomPolicy
 from autofuse.tune.space import Problem, candidates, feasible
 

@@ -18,14 +18,14 @@ import torch
 
 from .. import ops
 from .. import resolve as resolve_module
-from ..configs import KernelConfig, Library
+from ..configs import KernelConfig
 from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
+from ..evaluator import Evaluator, choose_winner
 from ..key import TuningKey, current_environment, make_key
 from ..resolve import heuristic_for
 from ..resources import user_cache_dir
 from ..shapes import ShapeSet
 from ..store import Store, TrialRecord, Winner
-from .objective import Evaluator
 from .policies import POLICIES, Policy, make_policy
 from .progress import plural
 from .space import Problem
@@ -157,23 +157,6 @@ def _policy(name: str, key: TuningKey, problem: Problem, limit: int, interpret: 
     return make_policy(name, space or key.spec.search_space(interpret), problem, limit, interpret, seed)
 
 
-def choose_winner(job: Job, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
-                  policy: str, times_mean_speed: bool = True) -> Winner:
-    """The fastest correct kernel if it beats the fastest library candidate, else that library
-    candidate. Where times do not mean speed (the interpreter), the best kernel, so that tuning
-    there still exercises every kernel path."""
-    ok = [t for t in done.values() if t.status == "ok"]
-    best = min(ok, key=lambda t: t.time_ms) if ok else None
-    library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
-    heuristic_record = done.get(heuristic)
-    heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
-    if best is not None and (not times_mean_speed or best.time_ms < library_time):
-        config, time_ms = best.config, best.time_ms
-    else:
-        config, time_ms = Library(library), library_time
-    return Winner(job.key, config, time_ms, library_time, heuristic_ms, len(done), seconds, policy)
-
-
 def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
              time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
              progress: Callable[[Progress], None] | None = None) -> KeyResult:
@@ -184,7 +167,7 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
     done, library_ms, heuristic, resumed = run_trials(
         job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s, resume=resume, seed=seed,
         space=space, progress=progress)
-    winner = choose_winner(job, done, library_ms, heuristic, time.perf_counter() - start, policy,
+    winner = choose_winner(job.key, done, library_ms, heuristic, time.perf_counter() - start, policy,
                            times_mean_speed=not interpreting())
     store.put_winner(winner)
     failures: dict[str, int] = {}

@@ -1,4 +1,5 @@
-"""One key's trial objective: compile (time-limited), verify on fresh random inputs, then time.
+"""One key's trial objective (the tuner's, and a first-use check's: autofuse/checked.py): compile
+(time-limited), verify on fresh random inputs, then time.
 
 Every outcome is a TrialRecord: a time for a correct config, or a typed failure (compile error,
 out of resources, wrong result, timeout). Nothing a candidate does can crash the tuning run. The
@@ -15,14 +16,14 @@ from collections.abc import Callable
 
 import torch
 
-from .. import workspaces
-from ..configs import KernelConfig
-from ..device import cuda_index, interpreting
-from ..errors import AutofuseError
-from ..key import TuningKey
-from ..reference import ERROR_BOUNDS, relative_error
-from ..store import TrialRecord
-from ..timing import cpu_median_ms, gpu_median_ms, graph_replay_us
+from . import workspaces
+from .configs import KernelConfig, Library
+from .device import cuda_index, interpreting
+from .errors import AutofuseError
+from .key import TuningKey
+from .reference import ERROR_BOUNDS, relative_error
+from .store import TrialRecord, Winner
+from .timing import cpu_median_ms, gpu_median_ms, graph_replay_us
 
 logger = logging.getLogger("autofuse")
 
@@ -194,3 +195,20 @@ class Evaluator:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
+                  policy: str, times_mean_speed: bool = True) -> Winner:
+    """The fastest correct kernel if it beats the fastest library candidate, else that library
+    candidate. Where times do not mean speed (the interpreter), the best kernel, so that tuning
+    there still exercises every kernel path."""
+    ok = [t for t in done.values() if t.status == "ok"]
+    best = min(ok, key=lambda t: t.time_ms) if ok else None
+    library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
+    heuristic_record = done.get(heuristic)
+    heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
+    if best is not None and (not times_mean_speed or best.time_ms < library_time):
+        config, time_ms = best.config, best.time_ms
+    else:
+        config, time_ms = Library(library), library_time
+    return Winner(key, config, time_ms, library_time, heuristic_ms, len(done), seconds, policy)
