@@ -127,7 +127,10 @@ def main() -> None:
                     row = dict(kind=kind, **shape, **measure(providers, d_in, M))
                     row["sources"] = providers["autofuse"].config_sources(M)
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(f"{kind} {d_in}->{shape.get('d_ff', shape.get('out_features'))} {shape['activation']} "
+                          f"M={M}: ratio {row['ratio']:.3f} (autofuse {row['us']['autofuse']:.1f} us, best peer "
+                          f"{row['best_peer']} {row['us'][row['best_peer']]:.1f}); "
+                          f"{ {op: src.split(':')[0] for op, src in row['sources'].items()} }", flush=True)
                 del providers
                 torch._dynamo.reset()
     ratios = [r["ratio"] for r in rows]
