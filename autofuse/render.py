@@ -10,9 +10,11 @@ once per process and compiled once per config by Triton's own cache.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -179,6 +181,8 @@ def _kernel_folder() -> Path:
         return folder
     if _process_folder is None or not _private(_process_folder):
         _process_folder = Path(tempfile.mkdtemp(prefix="autofuse-kernels-"))
+        # This process's alone: removed when it exits, so that runs do not pile folders up in /tmp.
+        atexit.register(shutil.rmtree, _process_folder, ignore_errors=True)
     return _process_folder
 
 

@@ -106,3 +106,23 @@ def test_interpreted_kernel_matches_torch_for_float32():
     x = torch.randn(3, 16, device=device)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_process_kernel_folder_is_removed_when_the_process_exits():
+    """Where the user's kernels folder is not private, a process writes its kernels to a private temporary
+    folder of its own; that folder must not outlive the process (runs would pile them up in /tmp)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from pathlib import Path\n"
+        "import autofuse.render as r\n"
+        "r.generated_dir = lambda: Path('/proc/autofuse-not-writable')\n"
+        "folder = r._kernel_folder()\n"
+        "assert folder.is_dir() and folder.name.startswith('autofuse-kernels-')\n"
+        "print(folder)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not Path(done.stdout.strip()).exists()
