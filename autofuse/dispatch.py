@@ -14,7 +14,7 @@ from .key import MAX_M_BUCKET, m_bucket
 from .ops.gated_up import gated_up
 from .ops.linear import linear
 from .ops.mlp import MLP, mlp_decode
-from .resolve import Choice, generation, resolve, resolve_tuned
+from .resolve import CHECKED, Choice, generation, heuristic_for, resolve, resolve_tuned
 
 
 def table_key(M: int, weight: torch.Tensor) -> tuple:
@@ -43,8 +43,8 @@ def linear_choices(in_features: int, out_features: int, activation: str, bias: b
 
 def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
                 device: torch.device, tuned: bool) -> dict[str, Choice]:
-    """{"gated_up", "down"}, or {"mlp"} where the one-launch kernel was tuned faster than the two
-    tuned ops together (and than their library paths)."""
+    """{"gated_up", "down"}, or {"mlp"} where the one-launch kernel was tuned (or, beside two checked
+    ops, checked) faster than the two ops together (and than their library paths)."""
     pair = {
         "gated_up": resolve_checked("gated_up", M, d_ff, d_model, dtype, device, activation=activation, bias=bias,
                                     tuned=tuned),
@@ -53,6 +53,10 @@ def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dt
     if not tuned or M > MLP.max_m:
         return pair
     fused = resolve_tuned("mlp", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
+    if fused is None and all(c.source == CHECKED for c in pair.values()):
+        # The pair was decided by first-use checks: the one-launch kernel gets its check too.
+        heuristic = Choice(heuristic_for(MLP, m_bucket(M), d_ff, d_model, dtype, device), "heuristic")
+        fused = checked("mlp", heuristic, M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
     if fused is None or fused.kernel is None:
         return pair
     pair_ms = [c.time_ms for c in pair.values()]

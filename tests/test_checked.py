@@ -26,9 +26,10 @@ def _checks_on(monkeypatch):
     resolve.invalidate()
 
 
-def _fake_timer(monkeypatch, library_ms: float, kernel_ms: float):
+def _fake_timer(monkeypatch, library_ms: float, kernel_ms: float, one_launch_ms: float = 100.0):
     """Times as a GPU would report them (the interpreter's mean nothing): every library candidate at
-    library_ms, the kernel at kernel_ms once it has been checked correct on the real run."""
+    library_ms, the kernel at kernel_ms (the one-launch MLP's at one_launch_ms) once it has been checked
+    correct on the real run."""
     monkeypatch.setattr(checked, "interpreting", lambda: False)
     real_evaluate = objective.Evaluator.evaluate
     monkeypatch.setattr(objective.Evaluator, "library_ms",
@@ -37,7 +38,8 @@ def _fake_timer(monkeypatch, library_ms: float, kernel_ms: float):
 
     def evaluate(self, config):
         record = real_evaluate(self, config)  # compiled, verified and timed for real
-        return TrialRecord(config, record.status, kernel_ms if record.status == "ok" else None, record.detail)
+        ms = one_launch_ms if self.key.op == "mlp" else kernel_ms
+        return TrialRecord(config, record.status, ms if record.status == "ok" else None, record.detail)
     monkeypatch.setattr(objective.Evaluator, "evaluate", evaluate)
 
 
@@ -61,7 +63,8 @@ def test_the_first_eager_call_checks_and_keeps_the_faster(device, monkeypatch, l
     else:
         assert all(isinstance(c, KernelConfig) for c in chosen.values())
     stored = {w.key.op: w for w in Store().winners()}
-    assert set(stored) == {"gated_up", "down"} and all(w.policy == "checked" for w in stored.values())
+    # The one-launch MLP was checked too (it runs at M <= 64), and lost (100 ms on the fake timer).
+    assert set(stored) == {"gated_up", "down", "mlp"} and all(w.policy == "checked" for w in stored.values())
     assert stored["down"].config == chosen["down"]
 
 
@@ -155,4 +158,21 @@ def test_a_nearest_keys_library_choice_is_checked_again_at_another_bucket(device
         mlp(torch.randn(100, D, device=device))
     assert mlp.config_sources(100) == {"gated_up": "checked", "down": "checked"}
     assert all(isinstance(c, KernelConfig) for c in mlp.config_for(100).values())
-    assert len(list(Store().winners())) == 4  # two ops at two buckets
+    assert len(list(Store().winners())) == 5  # two ops at two buckets, and the one-launch MLP at M <= 64
+
+
+@pytest.mark.parametrize("one_launch_ms", [3.0, 5.0])
+def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkeypatch, one_launch_ms):
+    """At small M the one-launch MLP runs where its check timed it faster than the two checked ops
+    together (2 + 2 here) and than eager's MLP (10 here)."""
+    _fake_timer(monkeypatch, library_ms=10.0, kernel_ms=2.0, one_launch_ms=one_launch_ms)
+    mlp, w = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        out = mlp(x)
+    torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
+    if one_launch_ms < 4.0:
+        assert list(mlp.config_for(M)) == ["mlp"] and mlp.config_sources(M) == {"mlp": "checked"}
+    else:
+        assert list(mlp.config_for(M)) == ["gated_up", "down"]
+    assert {w.key.op for w in Store().winners()} == {"gated_up", "down", "mlp"}
