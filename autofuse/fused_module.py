@@ -1,0 +1,148 @@
+"""What the fused modules share (modules.py): the checks of a user's arguments, and the per-M config table
+with its bound entries (dispatch.BoundMLP / BoundLinear) and the last one kept for the next forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .checked import pending
+from .configs import KernelConfig, Library
+from .device import check_device
+from .dispatch import table_key
+from .errors import AutofuseError
+from .resolve import Choice, generation
+from .shapes import DTYPES
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    """A supported torch.dtype, also given by name ("bfloat16" or "torch.bfloat16")."""
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise AutofuseError(f"unsupported dtype {dtype!r}; autofuse supports torch.dtype {names} (or their names "
+                            "as strings)")
+    return dtype
+
+
+def check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AutofuseError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_device(device: object) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise AutofuseError(f"invalid device {device!r}: {e}") from None
+    check_device(device)
+    return device
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class FusedModule(nn.Module):
+    """Input checks and the per-M-bucket config table shared by the fused modules."""
+
+    in_features: int
+
+    def __init__(self, tuned: bool = True) -> None:
+        super().__init__()
+        self.tuned = tuned  # False: ignore tuned caches, always use the built-in heuristic
+        self._configs: dict[tuple, dict[str, Choice]] = {}
+        self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
+        self._last: tuple | None = None  # (M, residual, weight addresses, generation, entry): _entry
+
+    def _reference_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _rows_of(self, x: object, what: str, weight: torch.Tensor) -> int:
+        """How many rows x holds, after the checks that protect users. Runs on every forward: only
+        what depends on x. Whether autofuse can run on the weights' dtype and device is checked when
+        a config table entry is built (_config_table)."""
+        if not isinstance(x, torch.Tensor):
+            raise AutofuseError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
+        shape = x.shape
+        if not shape or shape[-1] != self.in_features:
+            raise AutofuseError(
+                f"expected input of shape (..., {self.in_features}) ({what}), got {tuple(shape)}"
+            )
+        if x.dtype != weight.dtype:
+            raise AutofuseError(
+                f"input dtype {x.dtype} does not match the module's {weight.dtype}; cast with .to({weight.dtype})"
+            )
+        if x.device != weight.device:
+            raise AutofuseError(f"input is on {x.device} but the module's weights are on {weight.device}")
+        return x.numel() // self.in_features
+
+    def _entry(self, M: int, weights: list, weight: torch.Tensor, residual: bool = False):
+        """The bound table entry (dispatch.BoundMLP / BoundLinear) for M rows: the last one again while
+        M, the weights' addresses and what was read of tuned configs stay the same (no key built)."""
+        last = self._last
+        current = generation()
+        if last is not None and last[0] == M and last[1] == residual and last[2] == weights and last[3] == current:
+            return last[4]
+        self._check_parameters()
+        entry = self._bound_table(M, weight, residual)
+        if not pending(entry.table):
+            self._last = (M, residual, weights, current, entry)
+        return entry
+
+    def _check_parameters(self) -> None:
+        """Checks of the parameters that need not run while they stay where they are."""
+
+    def _config_table(self, M: int, residual: bool = False) -> dict[str, Choice]:
+        """Choices for M, resolved once per (M, bucket, dtype, device): no disk access per forward.
+        M itself is part of the table key because a user may have tuned that exact token count."""
+        weight = self._reference_weight()
+        M = max(M, 1)  # an empty batch launches nothing; any config will do
+        key = (*self._table_key(M, weight), residual)
+        table = self._configs.get(key)
+        if table is None:
+            check_dtype(weight.dtype)
+            check_device(weight.device)
+            table = self._resolve(M, weight.dtype, weight.device, residual)
+            if not pending(table):  # a choice made while no check could run is made again next time
+                self._configs[key] = table
+        return table
+
+    _table_key = staticmethod(table_key)
+
+    def _bound_table(self, M: int, weight: torch.Tensor, residual: bool = False):
+        """The table entry for M as a callable that binds its launches on the first call (dispatch)."""
+        key = (*self._table_key(max(M, 1), weight), residual)
+        bound = self._bound.get(key)
+        if bound is None:
+            table = self._config_table(M, residual)
+            bound = self._bind(table, max(M, 1))
+            if not pending(table):
+                self._bound[key] = bound
+        return bound
+
+    def _bind(self, table: dict[str, Choice], M: int):
+        raise NotImplementedError
+
+    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
+        raise NotImplementedError
+
+    def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library]:
+        """What each of this module's ops runs for a batch of M rows: a KernelConfig, or a Library
+        path (e.g. Library("eager"), printed library:eager) where tuning found it faster."""
+        table = self._config_table(check_size("M", M), residual)
+        return {op: c.config for op, c in table.items()}
+
+    def config_sources(self, M: int, residual: bool = False) -> dict[str, str]:
+        """Where each config for M came from: user-cache, shipped:<file>, nearest:<key>, heuristic."""
+        return {op: c.source for op, c in self._config_table(check_size("M", M), residual).items()}
+
+    def clear_config_table(self) -> None:
+        """Resolve again on the next forward (a tune or `cache import` in this process is seen anyway)."""
+        self._configs.clear()
+        self._bound.clear()
+        self._last = None
