@@ -15,11 +15,10 @@ from torch import nn
 from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .checked import pending
-from .configs import KernelConfig
 from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, resolve_checked
 from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
-from .training import LinearFunction, MLPFunction
+from .training import LinearFunction, MLPFunction, TrainingLaunches
 
 
 class FusedLinear(FusedModule):
@@ -102,7 +101,7 @@ class FusedMLP(FusedModule):
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
-        self._training_table: dict[tuple, tuple[KernelConfig | None, KernelConfig | None]] = {}
+        self._training_table: dict[tuple, tuple] = {}  # table key -> (down, gated_bwd configs, launches)
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
@@ -129,9 +128,9 @@ class FusedMLP(FusedModule):
                                           self.tuned).reshape(out_shape)
         if needs_grad(x, *params):
             self._check_parameters()
-            down_config, backward_config = self._training_configs(M, wg)
+            down_config, backward_config, launches = self._training_configs(M, wg)
             return MLPFunction.apply(x.reshape(-1, self.d_model), *params, activation, down_config,
-                                     backward_config).reshape(out_shape)
+                                     backward_config, launches).reshape(out_shape)
         weights = addresses(params)
         return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
 
@@ -153,10 +152,11 @@ class FusedMLP(FusedModule):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
 
-    def _training_configs(self, M: int, weight: torch.Tensor) -> tuple[KernelConfig | None, KernelConfig | None]:
+    def _training_configs(self, M: int, weight: torch.Tensor) -> tuple:
         """For a forward that builds a graph (see training.MLPFunction): the down projection's config and
-        the gated backward kernel's (tuned with `autofuse tune --train`); None where tuning chose a
-        library path. Resolved once per table key, like the forward's."""
+        the gated backward kernel's (tuned with `autofuse tune --train`; None where tuning chose a
+        library path), and the entry's bound launches (training.TrainingLaunches, None while a choice
+        waits for its check). Resolved once per table key, like the forward's."""
         key = self._table_key(M, weight)
         if key not in self._training_table:
             bias = self.gate_proj.bias is not None
@@ -167,8 +167,8 @@ class FusedMLP(FusedModule):
             )
             configs = tuple(c.kernel for c in choices)
             if pending(dict(enumerate(choices))):
-                return configs
-            self._training_table[key] = configs
+                return (*configs, None)
+            self._training_table[key] = (*configs, TrainingLaunches(max(M, 1)))
         return self._training_table[key]
 
     def clear_config_table(self) -> None:

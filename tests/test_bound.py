@@ -224,3 +224,33 @@ def test_a_split_k_launch_bound_on_one_stream_replays_on_another_with_its_own_wo
         _assert_same(y, linear(x, w, None, None, "none", SPLIT), atomic=True)
     default = workspaces.stream_id(torch.device("cuda"))
     assert list(bound.other_streams) == [default] and bound.stream != default
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypatch):
+    """A module's training forward binds its two kernel launches (the pointwise H and the down
+    projection) on the first step and replays them on the next: the same outputs and gradients."""
+    replays = []
+    real = launch.BoundLaunch.__call__
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: replays.append(real(self, t)) or replays[-1])
+    mlp = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device, tuned=False)
+    x = torch.randn(5, 40, device=device).to(dtype)
+    results = []
+    for _ in range(2):
+        mlp.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = mlp(xi)
+        y.float().square().sum().backward()
+        results.append((y.detach(), xi.grad, mlp.down_proj.weight.grad.clone(), mlp.gate_proj.weight.grad.clone()))
+    assert replays and all(replays)  # the second step's launches replayed
+    for a, b in zip(*results):
+        _assert_same(a, b, atomic=True)
+    # A new down projection weight: bound again, not replayed with the old address.
+    mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 2)
+    from autofuse.training import _training_forward
+
+    params = (mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight,
+              mlp.down_proj.bias)
+    with torch.no_grad():  # the same training forward through the JIT, unbound
+        _, expected = _training_forward(x, *params, "gelu_tanh", mlp._training_configs(5, params[0])[0], None)
+    _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
