@@ -33,6 +33,9 @@ logger = logging.getLogger("autofuse")
 
 # The source of a choice made while no check could run: the eager library path, not memoised.
 PENDING = "library: not checked yet"
+# The source of a choice whose check failed (e.g. no memory for its operands): the eager library path for
+# the rest of the process, not stored (another process may have the memory).
+CHECK_FAILED = "library: the check failed"
 
 
 def enabled() -> bool:
@@ -61,10 +64,10 @@ def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype,
         choice = Choice(heuristic_for(ops.get(op), m_bucket(M), N, K, dtype, device), "heuristic")
     try:
         winner = _compare(key, M, choice, device)
-    except AutofuseError as e:  # e.g. not enough memory to build the operands: the library path is safe
-        logger.warning("autofuse: could not check %s's %s config (%s); running its eager library path", op,
-                       choice.source.split(":")[0], e)
-        return Choice(Library("eager"), PENDING)
+    except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
+        logger.warning("autofuse: could not check %s's %s config (%s: %s); running its eager library path", op,
+                       choice.source.split(":")[0], type(e).__name__, e)
+        return Choice(Library("eager"), CHECK_FAILED)
     try:
         Store().put_winner(winner)
     except AutofuseError as e:  # an unwritable cache: the decision holds for this process

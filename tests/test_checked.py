@@ -176,3 +176,25 @@ def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkey
     else:
         assert list(mlp.config_for(M)) == ["gated_up", "down"]
     assert {w.key.op for w in Store().winners()} == {"gated_up", "down", "mlp"}
+
+
+def test_a_check_that_fails_runs_the_library_path_once_and_stores_nothing(device, monkeypatch, caplog):
+    """A check that cannot run (here: no memory for its operands) must not fail the forward, nor be
+    retried on every forward: the eager library path runs for the rest of the process."""
+    from autofuse.errors import AutofuseError
+
+    attempts = []
+
+    def no_memory(*args, **kwargs):
+        attempts.append(1)
+        raise AutofuseError("gated_up with n=72, k=40 at M=5 needs about 9.0 GiB to tune; 1.0 GiB are free")
+    monkeypatch.setattr(objective.Evaluator, "__init__", no_memory)
+    mlp, w = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            out = mlp(x)
+    torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
+    assert mlp.config_sources(M) == {"gated_up": checked.CHECK_FAILED, "down": checked.CHECK_FAILED}
+    assert len(attempts) == 2 and list(Store().winners()) == []  # once per op, never stored
+    assert any("could not check" in r.getMessage() for r in caplog.records)
