@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .checked import pending
-from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, table_key
+from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
+from .launch import addresses
 from .training import sum_rows
 
 _entries: dict[tuple, object] = {}

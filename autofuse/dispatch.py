@@ -137,12 +137,6 @@ def _n_of(spec, operands: dict, k: int) -> int:
     raise ValueError(f"op {spec.name}: cannot tell n from operands {list(operands)}")
 
 
-def addresses(tensors) -> list[int]:
-    """What bound launches hold of a module's parameters: their addresses (a `.to()`, a new
-    Parameter or `.data =` moves them, and the launches are bound again)."""
-    return [t.data_ptr() for t in tensors if t is not None]
-
-
 def _replayable(inside_ops: bool) -> bool:
     # Entries of the modules replay outside torch.library ops (custom_ops.py keeps its own entries,
     # whose workspaces and H are allocated per call); none replays under a profiler (which wants
@@ -152,11 +146,6 @@ def _replayable(inside_ops: bool) -> bool:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def _only(recorded: list):
-    """The one launch an op recorded while binding, or None (a library path, or nothing bindable)."""
-    return recorded[0] if len(recorded) == 1 else None
 
 
 class BoundMLP:
@@ -177,7 +166,7 @@ class BoundMLP:
         self.hidden: tuple[int, torch.Tensor] | None = None  # (stream, H)
 
     def __call__(self, x: torch.Tensor, params: tuple, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
-        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd); weights: addresses(params)."""
+        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd); weights: launch.addresses(params)."""
         replayable = M == self.M and _replayable(self.inside_ops)
         if replayable and self.launches is not None and weights == self.weights:
             return self._replay(x, params, out_shape)
@@ -197,14 +186,14 @@ class BoundMLP:
         if "mlp" in table:
             with launch.binding() as recorded:
                 y = mlp_decode(x2d, wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel)
-            return y, {"mlp": _only(recorded)}
+            return y, {"mlp": launch.only_launch(recorded)}
         up, down = table["gated_up"], table["down"]
         with launch.binding() as up_launches:
             h = _gated_up(x2d, params, act, up)
         with launch.binding() as down_launches:
             y = _down(h, params, down)
-        return y, {"gated_up": None if up.kernel is None else _only(up_launches),
-                   "down": None if down.kernel is None else _only(down_launches)}
+        return y, {"gated_up": None if up.kernel is None else launch.only_launch(up_launches),
+                   "down": None if down.kernel is None else launch.only_launch(down_launches)}
 
     def _replay(self, x, params, out_shape) -> torch.Tensor:
         (wg, bg, wu, bu, wd, bd), act, table, launches = params, self.activation, self.table, self.launches
@@ -275,5 +264,5 @@ class BoundLinear:
             return run_linear(x2d, weight, bias, r2d, self.activation, self.table).reshape(out_shape)
         with launch.binding() as recorded:
             y = linear(x2d, weight, bias, r2d, self.activation, self.kernel)
-        self.launch, self.weights = _only(recorded), weights
+        self.launch, self.weights = launch.only_launch(recorded), weights
         return y.reshape(out_shape)

@@ -95,6 +95,17 @@ def binding():
         _recorded.reset(token)
 
 
+def only_launch(recorded: list) -> BoundLaunch | None:
+    """The one launch an op recorded while binding, or None (a library path, or nothing bindable)."""
+    return recorded[0] if len(recorded) == 1 else None
+
+
+def addresses(tensors) -> list[int]:
+    """What bound launches hold of a module's parameters: their addresses (a `.to()`, a new
+    Parameter or `.data =` moves them, and the launches are bound again)."""
+    return [t.data_ptr() for t in tensors if t is not None]
+
+
 def tma_config(config: KernelConfig, *operands: torch.Tensor) -> KernelConfig:
     """`config`, or its one-tile-per-program twin where TMA cannot read these operands: descriptors
     need sm_90+, a contiguous last dimension and 16-byte aligned bases and row strides."""

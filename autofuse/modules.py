@@ -15,9 +15,10 @@ from torch import nn
 from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .checked import pending
-from .dispatch import BoundLinear, BoundMLP, addresses, linear_choices, mlp_choices, resolve_checked
+from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, resolve_checked
 from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
+from .launch import addresses
 from .training import LinearFunction, MLPFunction, TrainingLaunches
 
 

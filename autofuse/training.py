@@ -98,7 +98,7 @@ class TrainingLaunches:
         with launch.binding() as recorded:
             first()
         if bound is None or weights != bound_weights:
-            self.launches[name] = (recorded[0] if len(recorded) == 1 else None, weights)
+            self.launches[name] = (launch.only_launch(recorded), weights)
 
 
 def _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
@@ -113,8 +113,8 @@ def _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation,
     if down_config is None:  # a library path: nothing to bind
         return gu, _project(h, w_down, b_down, None, None)
     y = h.new_empty((M, w_down.shape[0]))
-    weights = [w_down.data_ptr(), 0 if b_down is None else b_down.data_ptr()]
-    launches.run("down", {"x": h, "y": y}, weights, lambda: linear(h, w_down, b_down, None, "none", down_config, out=y))
+    launches.run("down", {"x": h, "y": y}, launch.addresses((w_down, b_down)),
+                 lambda: linear(h, w_down, b_down, None, "none", down_config, out=y))
     return gu, y
 
 
