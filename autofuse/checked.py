@@ -8,7 +8,8 @@ trial, only shorter). The faster is kept and stored in the user cache as a *chec
 
 While a CUDA graph captures, torch.compile traces, or a torch.library op runs (where timing would
 allocate in a graph's pool or run during tracing), an op without a decision runs its eager library
-path, and nothing is memoised: the next eager call checks.
+path; the modules do not keep such a table (their next eager call checks), the torch.library ops keep
+it until a check is remembered (resolve.remember moves the generation their entries are keyed on).
 
 Opt out with AUTOFUSE_CHECK=0: nearest and heuristic configs then run unchecked, as before.
 """
@@ -44,7 +45,7 @@ def enabled() -> bool:
 
 
 def pending(choices: dict[str, Choice]) -> bool:
-    """Whether a table holds a choice made without its check (and must not be memoised)."""
+    """Whether a table holds a choice made without its check (a module must not keep it)."""
     return any(c.source == PENDING for c in choices.values())
 
 

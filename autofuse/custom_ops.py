@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
-from .checked import pending
 from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
 from .launch import addresses
 from .training import sum_rows
@@ -34,10 +33,10 @@ def _entry(bind, choices, M: int, weight: torch.Tensor, problem: tuple, activati
     key = (choices, *table_key(M, weight), problem, tuned)
     entry = _entries.get(key)
     if entry is None:
+        # No check runs inside the ops: a table waiting for one (checked.PENDING) is kept too, and
+        # resolved again once an eager call's check is remembered (resolve.remember moves generation()).
         table = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
-        entry = bind(table, activation, max(M, 1), inside_ops=True)
-        if not pending(table):  # no check runs inside the ops: an eager call's check is seen next time
-            _entries[key] = entry
+        entry = _entries[key] = bind(table, activation, max(M, 1), inside_ops=True)
     return entry
 
 

@@ -132,19 +132,22 @@ def tuned_index() -> TunedIndex:
     return _indexes[where]
 
 
-def remember(winner) -> None:
-    """Add a winner just stored in the user cache (a first-use check's) to what this process has read,
-    without reading everything again (which invalidate() would make every module do)."""
-    index = tuned_index()
-    index.user[winner.key.id()] = winner
-    index.by_problem.setdefault(winner.key.problem(), []).append(winner)
-
-
 _generation = 0
 
 
+def remember(winner) -> None:
+    """Add a winner just stored in the user cache (a first-use check's) to what this process has read,
+    without reading everything again as invalidate() does; memos keyed on generation() (module
+    tables, the torch.library ops' entries, among them ones that waited for this check) resolve again."""
+    global _generation
+    index = tuned_index()
+    index.user[winner.key.id()] = winner
+    index.by_problem.setdefault(winner.key.problem(), []).append(winner)
+    _generation += 1
+
+
 def generation() -> int:
-    """How many times invalidate() ran: memos of resolved configs key on it (autofuse/ops.py)."""
+    """How many times invalidate() or remember() ran: memos of resolved configs key on it."""
     return _generation
 
 

@@ -1,7 +1,7 @@
 """First-use checks (autofuse/checked.py, issue 16): no kernel config that neither tuning nor a check
 compared on this GPU and key runs; the check's decision is stored once as a checked record and reused
 by later processes; where no check can run (inside the torch.library ops, capturing, tracing) the eager
-library path runs and nothing is memoised."""
+library path runs until a check has decided."""
 
 import subprocess
 import sys
@@ -107,17 +107,22 @@ def test_a_second_process_reuses_the_decision_without_checking(device, monkeypat
 
 def test_no_kernel_runs_for_an_unchecked_key_inside_the_library_ops(device, monkeypatch):
     """Inside torch.ops.autofuse.* (what torch.compile and CUDA-graph trees run) no check can run:
-    the eager library path runs, no Triton kernel is launched, nothing is stored or memoised; the next
-    eager call checks."""
-    launches = []
-    real_launch = launch.launch
+    the eager library path runs, no Triton kernel is launched, nothing is stored; the ops keep that
+    table (no resolve per call) until the next eager call checks, and then run what it decided."""
+    from autofuse import custom_ops
+
+    launches, resolved = [], []
+    real_launch, real_choices = launch.launch, custom_ops.mlp_choices
     monkeypatch.setattr(launch, "launch", lambda *a, **k: launches.append(a[0]) or real_launch(*a, **k))
+    monkeypatch.setattr(custom_ops, "mlp_choices", lambda *a: resolved.append(1) or real_choices(*a))
     mlp, w = _mlp(device)
     x = torch.randn(M, D, device=device)
     with torch.no_grad():
-        out = torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
+        for _ in range(2):
+            out = torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
     torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
     assert launches == [] and list(Store().winners()) == []
+    assert len(resolved) == 1  # the waiting table is kept: not resolved again on every call
     with workspaces.workspaces_per_call():
         assert mlp.config_sources(M) == {"gated_up": checked.PENDING, "down": checked.PENDING}
     _fake_timer(monkeypatch, library_ms=3.0, kernel_ms=2.0)
@@ -127,7 +132,7 @@ def test_no_kernel_runs_for_an_unchecked_key_inside_the_library_ops(device, monk
     launches.clear()
     with torch.no_grad():
         torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
-    assert len(launches) == 2  # the ops now run the checked kernels
+    assert len(launches) == 2 and len(resolved) == 2  # resolved again after the check: the checked kernels
 
 
 def test_checks_can_be_switched_off(device, monkeypatch):
