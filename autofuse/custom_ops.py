@@ -21,15 +21,21 @@ from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
 from .launch import addresses
+from .resolve import generation
 from .training import sum_rows
 
 _entries: dict[tuple, object] = {}
+_entries_generation = generation()  # what _entries were resolved under: older ones are dropped
 
 
 def _entry(bind, choices, M: int, weight: torch.Tensor, problem: tuple, activation: str, tuned: bool):
     """The bound entry (dispatch.BoundMLP / BoundLinear, made by `bind`) for choices(*problem, M, dtype,
     device, tuned), memoised like a module's (per M up to the largest bucket, then per bucket, and per
     resolve generation)."""
+    global _entries_generation
+    if generation() != _entries_generation:  # never used again, but holding weights and workspaces
+        _entries.clear()
+        _entries_generation = generation()
     key = (choices, *table_key(M, weight), problem, tuned)
     entry = _entries.get(key)
     if entry is None:

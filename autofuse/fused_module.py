@@ -58,6 +58,7 @@ class FusedModule(nn.Module):
         self._configs: dict[tuple, dict[str, Choice]] = {}
         self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
         self._last: tuple | None = None  # (M, residual, weight addresses, generation, entry): _entry
+        self._generation = generation()  # what the memos above were resolved under: _drop_stale
 
     def _reference_weight(self) -> torch.Tensor:
         raise NotImplementedError
@@ -97,11 +98,21 @@ class FusedModule(nn.Module):
     def _check_parameters(self) -> None:
         """Checks of the parameters that need not run while they stay where they are."""
 
+    def _drop_stale(self) -> None:
+        """Forget the memos resolved before generation() last moved (a tune, an import or a first-use
+        check since): keyed on the old generation they would never be used again, yet their bound
+        entries keep H buffers and weights alive."""
+        current = generation()
+        if current != self._generation:
+            self.clear_config_table()
+            self._generation = current
+
     def _config_table(self, M: int, residual: bool = False) -> dict[str, Choice]:
         """Choices for M, resolved once per (M, bucket, dtype, device): no disk access per forward.
         M itself is part of the table key because a user may have tuned that exact token count."""
         weight = self._reference_weight()
         M = max(M, 1)  # an empty batch launches nothing; any config will do
+        self._drop_stale()
         key = (*self._table_key(M, weight), residual)
         table = self._configs.get(key)
         if table is None:
@@ -116,6 +127,7 @@ class FusedModule(nn.Module):
 
     def _bound_table(self, M: int, weight: torch.Tensor, residual: bool = False):
         """The table entry for M as a callable that binds its launches on the first call (dispatch)."""
+        self._drop_stale()
         key = (*self._table_key(max(M, 1), weight), residual)
         bound = self._bound.get(key)
         if bound is None:

@@ -158,6 +158,7 @@ class FusedMLP(FusedModule):
         the gated backward kernel's (tuned with `autofuse tune --train`; None where tuning chose a
         library path), and the entry's bound launches (training.TrainingLaunches, None while a choice
         waits for its check). Resolved once per table key, like the forward's."""
+        self._drop_stale()
         key = self._table_key(M, weight)
         if key not in self._training_table:
             bias = self.gate_proj.bias is not None

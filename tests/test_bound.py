@@ -254,3 +254,22 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
     with torch.no_grad():  # the same training forward through the JIT, unbound
         _, expected = _training_forward(x, *params, "gelu_tanh", mlp._training_configs(5, params[0])[0], None)
     _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
+
+
+def test_memos_of_an_older_generation_are_dropped(device):
+    """After a tune, an import or a first-use check (resolve.generation() moves) the memos keyed on the
+    old generation would never be used again; they are dropped rather than keep H buffers and bound
+    weights alive."""
+    from autofuse import custom_ops, resolve
+
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device=device, tuned=False)
+    x = torch.randn(5, 40, device=device)
+    w = (mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None)
+    with torch.no_grad():
+        mlp(x)
+        torch.ops.autofuse.mlp(x, *w, "silu", False)
+        resolve.invalidate()
+        mlp(x)
+        torch.ops.autofuse.mlp(x, *w, "silu", False)
+    assert len(mlp._bound) == 1 and len(mlp._configs) == 1
+    assert len(custom_ops._entries) == 1
