@@ -32,7 +32,7 @@ from .store import Store, Winner
 
 logger = logging.getLogger("autofuse")
 
-# The source of a choice made while no check could run: the eager library path, not memoised.
+# The source of a choice made while no check could run: the eager library path until one has run.
 PENDING = "library: not checked yet"
 # The source of a choice whose check failed (e.g. no memory for its operands): the eager library path for
 # the rest of the process, not stored (another process may have the memory).
