@@ -39,6 +39,13 @@ PENDING = "library: not checked yet"
 CHECK_FAILED = "library: the check failed"
 
 
+# A check times each candidate once and briefly (the evaluator's quick timings), so a kernel must beat the
+# fastest library path by this fraction of its time to be chosen: on a near-tie the library path, which
+# the user's PyTorch runs anyway, is the safe choice. Sized from how far a check's times and the same
+# paths timed side by side later differed (benchmarks/RESULTS.md, issue 16).
+CHECK_MARGIN = 0.03
+
+
 def enabled() -> bool:
     """Whether first-use checks run (read at a check, never per call)."""
     return os.environ.get("AUTOFUSE_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -100,7 +107,8 @@ def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
         logger.warning("autofuse: %s's %s config %s failed its check (%s: %s); running a library path", key.op,
                        choice.source.split(":")[0], choice.kernel.short(), record.status, record.detail)
     return choose_winner(key, {choice.kernel: record}, library_ms, choice.kernel,
-                         time.perf_counter() - start, CHECKED, times_mean_speed=not interpreting())
+                         time.perf_counter() - start, CHECKED, times_mean_speed=not interpreting(),
+                         kernel_margin=CHECK_MARGIN)
 
 
 def _ms(value: float) -> str:

@@ -198,16 +198,16 @@ class Evaluator:
 
 
 def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
-                  policy: str, times_mean_speed: bool = True) -> Winner:
-    """The fastest correct kernel if it beats the fastest library candidate, else that library
-    candidate. Where times do not mean speed (the interpreter), the best kernel, so that tuning
-    there still exercises every kernel path."""
+                  policy: str, times_mean_speed: bool = True, kernel_margin: float = 0.0) -> Winner:
+    """The fastest correct kernel if it beats the fastest library candidate by more than `kernel_margin`
+    (a fraction of the library's time), else that library candidate. Where times do not mean speed
+    (the interpreter), the best kernel, so that tuning there still exercises every kernel path."""
     ok = [t for t in done.values() if t.status == "ok"]
     best = min(ok, key=lambda t: t.time_ms) if ok else None
     library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
     heuristic_record = done.get(heuristic)
     heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
-    if best is not None and (not times_mean_speed or best.time_ms < library_time):
+    if best is not None and (not times_mean_speed or best.time_ms < library_time * (1 - kernel_margin)):
         config, time_ms = best.config, best.time_ms
     else:
         config, time_ms = Library(library), library_time

@@ -20,6 +20,7 @@ from .activations import GATED_ACTIVATIONS
 from .device import interpreting
 from .errors import AutofuseError
 from .modules import FusedMLP
+from .padding import contiguous_state
 
 logger = logging.getLogger("autofuse")
 
@@ -108,10 +109,17 @@ class FusedHFMLP(nn.Module):
         fused = FusedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, activation=activation,
                          dtype=gate.weight.dtype, device=torch.device("meta"))
         fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the meta placeholders are dropped
+        fused._lay_out()  # padded storage where d_ff needs it (padding.py)
         # Not registered as submodules: their parameters are already registered above, once.
         object.__setattr__(self, "_fused", fused)
         object.__setattr__(self, "_original", original)
         self.activation = activation
+        self._register_state_dict_hook(contiguous_state)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._fused._lay_out()  # `.to()` copied the parameters into plain tensors
+        return module
 
     def _needs_original(self, x: torch.Tensor) -> bool:
         weight = self._fused.gate_proj.weight

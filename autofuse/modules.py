@@ -19,6 +19,7 @@ from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, resolv
 from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
+from .padding import PaddedLayout, contiguous_state, lay_out
 from .training import LinearFunction, MLPFunction, TrainingLaunches
 
 
@@ -106,12 +107,38 @@ class FusedMLP(FusedModule):
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
+        # A d_ff whose rows are not 16-byte aligned: the parameters live in padded storage (padding.py)
+        # and inference runs at the padded width, d_ff_run.
+        self._layout: PaddedLayout | None = None
+        self.d_ff_run = d_ff
+        self._lay_out()
+        self._register_state_dict_hook(contiguous_state)
+
+    def _lay_out(self) -> None:
+        """Keeps the parameters in padded storage where d_ff needs it: made here, and again after
+        `.to()` / `.half()` (nn.Module._apply), which copy them into plain tensors."""
+        try:
+            params = self._params()
+        except AutofuseError:
+            return  # the forward says what is wrong
+        if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
+            return
+        self._layout = lay_out(self.gate_proj, self.up_proj, self.down_proj)
+        self.d_ff_run = self.d_ff if self._layout is None else self._layout.width
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._lay_out()
+        return module
 
     def _reference_weight(self) -> torch.Tensor:
         return self.gate_proj.weight
 
+    def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
+        return (*super()._table_key(M, weight), self.d_ff_run)
+
     def _resolve(self, M, dtype, device, residual):
-        return mlp_choices(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, M, dtype,
+        return mlp_choices(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M, dtype,
                            device, self.tuned)
 
     def _bind(self, table, M):
@@ -133,6 +160,11 @@ class FusedMLP(FusedModule):
             return MLPFunction.apply(x.reshape(-1, self.d_model), *params, activation, down_config,
                                      backward_config, launches).reshape(out_shape)
         weights = addresses(params)
+        layout = self._layout
+        if layout is not None:
+            widened = layout.widen(params, weights)
+            self.d_ff_run = self.d_ff if widened is None else layout.width
+            params = widened or params
         return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
 
     def _params(self) -> tuple:

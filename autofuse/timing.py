@@ -64,11 +64,8 @@ def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25
     return text.getvalue()
 
 
-def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_graph: int = 10) -> float:
-    """Median GPU time of one call replayed from a CUDA graph (launch gaps removed), via CUDA events.
-
-    The graph holds `calls_per_graph` back-to-back calls so the events' ~1 us resolution does not
-    dominate a few-microsecond forward."""
+def _captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
+    """`calls_per_graph` back-to-back calls of fn captured in a CUDA graph, warmed up."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -81,15 +78,38 @@ def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_grap
             fn()
     for _ in range(5):
         graph.replay()
-    samples = []
+    return graph
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, calls_per_graph: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls_per_graph
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_graph: int = 10) -> float:
+    """Median GPU time of one call replayed from a CUDA graph (launch gaps removed), via CUDA events.
+
+    The graph holds `calls_per_graph` back-to-back calls so the events' ~1 us resolution does not
+    dominate a few-microsecond forward."""
+    graph = _captured(fn, calls_per_graph)
+    return statistics.median(_replay_us(graph, calls_per_graph) for _ in range(replays))
+
+
+def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int = 100,
+                             calls_per_graph: int = 10) -> dict[str, float]:
+    """graph_replay_us of several functions side by side: every graph is captured first, then each is
+    replayed once per round, so that a drift of clocks or temperature during the measurement falls on
+    all of them alike instead of on whichever was timed last."""
+    graphs = {name: _captured(fn, calls_per_graph) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
-    return statistics.median(samples)
+        for name, graph in graphs.items():
+            samples[name].append(_replay_us(graph, calls_per_graph))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def cpu_median_ms(fn: Callable[[], object], repeats: int = 3) -> float:

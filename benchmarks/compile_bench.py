@@ -83,6 +83,12 @@ def _models(layers: int):
     return _Stack(mlps), eager
 
 
+def _in_function(module):
+    def call(x):
+        return module(x)
+    return call
+
+
 def _graphed(model, x):
     """model(x) captured once in a torch.cuda.graph with x as its static input; the returned
     function copies its argument in and replays."""
@@ -149,6 +155,10 @@ def main() -> None:
             "eager nn.Module, compile reduce-overhead": torch.compile(_EagerStack(model.mlps), mode="reduce-overhead"),
             "autofuse": model,
             "autofuse, compile reduce-overhead": compiled,
+            # The module called from a compiled function, as the eager function is: tells the cost of
+            # compiling an nn.Module at its top from a cost of autofuse's op.
+            "autofuse in a function, compile reduce-overhead": torch.compile(_in_function(model),
+                                                                              mode="reduce-overhead"),
         }
         with torch.no_grad():
             for M in (1, 16):

@@ -6,15 +6,16 @@ Shapes come from a seeded generator (d_model 512-8192, d_ff 1-8x d_model, some n
 64; activations gelu_tanh / silu, Linear with a bias and gelu_tanh), none of them in the shipped files.
 Run it with an empty user cache (AUTOFUSE_CACHE_DIR pointing at a fresh folder): every config autofuse
 runs then comes from a first-use check (autofuse/checked.py), a shipped file or a library path. Per
-shape and M: CUDA-graph-replayed GPU time (median of replays of 10 back-to-back calls) of eager
-PyTorch, torch.compile (default mode), Liger (where installed; gated MLPs) and autofuse, all in this
-process; the ratio is the best peer's time over autofuse's (>= 1: autofuse at least as fast).
+shape and M: CUDA-graph-replayed GPU time (median of replays of 10 back-to-back calls, the providers
+replayed in turn) of eager PyTorch, torch.compile (default mode), Liger (where installed; gated MLPs)
+and autofuse, all in this process; the ratio is the best peer's time over autofuse's (>= 1: autofuse at least as fast).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -28,7 +29,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_linear, eager_mlp
-from autofuse.timing import graph_replay_us
+from autofuse.timing import graph_replay_round_robin
 
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
@@ -69,7 +70,10 @@ def mlp_providers(shape: dict, liger) -> dict:
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-    wg, wu, wd = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+    # The peers run on plain parameters, as a PyTorch model holds them (autofuse keeps an odd d_ff's
+    # in padded storage, autofuse/padding.py; contiguous() copies only those).
+    wg, wu, wd = (p.detach().contiguous() for p in (module.gate_proj.weight, module.up_proj.weight,
+                                                     module.down_proj.weight))
 
     def eager(x):
         return eager_mlp(x, wg, wu, wd, activation=act)
@@ -95,11 +99,12 @@ def linear_providers(shape: dict) -> dict:
 def measure(providers: dict, d_in: int, M: int) -> dict:
     x = torch.randn(M, d_in, device="cuda", dtype=torch.bfloat16)
     ref = providers["eager"](x).float()
-    times, errors = {}, {}
+    errors = {}
     for name, fn in providers.items():
         out = fn(x)  # first calls: compile, first-use checks
         errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        times[name] = graph_replay_us(lambda fn=fn: fn(x), replays=20 if M >= 1000 else 50)
+    times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()},
+                                     replays=20 if M >= 1000 else 50)
     peers = {k: v for k, v in times.items() if k != "autofuse"}
     best = min(peers, key=peers.get)
     return dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
@@ -113,6 +118,11 @@ def main() -> None:
     parser.add_argument("--linears", type=int, default=4)
     parser.add_argument("--tokens", default="1,2,5,16,48,77,128,300,1000,2048,5000")
     args = parser.parse_args()
+    # The first-use checks' decisions, with the times they compared (autofuse/checked.py).
+    handler = logging.FileHandler(Path(args.out, "checks.log"))
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("autofuse").addHandler(handler)
+    logging.getLogger("autofuse").setLevel(logging.INFO)
     tokens = [int(t) for t in args.tokens.split(",")]
     gated, linear = draw_shapes(args.seed, args.mlps, args.linears)
     liger = _liger_gate()
@@ -126,6 +136,7 @@ def main() -> None:
                 for M in tokens:
                     row = dict(kind=kind, **shape, **measure(providers, d_in, M))
                     row["sources"] = providers["autofuse"].config_sources(M)
+                    row["choices"] = {op: c.short() for op, c in providers["autofuse"].config_for(M).items()}
                     rows.append(row)
                     print(f"{kind} {d_in}->{shape.get('d_ff', shape.get('out_features'))} {shape['activation']} "
                           f"M={M}: ratio {row['ratio']:.3f} (autofuse {row['us']['autofuse']:.1f} us, best peer "
@@ -133,20 +144,28 @@ def main() -> None:
                           f"{ {op: src.split(':')[0] for op, src in row['sources'].items()} }", flush=True)
                 del providers
                 torch._dynamo.reset()
-    ratios = [r["ratio"] for r in rows]
-    small = [r["ratio"] for r in rows if r["M"] <= 128]
-    large = [r["ratio"] for r in rows if r["M"] >= 1024]
-
-    def geomean(v):
-        return math.exp(statistics.fmean(map(math.log, v))) if v else float("nan")
-
-    summary = dict(points=len(rows), min_ratio=min(ratios), below_0_97=sum(r < 0.97 for r in ratios),
-                   geomean_m_le_128=geomean(small), geomean_m_ge_1024=geomean(large),
-                   seconds=time.perf_counter() - start)
+                _write(args, liger, rows, start)
+    summary = _write(args, liger, rows, start)
     print(json.dumps(summary), flush=True)
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(map(math.log, values))) if values else float("nan")
+
+
+def _write(args, liger, rows: list[dict], start: float) -> dict:
+    """never_slower.json with the rows so far: written after every shape, so that a run cut short by a
+    time limit still leaves what it measured."""
+    ratios = [r["ratio"] for r in rows]
+    summary = dict(points=len(rows), min_ratio=min(ratios, default=float("nan")),
+                   below_0_97=sum(r < 0.97 for r in ratios),
+                   geomean_m_le_128=_geomean([r["ratio"] for r in rows if r["M"] <= 128]),
+                   geomean_m_ge_1024=_geomean([r["ratio"] for r in rows if r["M"] >= 1024]),
+                   seconds=time.perf_counter() - start)
     Path(args.out, "never_slower.json").write_text(json.dumps(dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         seed=args.seed, liger=liger is not None, summary=summary, rows=rows), indent=1))
+    return summary
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ by element, and at decode sizes reading the weight is all the kernel does. Test:
 kernel and config on W [2048, F] for F = 8192 (aligned), 8191 (unaligned rows) and 8191 stored with
 a row stride of 8192 (a view of padded storage: the same values, aligned rows); and the gated
 up-projection with d_model 2047 against 2047 in padded storage. do_bench medians, bf16, M = 1 and 77.
+
+Then the fix (autofuse/padding.py): whole gated MLPs 2048 -> F at the heuristic's configs (tuned=False, no
+first-use check, so the Triton kernels run whatever their speed): F = 8192, and F = 8191 as get_mlp lays it
+out (padded storage, run at 8256) and on plain parameters (the layout given up), beside eager PyTorch
+on plain 8191 parameters.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from pathlib import Path
 import torch
 import triton
 
+import autofuse
 from autofuse import ops
 from autofuse.ops.gated_up import gated_up
 from autofuse.ops.linear import linear
+from autofuse.reference import eager_mlp
 from autofuse.resolve import heuristic_for
 
 
@@ -56,6 +63,25 @@ def main() -> None:
             ms = triton.testing.do_bench(lambda: gated_up(x, wg, wu, None, None, "silu", config),
                                          return_mode="median")
             rows.append(dict(op="gated_up", M=M, weight=label, config=config.short(), kernel_us=ms * 1e3))
+            print(json.dumps(rows[-1]), flush=True)
+    for M in (1, 77):
+        for label, F_ in (("mlp 2048->8192", 8192), ("mlp 2048->8191 padded", 8191),
+                          ("mlp 2048->8191 plain", 8191)):
+            module = autofuse.get_mlp(2048, F_, activation="silu", tuned=False)
+            if label.endswith("plain"):
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p.data = p.detach().contiguous()
+            x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                module(x)
+                ms = triton.testing.do_bench(lambda: module(x), return_mode="median")
+                params = [p.detach().contiguous() for p in (module.gate_proj.weight, module.up_proj.weight,
+                                                            module.down_proj.weight)]
+                eager = triton.testing.do_bench(lambda: eager_mlp(x, *params, activation="silu"),
+                                                return_mode="median")
+            rows.append(dict(op="mlp", M=M, weight=label, d_ff_run=module.d_ff_run, module_us=ms * 1e3,
+                             eager_plain_us=eager * 1e3, configs={k: str(v) for k, v in module.config_for(M).items()}))
             print(json.dumps(rows[-1]), flush=True)
     Path(args.out, "unaligned_probe.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
                                                                       rows=rows), indent=1))

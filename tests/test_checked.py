@@ -68,6 +68,15 @@ def test_the_first_eager_call_checks_and_keeps_the_faster(device, monkeypatch, l
     assert stored["down"].config == chosen["down"]
 
 
+def test_a_near_tie_goes_to_the_library_path(device, monkeypatch):
+    # A check's brief timings cannot tell 2% apart: a kernel must beat the library by CHECK_MARGIN.
+    _fake_timer(monkeypatch, library_ms=1.0, kernel_ms=1.0 - checked.CHECK_MARGIN / 2)
+    mlp, _ = _mlp(device)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    assert mlp.config_for(M) == {"gated_up": Library("eager"), "down": Library("eager")}
+
+
 def test_a_wrong_kernel_loses_its_check(device, monkeypatch):
     _fake_timer(monkeypatch, library_ms=5.0, kernel_ms=1.0)
     real = objective.Evaluator.evaluate

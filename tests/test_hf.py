@@ -27,9 +27,9 @@ def _gemma(**extra):
 
 
 def _llama(**extra):
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                      **extra)
+    config = transformers.LlamaConfig(**{**dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                 max_position_embeddings=64), **extra})
     return transformers.LlamaForCausalLM(config)
 
 
@@ -81,6 +81,22 @@ def test_fused_modules_share_the_original_parameters_and_state_dict_keys(device)
     with torch.no_grad():  # an in-place weight change is seen by the fused forward: nothing was copied
         block.up_proj.weight.mul_(0)
         assert torch.count_nonzero(block(torch.randn(3, 64, device=device))) == 0
+
+
+def test_an_odd_intermediate_size_runs_in_padded_storage(device):
+    # d_ff 93: rows of the down projection not 16-byte aligned; fuse lays the shared parameters out in
+    # padded storage (autofuse/padding.py), values and state_dict unchanged, kept through .to().
+    torch.manual_seed(0)
+    model = _llama(intermediate_size=93).to(device).eval()
+    ids = torch.randint(0, 128, (2, 9), device=device)
+    before, state = _logits(model, ids), {k: v.clone() for k, v in model.state_dict().items()}
+    autofuse.fuse(model, verbose=False)
+    model = model.to(torch.bfloat16).to(torch.float32)
+    down = model.model.layers[0].mlp.down_proj.weight
+    assert down.shape == (64, 93) and down.stride() == (128, 1)
+    after_state = model.state_dict()
+    assert list(after_state) == list(state) and all(t.is_contiguous() for t in after_state.values())
+    assert relative_error(_logits(model, ids), before.double()) <= LOGIT_BOUNDS[torch.bfloat16]
 
 
 def test_generate_gives_the_same_tokens(device):
