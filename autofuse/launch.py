@@ -165,12 +165,12 @@ def persistent_launch(kernel: Kernel, M: int, N: int, config: KernelConfig, devi
 
 
 def launch_gemm(kernel: Kernel, M: int, N: int, K: int, config: KernelConfig, device: torch.device, tensors: dict,
-                accumulators: int) -> None:
+                accumulators: int, **tma_constexprs: int) -> None:
     """Launch a GEMM-shaped kernel over an [M, N] output: persistent over TMA descriptors where the
-    config says so, else one tile per program, with split-K's workspace for `accumulators` float32
-    partial sums per output element."""
+    config says so (with the op's `tma_constexprs`), else one tile per program, with split-K's
+    workspace for `accumulators` float32 partial sums per output element."""
     if config.tma:
-        persistent_launch(kernel, M, N, config, device, tensors, (M, N, K))
+        persistent_launch(kernel, M, N, config, device, tensors, (M, N, K), **tma_constexprs)
     else:
         launch(kernel, grid(M, N, config), tensors, (M, N, K), launch_options(config),
                split_k_workspace(M, N, accumulators, config.split_k, tiles(M, N, config), device))

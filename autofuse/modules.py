@@ -187,8 +187,8 @@ class FusedMLP(FusedModule):
 
     def _training_configs(self, M: int, weight: torch.Tensor) -> tuple:
         """For a forward that builds a graph (see training.MLPFunction): the down projection's config and
-        the gated backward kernel's (tuned with `autofuse tune --train`; None where tuning chose a
-        library path), and the entry's bound launches (training.TrainingLaunches, None while a choice
+        the gated backward's (tuned with `autofuse tune --train`: a KernelConfig, or the Library path that
+        tuning or a check chose), and the entry's bound launches (training.TrainingLaunches, None while a choice
         waits for its check). Resolved once per table key, like the forward's."""
         self._drop_stale()
         key = self._table_key(M, weight)
@@ -199,7 +199,8 @@ class FusedMLP(FusedModule):
                 resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common),
                 resolve_checked("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common),
             )
-            configs = tuple(c.kernel for c in choices)
+            # The down projection's kernel (None: its library path); the backward's kernel or library path.
+            configs = (choices[0].kernel, choices[1].config)
             if pending(dict(enumerate(choices))):
                 return (*configs, None)
             self._training_table[key] = (*configs, TrainingLaunches(max(M, 1)))

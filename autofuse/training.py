@@ -26,7 +26,7 @@ from . import launch
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .configs import KernelConfig
 from .ops.gated_act import gated_activation
-from .ops.gated_bwd import gated_backward, gated_backward_eager
+from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_up import pre_activations
 from .ops.linear import linear
 
@@ -142,10 +142,12 @@ class MLPFunction(torch.autograd.Function):
         x, gu, w_gate, w_up, w_down = ctx.saved_tensors
         dy = dy.contiguous()
         F_ = w_gate.shape[0]
-        if ctx.backward_config is None:  # tuning chose the library path for this shape
-            dgu, h = gated_backward_eager(dy, gu, w_down, ctx.activation)
-        else:
-            dgu, h = gated_backward(dy, gu, w_down, ctx.activation, ctx.backward_config, out=(gu, None))
+        config = ctx.backward_config
+        if isinstance(config, KernelConfig):
+            dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
+        else:  # a library path (None: eager), where tuning or a check chose one for this shape
+            library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
+            dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
         dw_down = dy.t() @ h if need[5] else None
         del h  # first, so that the [M, F] H is freed before the next GEMMs allocate

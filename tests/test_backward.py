@@ -7,9 +7,10 @@ from _helpers import DTYPES, relative_error
 
 import autofuse
 from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS
-from autofuse.configs import KernelConfig
+from autofuse.configs import KernelConfig, Library
+from autofuse.ops import gated_bwd
 from autofuse.ops.gated_act import gated_activation
-from autofuse.ops.gated_bwd import gated_backward, gated_backward_eager
+from autofuse.ops.gated_bwd import gated_backward, gated_backward_cublas, gated_backward_eager
 
 # Norm-relative error allowed for a gradient against float64. A gradient passes through several
 # roundings in the dtype (the upstream gradient, dH, dG/dU, the GEMM outputs), each up to one unit
@@ -238,6 +239,51 @@ def test_gated_activation_kernel(dtype, activation, device):
     eager = TORCH_ACTIVATIONS[activation](gu[:, :F_]) * gu[:, F_:]
     # One rounding of a float32 result to the dtype: at most eager's error (which rounds twice).
     assert relative_error(h, ref) <= relative_error(eager, ref) + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("in_place", [False, True], ids=["new", "in_place"])
+def test_gated_gradient_pass(dtype, activation, in_place, device):
+    # The backward's library path: cuBLAS dH, then this one pointwise pass for dG | dU and H, over ragged
+    # edges and, as the training backward runs it, writing dG | dU over the saved [G | U].
+    M, F_, D = 37, 72, 40
+    gu = _saved_pre_activations(M, F_, dtype, device)
+    dy = torch.randn(M, D, dtype=dtype, device=device)
+    w_down = torch.randn(D, F_, dtype=dtype, device=device) / D**0.5
+    dgu_ref, h_ref = gated_backward_eager(dy.double(), gu.double(), w_down.double(), activation)
+    dgu_eager, h_eager = gated_backward_eager(dy, gu, w_down, activation)
+    dgu, h = gated_backward_cublas(dy, gu.clone() if not in_place else gu, w_down, activation,
+                                   out=(gu, None) if in_place else None)
+    if in_place:
+        assert dgu.data_ptr() == gu.data_ptr()
+    # One rounding of each float32 result (dH is rounded once more by the GEMM, as in eager).
+    for got, eager, ref in ((dgu, dgu_eager, dgu_ref), (h, h_eager, h_ref)):
+        assert relative_error(got, ref) <= 1.25 * relative_error(eager, ref) + 1e-6
+
+
+@pytest.mark.parametrize("library", ["eager", "cublas_gated_grad"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mlp_gradients_through_each_library_backward(library, dtype, device, monkeypatch):
+    # Where tuning or a check chose a library path for the backward, training.MLPFunction runs that one.
+    module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
+    real = module._training_configs
+
+    def with_library(M, weight):
+        down, _, launches = real(M, weight)
+        return down, Library(library), launches
+    monkeypatch.setattr(module, "_training_configs", with_library)
+    ran = []
+    monkeypatch.setitem(gated_bwd.LIBRARY_BACKWARDS, library,
+                        lambda *a, _run=gated_bwd.LIBRARY_BACKWARDS[library], **k: ran.append(1) or _run(*a, **k))
+    x = torch.randn(39, 40, dtype=dtype, device=device)
+    dy = torch.randn(39, 40, dtype=dtype, device=device)
+    params = _mlp_params(module)
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    got = _module_grads(module, x, dy, names)
+    assert ran == [1]
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
+    _check_grads(got, ref, _grads(params, x, _mlp_fn("gelu_tanh"), dy), dtype)
 
 
 def test_a_second_backward_through_one_forward_is_refused_clearly(device):

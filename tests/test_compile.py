@@ -50,6 +50,12 @@ CASES = [
          block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
     dict(spec=_spec("gated_up", "gelu", split_k=True), dtype="bfloat16", capability=80,
          block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
+    dict(spec=_spec("gated_grad", "gelu_tanh"), dtype="bfloat16", capability=90,
+         block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
+    dict(spec=_spec("gated_pairs", "gelu_tanh", tma=True), dtype="bfloat16", capability=90,
+         block=(128, 256, 64), split_k=1, num_warps=8, num_stages=3),
+    dict(spec=_spec("gated_pairs", "silu", bias=True, even_k=False, split_k=True), dtype="bfloat16", capability=80,
+         block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
 ]
 
 
@@ -73,17 +79,18 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
     big = [c for c in compiled if c["capability"] == 90 and c["block"][0] == 128 and c["dtype"] != "float32"]
     assert big and all(c["wgmma"] for c in big), big
     ampere = [c for c in compiled if c["capability"] == 80]
-    assert len(ampere) == 2 and all(c["mma"] and not c["wgmma"] for c in ampere), ampere
+    assert len(ampere) == 3 and all(c["mma"] and not c["wgmma"] for c in ampere), ampere
 
 
 def test_split_k_kernels_are_named_for_profilers(compiled):
     assert {c["kernel"] for c in compiled if "mlp_" in c["kernel"]} == {
         "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias"}
     assert {c["kernel"] for c in compiled if "splitk" in c["kernel"]} == {
-        "autofuse_linear_none_splitk", "autofuse_gated_up_silu_bias_splitk", "autofuse_gated_up_gelu_splitk"}
+        "autofuse_linear_none_splitk", "autofuse_gated_up_silu_bias_splitk", "autofuse_gated_up_gelu_splitk",
+        "autofuse_gated_pairs_silu_bias_splitk"}
 
 
 def test_tma_kernels_use_the_tensor_copy_engine(compiled):
     tma = [c for c in compiled if c["kernel"].endswith("_tma")]
-    assert len(tma) == 5 and all(c["tma_loads"] for c in tma), tma
+    assert len(tma) == 6 and all(c["tma_loads"] for c in tma), tma
     assert not any(c["tma_loads"] for c in compiled if not c["kernel"].endswith("_tma"))

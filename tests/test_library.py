@@ -23,7 +23,7 @@ def _operands(spec, n, k, M, bias, dtype, device):
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_library_candidate_is_correct(device, dtype, activation, bias):
-    for name in ("gated_up", "mlp", "linear", "down"):
+    for name in ("gated_up", "mlp", "linear", "down", "gated_bwd"):
         spec = ops.get(name)
         act = activation if activation in spec.activations else spec.activations[0]
         operands = _operands(spec, 72, 40, 5, bias, dtype, device)
@@ -34,6 +34,7 @@ def test_every_library_candidate_is_correct(device, dtype, activation, bias):
             # One rounding of the output (and of H, for the whole MLP) in the dtype: reference.ERROR_BOUNDS.
             assert out.shape == ref.shape and relative_error(out, ref) <= ERROR_BOUNDS[dtype], (name, candidate)
     assert list(ops.get("gated_up").library) == ["eager", "cublas_gated_act"]
+    assert list(ops.get("gated_bwd").library) == ["eager", "cublas_gated_grad"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -16,6 +16,8 @@ from ..opspec import Operand, OpSpec
 from ..render import KernelSpec, render
 from .gated_act import GATED_ACT
 from .gated_bwd import GATED_BWD
+from .gated_grad import GATED_GRAD
+from .gated_pairs import GATED_PAIRS
 from .gated_up import GATED_UP
 from .linear import DOWN, LINEAR
 from .mlp import MLP
@@ -55,7 +57,7 @@ def specs() -> tuple[OpSpec, ...]:
     return tuple(_REGISTRY.values())
 
 
-for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT):
+for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_PAIRS):
     register(_spec)
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from .. import launch as L
-from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS, activation_backward
+from ..activations import GATED_ACTIVATIONS
 from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
 from ..opspec import Operand, OpSpec
+from .gated_grad import gated_from_dh, gated_gradient
 
 EPILOGUE = ("BLOCK_M", "EPILOGUE_N")
 OPERANDS = (
@@ -60,11 +61,21 @@ def gated_backward_eager(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tenso
                          activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dGU, H) as PyTorch computes them from the saved [G | U]: the kernel's library path and, in
     float64, its reference."""
-    F_ = w_down.shape[1]
-    g, u = gu[:, :F_], gu[:, F_:]
-    a = TORCH_ACTIVATIONS[activation](g)
-    dh = dy @ w_down
-    return torch.cat([activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
+    return gated_from_dh(dy @ w_down, gu, activation)
+
+
+def gated_backward_cublas(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor, activation: str,
+                          out: tuple[torch.Tensor | None, torch.Tensor | None] | None = None):
+    """(dGU, H) as cuBLAS dH = dY Wd, then ONE pointwise pass (op gated_grad); dGU may be gu itself, as
+    for the fused kernel. dH is the one [M, F] buffer the fused kernel never writes."""
+    return gated_gradient(dy @ w_down, gu, activation, out=out)
+
+
+# The library candidates, by the name a record stores: the training backward runs the chosen one.
+LIBRARY_BACKWARDS = {
+    "eager": lambda dy, gu, w_down, activation, out=None: gated_backward_eager(dy, gu, w_down, activation),
+    "cublas_gated_grad": gated_backward_cublas,
+}
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,8 +86,10 @@ def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | N
     return out
 
 
-def _eager(ops: dict, activation: str) -> torch.Tensor:
-    return torch.cat(gated_backward_eager(ops["dy"], ops["gu"], ops["wd"], activation), dim=1)
+def _library(name: str):
+    def run(ops: dict, activation: str) -> torch.Tensor:
+        return torch.cat(LIBRARY_BACKWARDS[name](ops["dy"], ops["gu"], ops["wd"], activation), dim=1)
+    return run
 
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -101,7 +114,7 @@ GATED_BWD = OpSpec(
     narrow_n=True,  # the epilogue loads G and U tiles
     space=SearchSpace(split_k=(1,)),
     interpreter_space=SearchSpace(**{**INTERPRETER_SPACE.dimensions(), "split_k": (1,)}),
-    library={"eager": _eager},
+    library={name: _library(name) for name in LIBRARY_BACKWARDS},
     reference=_reference,
     make_operands=_make_operands,
     output_width=lambda n, k: 3 * n,

@@ -1,0 +1,78 @@
+"""The gated MLP backward's pointwise pass, op `gated_grad` (templates/gated_grad.py.jinja): from dH, which
+cuBLAS computed as dY Wd, and the forward's saved [G | U], dG | dU and H in one pass over memory — the
+library path `cublas_gated_grad` of op gated_bwd, what Inductor would generate beside a cuBLAS GEMM.
+One fixed tile shape serves every size, so nothing is tuned."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS, activation_backward
+from ..configs import KernelConfig
+from ..device import interpreting
+from ..opspec import Operand, OpSpec
+
+OPERANDS = (
+    Operand("dh", "[M, N]: dH = dY Wd", "mn"),
+    Operand("gu", "[M, 2 N]: the forward's G in columns [0, N), U in [N, 2 N)", "mn"),
+    Operand("dgu", "[M, 2 N]: dG in columns [0, N), dU in [N, 2 N); may be gu_ptr", "mn"),
+    Operand("h", "[M, N]", "mn"),
+)
+# Any config: the kernel takes only BLOCK_M and BLOCK_N, chosen below.
+_FIXED = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
+
+
+def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
+                   out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dGU, H) from dH ([M, F]) and gu = [G | U] ([M, 2F]), written into `out` = (dGU, H) where given;
+    dGU may be gu itself (each element is read before the same program writes it)."""
+    L.require(dh.dim() == 2 and tuple(gu.shape) == (dh.shape[0], 2 * dh.shape[1]),
+              f"gated_gradient: gu must be [M, 2F] beside dH [M, F], got {tuple(gu.shape)} and {tuple(dh.shape)}")
+    M, F = dh.shape
+    dgu_out, h_out = out if out is not None else (None, None)
+    dgu, h = L.output(dgu_out, (M, 2 * F), gu), L.output(h_out, (M, F), gu)
+    if M == 0 or F == 0:
+        return dgu, h
+    kernel = L.kernel_for(GATED_GRAD, activation, _FIXED.block_k, gu.dtype, _FIXED, False)
+    # Interpreter: few, large programs; GPU: 2048 elements per program, as gated_act's.
+    block_m, block_n = (16, 64) if interpreting() else (4, 512)
+    L.launch(kernel, (-(-M // block_m), -(-F // block_n)), {"dh": dh, "gu": gu, "dgu": dgu, "h": h}, (M, F),
+             dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+    return dgu, h
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One [M, 3F] result, dG | dU | H, as op gated_bwd's."""
+    dh = ops["dh"]
+    n = dh.shape[1]
+    out = L.allocate((dh.shape[0], 3 * n), dh) if out is None else out
+    gated_gradient(dh, ops["gu"], activation, out=(out[:, :2 * n], out[:, 2 * n:]))
+    return out
+
+
+def gated_from_dh(dh: torch.Tensor, gu: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dGU, H) from dH in PyTorch's separate ops: this pass's eager form, and (in float64) the reference
+    of op gated_bwd."""
+    F_ = dh.shape[1]
+    g, u = gu[:, :F_], gu[:, F_:]
+    a = TORCH_ACTIVATIONS[activation](g)
+    return torch.cat([activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    return torch.cat(gated_from_dh(ops["dh"], ops["gu"], activation), dim=1)
+
+
+GATED_GRAD = OpSpec(
+    name="gated_grad",
+    template="gated_grad",
+    doc="the gated backward's pointwise dG | dU and H from dH (nothing to tune)",
+    operands=OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run,
+    sizes=("M", "N"),
+    constexprs=("BLOCK_M", "BLOCK_N"),
+    library={"eager": _eager},
+    template_files=("gated_grad.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
+)
