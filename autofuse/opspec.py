@@ -20,6 +20,10 @@ from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, gemm_
 # default search spaces: what linear and gated_up declare, and an op added outside may too.
 GEMM_VARIANTS = dict(split_k=True, tma=True, space=SearchSpace(), interpreter_space=INTERPRETER_SPACE)
 
+# A pass over memory with one fixed tile shape (BLOCK_M x BLOCK_N over an [M, N] problem), nothing to tune:
+# what the gated MLP's pointwise ops declare.
+POINTWISE = dict(sizes=("M", "N"), constexprs=("BLOCK_M", "BLOCK_N"))
+
 # KernelSpec flags an operand may depend on ("!" negates): its bias, residual, TMA variant.
 OPERAND_CONDITIONS = ("has_bias", "has_residual", "tma", "!tma")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from autofuse.configs import KernelConfig
+from autofuse.reference import eager_mlp, mlp_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,6 +45,20 @@ def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor, peer: torch.T
     err, peer_err = relative_error(out, ref), relative_error(peer, ref)
     # The floor covers float32, where both errors are ~1e-7 at small K and their ratio is noise.
     assert err <= 1.25 * peer_err + floor, f"error {err:.3g} vs PyTorch's {peer_err:.3g} in {out.dtype}"
+
+
+def mlp_weights(m) -> tuple:
+    """(wg, wu, wd, bg, bu, bd) of a FusedMLP, in the reference functions' order."""
+    g, u, d = m.gate_proj, m.up_proj, m.down_proj
+    return (g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
+
+
+def check_mlp(module, x: torch.Tensor) -> None:
+    """A FusedMLP's forward on x against the float64 reference and eager PyTorch's error."""
+    with torch.no_grad():
+        out = module(x)
+        ref = mlp_reference(x, *mlp_weights(module), activation=module.activation, hidden_dtype=x.dtype)
+        assert_matches_reference(out, ref, eager_mlp(x, *mlp_weights(module), activation=module.activation))
 
 
 # Configs every kernel test runs with explicitly: tiny and large tiles, every GROUP_M style, ragged

@@ -4,25 +4,13 @@ the padded width (autofuse/padding.py): correct in every dtype, invisible to sta
 
 import pytest
 import torch
-from _helpers import DTYPES, assert_matches_reference
+from _helpers import DTYPES, check_mlp
 
 import autofuse
 from autofuse import ops
 from autofuse.padding import PAD_TO, run_width
-from autofuse.reference import eager_mlp, mlp_reference
+from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
-
-
-def _weights(m):
-    g, u, d = m.gate_proj, m.up_proj, m.down_proj
-    return (g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
-
-
-def _check(module, x):
-    with torch.no_grad():
-        out = module(x)
-        ref = mlp_reference(x, *_weights(module), activation=module.activation, hidden_dtype=x.dtype)
-        assert_matches_reference(out, ref, eager_mlp(x, *_weights(module), activation=module.activation))
 
 
 def _is_padded(module) -> bool:
@@ -44,7 +32,7 @@ def test_odd_d_ff_runs_padded_and_correct(dtype, bias, M, device):
     assert _is_padded(module) and module.d_ff_run == 128
     assert [tuple(p.shape) for p in module.parameters()] == (
         [(75, 40), (75,), (75, 40), (75,), (40, 75), (40,)] if bias else [(75, 40), (75, 40), (40, 75)])
-    _check(module, torch.randn(M, 40, dtype=dtype, device=device))
+    check_mlp(module, torch.randn(M, 40, dtype=dtype, device=device))
     # The padding stays zero: the padded width's extra gate/up rows and down columns.
     wd = module.down_proj.weight
     assert wd.as_strided((40, 128), (128, 1))[:, 75:].abs().max() == 0
@@ -74,7 +62,7 @@ def test_padding_kept_through_to(device):
     module = autofuse.get_mlp(32, 45, activation="gelu_tanh", dtype=torch.float32, device=device)
     module = module.to(torch.bfloat16)
     assert module.down_proj.weight.dtype == torch.bfloat16 and _is_padded(module)
-    _check(module, torch.randn(9, 32, dtype=torch.bfloat16, device=device))
+    check_mlp(module, torch.randn(9, 32, dtype=torch.bfloat16, device=device))
 
 
 def test_replaced_or_edited_parameters_are_seen(device):
@@ -83,10 +71,10 @@ def test_replaced_or_edited_parameters_are_seen(device):
     with torch.no_grad():
         module.down_proj.weight.mul_(2)  # an in-place edit of the view: still padded
         assert _is_padded(module)
-        _check(module, x)
+        check_mlp(module, x)
         # A replaced parameter is a plain tensor: the module runs at d_ff on it, not on the old storage.
         module.down_proj.weight.data = torch.randn(32, 45, device=device) / 45**0.5
-        _check(module, x)
+        check_mlp(module, x)
         assert module.d_ff_run == 45
 
 

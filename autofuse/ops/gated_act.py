@@ -9,16 +9,12 @@ import torch
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS
 from ..configs import KernelConfig
-from ..device import interpreting
-from ..opspec import Operand, OpSpec
+from ..opspec import POINTWISE, Operand, OpSpec
 
 OPERANDS = (
     Operand("gu", "[M, 2 N]: G in columns [0, N), U in [N, 2 N)", "mn"),
     Operand("h", "[M, N]", "mn"),
 )
-# Any config: the kernel takes only BLOCK_M and BLOCK_N, chosen below.
-_FIXED = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
-
 
 def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """H = act(G) * U from gu = [G | U] ([M, 2F]); written into `out` ([M, F]) when given."""
@@ -27,12 +23,7 @@ def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None
     h = L.output(out, (M, F), gu)
     if M == 0 or F == 0:
         return h
-    # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
-    kernel = L.kernel_for(GATED_ACT, activation, _FIXED.block_k, gu.dtype, _FIXED, False)
-    # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
-    block_m, block_n = (16, 64) if interpreting() else (4, 512)
-    L.launch(kernel, (-(-M // block_m), -(-F // block_n)), {"gu": gu, "h": h}, (M, F),
-             dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+    L.pointwise_launch(GATED_ACT, activation, gu.dtype, M, F, {"gu": gu, "h": h})
     return h
 
 
@@ -52,8 +43,7 @@ GATED_ACT = OpSpec(
     operands=OPERANDS,
     activations=GATED_ACTIVATIONS,
     run=_run,
-    sizes=("M", "N"),
-    constexprs=("BLOCK_M", "BLOCK_N"),
+    **POINTWISE,
     library={"eager": _eager},
     template_files=("gated_act.py.jinja", "_common.py.jinja"),
 )

@@ -10,8 +10,7 @@ import torch
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS, activation_backward
 from ..configs import KernelConfig
-from ..device import interpreting
-from ..opspec import Operand, OpSpec
+from ..opspec import POINTWISE, Operand, OpSpec
 
 OPERANDS = (
     Operand("dh", "[M, N]: dH = dY Wd", "mn"),
@@ -19,9 +18,6 @@ OPERANDS = (
     Operand("dgu", "[M, 2 N]: dG in columns [0, N), dU in [N, 2 N); may be gu_ptr", "mn"),
     Operand("h", "[M, N]", "mn"),
 )
-# Any config: the kernel takes only BLOCK_M and BLOCK_N, chosen below.
-_FIXED = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
-
 
 def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
                    out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,11 +30,7 @@ def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
     dgu, h = L.output(dgu_out, (M, 2 * F), gu), L.output(h_out, (M, F), gu)
     if M == 0 or F == 0:
         return dgu, h
-    kernel = L.kernel_for(GATED_GRAD, activation, _FIXED.block_k, gu.dtype, _FIXED, False)
-    # Interpreter: few, large programs; GPU: 2048 elements per program, as gated_act's.
-    block_m, block_n = (16, 64) if interpreting() else (4, 512)
-    L.launch(kernel, (-(-M // block_m), -(-F // block_n)), {"dh": dh, "gu": gu, "dgu": dgu, "h": h}, (M, F),
-             dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+    L.pointwise_launch(GATED_GRAD, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu, "h": h})
     return dgu, h
 
 
@@ -71,8 +63,7 @@ GATED_GRAD = OpSpec(
     operands=OPERANDS,
     activations=GATED_ACTIVATIONS,
     run=_run,
-    sizes=("M", "N"),
-    constexprs=("BLOCK_M", "BLOCK_N"),
+    **POINTWISE,
     library={"eager": _eager},
     template_files=("gated_grad.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )
