@@ -49,13 +49,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes only")
+    parser.add_argument("--configs", type=int, default=len(PAIRS_CONFIGS), help="the first N gated_pairs configs only")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     gated_act_library = ops.get("gated_up").library["cublas_gated_act"]
     eager_library = ops.get("gated_up").library["eager"]
     with torch.no_grad():
-        for d, f, act in SHAPES:
+        for d, f, act in SHAPES[:args.shapes]:
             wg, wu = (torch.randn(f, d, device="cuda", dtype=torch.bfloat16) / d**0.5 for _ in range(2))
             w = interleave(wg, wu)
             wg_view, wu_view = gate_and_up(w)
@@ -85,7 +87,7 @@ def main() -> None:
                        gated_up(x, wg, wu, None, None, act, up))
                 record(f"gated_up {up.short()} on the interleaved views",
                        lambda: gated_up(x, wg_view, wu_view, None, None, act, up))
-                for config in PAIRS_CONFIGS:
+                for config in PAIRS_CONFIGS[:args.configs]:
                     try:
                         out = gated_pairs(x, w, None, act, config)
                         record(f"gated_pairs {config.short()}", lambda c=config: gated_pairs(x, w, None, act, c), out)
