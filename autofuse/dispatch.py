@@ -11,6 +11,7 @@ from . import launch, ops, workspaces
 from .checked import checked
 from .configs import KernelConfig
 from .key import MAX_M_BUCKET, m_bucket
+from .ops.gated_pairs import gated_pairs, pairs_of
 from .ops.gated_up import gated_up
 from .ops.linear import linear
 from .ops.mlp import MLP, mlp_decode
@@ -42,12 +43,19 @@ def linear_choices(in_features: int, out_features: int, activation: str, bias: b
 
 
 def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
-                device: torch.device, tuned: bool) -> dict[str, Choice]:
+                device: torch.device, tuned: bool, pairs: bool = False) -> dict[str, Choice]:
     """{"gated_up", "down"}, or {"mlp"} where the one-launch kernel was tuned (or, beside two checked
-    ops, checked) faster than the two ops together (and than their library paths)."""
+    ops, checked) faster than the two ops together (and than their library paths). `pairs`: the
+    module keeps gate and up interleaved (layout.py), so op gated_pairs may stand in for gated_up
+    ({"gated_pairs", "down"}) where its tuned or checked time is lower."""
+    up_op = "gated_up"
+    up = resolve_checked(up_op, M, d_ff, d_model, dtype, device, activation=activation, bias=bias, tuned=tuned)
+    if pairs and tuned:
+        one_gemm = resolve_checked("gated_pairs", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
+        if None not in (one_gemm.time_ms, up.time_ms) and one_gemm.time_ms < up.time_ms:
+            up_op, up = "gated_pairs", one_gemm
     pair = {
-        "gated_up": resolve_checked("gated_up", M, d_ff, d_model, dtype, device, activation=activation, bias=bias,
-                                    tuned=tuned),
+        up_op: up,
         "down": resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned),
     }
     if not tuned or M > MLP.max_m:
@@ -101,7 +109,7 @@ def _run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation, table):
     if "mlp" in table:
         return mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, table["mlp"].kernel)
     params = (wg, bg, wu, bu, wd, bd)
-    return _down(_gated_up(x2d, params, activation, table["gated_up"]), params, table["down"])
+    return _down(_up(x2d, params, activation, table), params, table["down"])
 
 
 def _library(op: str, choice: Choice, operands: dict, activation: str) -> torch.Tensor:
@@ -187,12 +195,12 @@ class BoundMLP:
             with launch.binding() as recorded:
                 y = mlp_decode(x2d, wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel)
             return y, {"mlp": launch.only_launch(recorded)}
-        up, down = table["gated_up"], table["down"]
+        up_op, down = _up_op(table), table["down"]
         with launch.binding() as up_launches:
-            h = _gated_up(x2d, params, act, up)
+            h = _up(x2d, params, act, table)
         with launch.binding() as down_launches:
             y = _down(h, params, down)
-        return y, {"gated_up": None if up.kernel is None else launch.only_launch(up_launches),
+        return y, {"up": None if table[up_op].kernel is None else launch.only_launch(up_launches),
                    "down": None if down.kernel is None else launch.only_launch(down_launches)}
 
     def _replay(self, x, params, out_shape) -> torch.Tensor:
@@ -210,9 +218,9 @@ class BoundMLP:
             h = hidden[1]
         else:
             h = x.new_empty((self.M, wg.shape[0]))
-        bound = launches["gated_up"]
+        bound = launches["up"]
         if bound is None or not bound({"x": x, "h": h}):
-            h = _gated_up(_rows(x), params, act, table["gated_up"])
+            h = _up(_rows(x), params, act, table)
         bound = launches["down"]
         if bound is None:
             return _down(h, params, table["down"]).reshape(out_shape)
@@ -222,8 +230,21 @@ class BoundMLP:
         return y
 
 
-def _gated_up(x2d, params, activation: str, up: Choice) -> torch.Tensor:
+def _up_op(table: dict[str, Choice]) -> str:
+    """Which op computes H in a two-op table: gated_up, or gated_pairs over an interleaved layout."""
+    return "gated_pairs" if "gated_pairs" in table else "gated_up"
+
+
+def _up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
+    """H through the table's gated_up or gated_pairs choice."""
     wg, bg, wu, bu = params[:4]
+    if "gated_pairs" in table:
+        choice = table["gated_pairs"]
+        w, b = pairs_of(wg, bg)
+        if choice.kernel is None:
+            return _library("gated_pairs", choice, {"x": x2d, "w": w, "b": b}, activation)
+        return gated_pairs(x2d, w, b, activation, choice.kernel)
+    up = table["gated_up"]
     if up.kernel is None:
         return _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, activation)
     return gated_up(x2d, wg, wu, bg, bu, activation, up.kernel)

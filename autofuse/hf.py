@@ -19,8 +19,8 @@ from torch import nn
 from .activations import GATED_ACTIVATIONS
 from .device import interpreting
 from .errors import AutofuseError
+from .layout import contiguous_state
 from .modules import FusedMLP
-from .padding import contiguous_state
 
 logger = logging.getLogger("autofuse")
 
@@ -109,7 +109,7 @@ class FusedHFMLP(nn.Module):
         fused = FusedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, activation=activation,
                          dtype=gate.weight.dtype, device=torch.device("meta"))
         fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the meta placeholders are dropped
-        fused._lay_out()  # padded storage where d_ff needs it (padding.py)
+        fused._lay_out()  # padded storage where d_ff needs it (layout.py)
         # Not registered as submodules: their parameters are already registered above, once.
         object.__setattr__(self, "_fused", fused)
         object.__setattr__(self, "_original", original)

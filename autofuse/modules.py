@@ -19,7 +19,7 @@ from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, resolv
 from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
-from .padding import PaddedLayout, contiguous_state, lay_out
+from .layout import MLPLayout, contiguous_state, lay_out
 from .training import LinearFunction, MLPFunction, TrainingLaunches
 
 
@@ -94,11 +94,12 @@ class FusedMLP(FusedModule):
     MLP in one launch (config_for then names the single op "mlp")."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
-                 dtype: torch.dtype, device: torch.device, tuned: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device, tuned: bool = True, interleaved: bool = False) -> None:
         super().__init__(tuned)
         self.in_features = d_model
         self.d_model = d_model
         self.d_ff = d_ff
+        self.interleaved = interleaved
         self.activation = activation
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
@@ -107,10 +108,11 @@ class FusedMLP(FusedModule):
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
-        # A d_ff whose rows are not 16-byte aligned: the parameters live in padded storage (padding.py)
-        # and inference runs at the padded width, d_ff_run.
-        self._layout: PaddedLayout | None = None
-        self.d_ff_run = d_ff
+        # A d_ff whose rows are not 16-byte aligned, or interleaved gate and up weights: the parameters
+        # are views of storage laid out for the kernels (layout.py); inference runs at d_ff_run (the
+        # padded width), and over the interleaved buffer where `runs_pairs`.
+        self._layout: MLPLayout | None = None
+        self.d_ff_run, self.runs_pairs = d_ff, False
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
 
@@ -123,8 +125,9 @@ class FusedMLP(FusedModule):
             return  # the forward says what is wrong
         if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
             return
-        self._layout = lay_out(self.gate_proj, self.up_proj, self.down_proj)
-        self.d_ff_run = self.d_ff if self._layout is None else self._layout.width
+        self._layout = layout = lay_out(self.gate_proj, self.up_proj, self.down_proj, self.interleaved)
+        self.d_ff_run = self.d_ff if layout is None else layout.width
+        self.runs_pairs = layout is not None and layout.interleaved
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -135,11 +138,11 @@ class FusedMLP(FusedModule):
         return self.gate_proj.weight
 
     def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
-        return (*super()._table_key(M, weight), self.d_ff_run)
+        return (*super()._table_key(M, weight), self.d_ff_run, self.runs_pairs)
 
     def _resolve(self, M, dtype, device, residual):
         return mlp_choices(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M, dtype,
-                           device, self.tuned)
+                           device, self.tuned, pairs=self.runs_pairs)
 
     def _bind(self, table, M):
         return BoundMLP(table, self.activation, M)
@@ -164,6 +167,7 @@ class FusedMLP(FusedModule):
         if layout is not None:
             widened = layout.widen(params, weights)
             self.d_ff_run = self.d_ff if widened is None else layout.width
+            self.runs_pairs = widened is not None and layout.interleaved
             params = widened or params
         return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
 
@@ -211,7 +215,8 @@ class FusedMLP(FusedModule):
         self._training_table.clear()
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"
+        return (f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"
+                + (", interleaved=True" if self.interleaved else ""))
 
 
 def get_linear(in_features: int, out_features: int, *, bias: bool = True, activation: str = "none",
@@ -230,9 +235,12 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
 
 
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
-            dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True) -> FusedMLP:
+            dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True,
+            interleaved: bool = False) -> FusedMLP:
     """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names.
-    `tuned=False` ignores tuned configs and uses the built-in heuristic."""
+    `tuned=False` ignores tuned configs and uses the built-in heuristic. `interleaved=True` keeps the
+    gate and up weights interleaved in one buffer (each parameter a strided view of it), so that the
+    gated up-projection may run as one GEMM (op gated_pairs) where that was checked or tuned faster."""
     return FusedMLP(
         check_size("d_model", d_model),
         check_size("d_ff", d_ff),
@@ -241,4 +249,5 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
         dtype=check_dtype(dtype),
         device=parse_device(device),
         tuned=bool(tuned),
+        interleaved=bool(interleaved),
     )

@@ -8,7 +8,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 AUTOFUSE_CACHE_DIR=$(mktemp -d)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-[ "${PROBE:-1}" = 1 ] && timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_padding.py tests/test_hf.py::test_an_odd_intermediate_size_runs_in_padded_storage 2>&1 \
+[ "${PROBE:-1}" = 1 ] && timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_layout.py tests/test_hf.py::test_an_odd_intermediate_size_runs_in_padded_storage 2>&1 \
     | tail -5 | tee "$OUT/tests.txt"
 [ "${PROBE:-1}" = 1 ] && timeout 90 python3 benchmarks/unaligned_probe.py --out "$OUT" 2>&1 | grep -v warn | tail -20
 timeout "${SWEEP_S:-420}" python3 benchmarks/never_slower.py --out "$OUT" ${SWEEP_ARGS:-} 2>&1 | grep -v warn \

@@ -71,7 +71,7 @@ def mlp_providers(shape: dict, liger) -> dict:
         for p in module.parameters():
             p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
     # The peers run on plain parameters, as a PyTorch model holds them (autofuse keeps an odd d_ff's
-    # in padded storage, autofuse/padding.py; contiguous() copies only those).
+    # in padded storage, autofuse/layout.py; contiguous() copies only those).
     wg, wu, wd = (p.detach().contiguous() for p in (module.gate_proj.weight, module.up_proj.weight,
                                                      module.down_proj.weight))
 

@@ -9,7 +9,7 @@ kernel and config on W [2048, F] for F = 8192 (aligned), 8191 (unaligned rows) a
 a row stride of 8192 (a view of padded storage: the same values, aligned rows); and the gated
 up-projection with d_model 2047 against 2047 in padded storage. do_bench medians, bf16, M = 1 and 77.
 
-Then the fix (autofuse/padding.py): whole gated MLPs 2048 -> F at the heuristic's configs (tuned=False, no
+Then the fix (autofuse/layout.py): whole gated MLPs 2048 -> F at the heuristic's configs (tuned=False, no
 first-use check, so the Triton kernels run whatever their speed): F = 8192, and F = 8191 as get_mlp lays it
 out (padded storage, run at 8256) and on plain parameters (the layout given up), beside eager PyTorch
 on plain 8191 parameters.

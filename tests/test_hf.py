@@ -85,7 +85,7 @@ def test_fused_modules_share_the_original_parameters_and_state_dict_keys(device)
 
 def test_an_odd_intermediate_size_runs_in_padded_storage(device):
     # d_ff 93: rows of the down projection not 16-byte aligned; fuse lays the shared parameters out in
-    # padded storage (autofuse/padding.py), values and state_dict unchanged, kept through .to().
+    # padded storage (autofuse/layout.py), values and state_dict unchanged, kept through .to().
     torch.manual_seed(0)
     model = _llama(intermediate_size=93).to(device).eval()
     ids = torch.randint(0, 128, (2, 9), device=device)

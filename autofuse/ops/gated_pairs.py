@@ -4,9 +4,10 @@ accumulator tile holds the gate and up columns of the same hidden units side by 
 then a plain GEMM — one weight tile and one accumulator per K step, where op gated_up keeps two — and the
 epilogue splits the pairs and writes H = act(G) * U ([M, F]). Keyed with n = F (H's width), k = d_model.
 
-The interleaved weight is what a module would keep its two parameters in (each a strided view of it,
-one copy of the weights): `interleave` builds it, `gate_and_up` gives the two views back. Modules do not
-use this op yet: it is measured first (benchmarks/pairs_probe.py)."""
+The interleaved weight is what an interleaved module keeps its two parameters in (each a strided view
+of it, one copy of the weights; layout.py, get_mlp(interleaved=True)): `interleave` builds one,
+`gate_and_up` gives the two views, `pairs_of` the buffer behind them. Such a module checks or tunes this
+op beside gated_up and runs the faster (dispatch.mlp_choices)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def interleave(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 def gate_and_up(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up views of an interleaved tensor (rows 0, 2, 4, ... and 1, 3, 5, ...)."""
     return pairs[0::2], pairs[1::2]
+
+
+def pairs_of(w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The interleaved weight [2F, K] (and bias [2F]) behind the gate views of an interleaved layout
+    (layout.lay_out(interleaved=True): w_gate [F, K] with row stride 2K at the buffer's start)."""
+    F_, K = w_gate.shape
+    L.require(w_gate.stride() == (2 * K, 1) and w_gate.storage_offset() == 0,
+              "pairs_of: the gate weight is not the first view of an interleaved buffer")
+    return (w_gate.as_strided((2 * F_, K), (K, 1), 0),
+            None if b_gate is None else b_gate.as_strided((2 * F_,), (1,), 0))
 
 
 def gated_pairs(x: torch.Tensor, w_pairs: torch.Tensor, b_pairs: torch.Tensor | None, activation: str,

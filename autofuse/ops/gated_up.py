@@ -9,8 +9,8 @@ import torch
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
 from ..configs import KernelConfig
+from ..layout import run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
-from ..padding import run_width
 from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 
@@ -99,5 +99,5 @@ GATED_UP = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (padding.py)
+    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (layout.py)
 )

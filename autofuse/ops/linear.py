@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
+from ..layout import run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
-from ..padding import run_width
 from ..reference import eager_linear, linear_reference
 
 OPERANDS = (
@@ -103,5 +103,5 @@ DOWN = dataclasses.replace(
     residual=False,
     library={"eager": _eager},
     serves="mlp",
-    dims=lambda s: (s.d_model, run_width(s.d_ff), "none"),  # what FusedMLP runs (padding.py)
+    dims=lambda s: (s.d_model, run_width(s.d_ff), "none"),  # what FusedMLP runs (layout.py)
 )

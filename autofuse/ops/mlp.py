@@ -11,8 +11,8 @@ from .. import launch as L
 from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, SearchSpace, clamp_to_problem, fit_shared_memory
+from ..layout import run_width
 from ..opspec import Operand, OpSpec
-from ..padding import run_width
 from ..reference import eager_mlp, mlp_reference
 
 OPERANDS = (
@@ -113,6 +113,6 @@ MLP = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: k,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (padding.py)
+    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (layout.py)
     max_m=MAX_M,
 )

@@ -1,5 +1,5 @@
 """A gated MLP whose d_ff is not a multiple of 8 keeps its parameters in zero-padded storage and runs at
-the padded width (autofuse/padding.py): correct in every dtype, invisible to state_dict, kept through
+the padded width (autofuse/layout.py): correct in every dtype, invisible to state_dict, kept through
 `.to()`, given up (not wrong) when a parameter is replaced."""
 
 import pytest
@@ -7,10 +7,11 @@ import torch
 from _helpers import DTYPES, check_mlp
 
 import autofuse
-from autofuse import ops
-from autofuse.padding import PAD_TO, run_width
+from autofuse import checked, dispatch, evaluator, ops, resolve
+from autofuse.layout import PAD_TO, run_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
+from autofuse.store import TrialRecord
 
 
 def _is_padded(module) -> bool:
@@ -96,3 +97,78 @@ def test_tuning_keys_use_the_width_that_runs():
     assert ops.get("gated_up").dims(shape)[0] == 1024
     assert ops.get("down").dims(shape)[1] == 1024
     assert ops.get("mlp").dims(shape)[0] == 1024
+
+
+def _is_interleaved(module) -> bool:
+    wg, wu = module.gate_proj.weight, module.up_proj.weight
+    d = module.d_model
+    return (wg.stride() == wu.stride() == (2 * d, 1) and wu.storage_offset() == d
+            and wg.untyped_storage().data_ptr() == wu.untyped_storage().data_ptr())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("d_ff", [72, 75])
+def test_interleaved_layout_is_one_buffer_and_correct(dtype, bias, d_ff, device):
+    module = autofuse.get_mlp(40, d_ff, activation="gelu", bias=bias, dtype=dtype, device=device, interleaved=True)
+    assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == run_width(d_ff)
+    if bias:
+        bg, bu = module.gate_proj.bias, module.up_proj.bias
+        assert bg.stride() == (2,) and bu.storage_offset() == 1
+    check_mlp(module, torch.randn(13, 40, dtype=dtype, device=device))
+    state = module.state_dict()
+    assert all(t.is_contiguous() for t in state.values()) and state["gate_proj.weight"].shape == (d_ff, 40)
+
+
+def test_interleaved_layout_survives_to_and_sees_edits(device):
+    module = autofuse.get_mlp(32, 45, dtype=torch.float32, device=device, interleaved=True).to(torch.float16)
+    assert _is_interleaved(module) and module.gate_proj.weight.dtype == torch.float16
+    x = torch.randn(6, 32, dtype=torch.float16, device=device)
+    with torch.no_grad():
+        module.up_proj.weight.mul_(-1)  # an in-place edit of one view
+        check_mlp(module, x)
+        module.gate_proj.weight.data = torch.randn(45, 32, dtype=torch.float16, device=device) / 32**0.5
+        check_mlp(module, x)  # a replaced parameter: the module runs on the parameters as they are
+        assert not module.runs_pairs
+
+
+def test_training_on_interleaved_parameters(device):
+    module = autofuse.get_mlp(32, 48, activation="gelu_tanh", bias=True, dtype=torch.float32, device=device,
+                              interleaved=True)
+    x = torch.randn(7, 32, device=device, requires_grad=True)
+    module(x).square().sum().backward()
+    params = [p.detach().clone().requires_grad_() for p in module.parameters()]
+    x_ref = x.detach().clone().requires_grad_()
+    wg, bg, wu, bu, wd, bd = params
+    eager_mlp(x_ref, wg, wu, wd, bg, bu, bd, activation="gelu_tanh").square().sum().backward()
+    for p, ref in zip(list(module.parameters()) + [x], params + [x_ref]):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pairs_faster", [True, False])
+def test_gated_pairs_runs_where_checked_faster(pairs_faster, device, monkeypatch):
+    # First-use checks on a fake timer (times as a GPU would report them; the interpreter's mean
+    # nothing): gated_pairs at 1 or 3 ms, gated_up at 2, every library path at 5.
+    monkeypatch.setenv("AUTOFUSE_CHECK", "1")
+    resolve.invalidate()
+    monkeypatch.setattr(checked, "interpreting", lambda: False)
+    monkeypatch.setattr(evaluator.Evaluator, "library_ms", lambda self: {
+        name: 5.0 for name in self.spec.library_for(self.key.activation, self.key.bias, self.key.residual)})
+    real_evaluate = evaluator.Evaluator.evaluate
+    times = {"gated_pairs": 1.0 if pairs_faster else 3.0, "gated_up": 2.0, "down": 2.0, "mlp": 100.0}
+
+    def evaluate(self, config):
+        record = real_evaluate(self, config)  # compiled, verified and timed for real
+        return TrialRecord(config, record.status, times[self.key.op] if record.status == "ok" else None,
+                           record.detail)
+    monkeypatch.setattr(evaluator.Evaluator, "evaluate", evaluate)
+    module = autofuse.get_mlp(40, 72, activation="silu", bias=True, dtype=torch.float32, device=device,
+                              interleaved=True)
+    ran = []
+    real_pairs = dispatch.gated_pairs
+    monkeypatch.setattr(dispatch, "gated_pairs", lambda *a, **k: ran.append(1) or real_pairs(*a, **k))
+    x = torch.randn(5, 40, device=device)
+    check_mlp(module, x)
+    assert set(module.config_for(5)) == ({"gated_pairs", "down"} if pairs_faster else {"gated_up", "down"})
+    assert bool(ran) == pairs_faster
+    check_mlp(module, x)  # the bound replay of the same table

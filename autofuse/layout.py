@@ -1,0 +1,132 @@
+"""How a gated MLP keeps its parameters: padded storage for a d_ff that is not a multiple of 8 (issue 16,
+item 3), and optionally the gate and up weights interleaved in one buffer (issue 17).
+
+Padding. Triton specialises a kernel on pointers and strides divisible by 16 bytes. Rows of d_ff
+elements that are not (the down projection's weight [d_model, d_ff], H [M, d_ff]) make every load
+element-wise, and a d_ff that no BLOCK_K divides masks every K step; at decode sizes, where reading
+the weights is all a kernel does, that cost up to 27x (benchmarks/unaligned_probe.py, RESULTS.md).
+cuBLAS slows down on such rows too. The parameters then become views of storage padded with zeros
+along d_ff to run_width(d_ff), and inference runs the MLP at that width on as_strided views of it.
+That is exact: the padded gate and up rows and biases are 0, so H's padded columns are
+act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them.
+
+Interleaving (opt-in, get_mlp(interleaved=True)). The gate and up weights live in ONE [2W, d_model]
+buffer, row 2j the gate's row j and row 2j + 1 the up's, each parameter a strided view of it (row
+stride 2 d_model), so that op gated_pairs runs the gated up-projection as one GEMM over the buffer
+(ops/gated_pairs.py) while every other path reads the two views.
+
+Either way the weights are kept ONCE: the views have the parameters' own shapes, so state_dict keys
+and shapes, optimizers and user code see the same tensors; a state_dict saves plain contiguous
+copies (contiguous_state). `.to()` / `.half()` lay them out again (FusedMLP._apply); a parameter
+replaced through `.data =` or load_state_dict(assign=True) is seen (widen gives None) and runs as it
+is. Training and torch.compile run on the parameters as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Elements: rows of PAD_TO elements are 16-byte aligned in every supported dtype, and PAD_TO is a
+# multiple of every BLOCK_K the templates use, so the padded K needs no mask.
+PAD_TO = 64
+
+
+def run_width(d_ff: int) -> int:
+    """The d_ff a gated MLP's inference kernels run at: d_ff itself where its rows are 16-byte aligned
+    in 16-bit dtypes (a multiple of 8), else d_ff rounded up to PAD_TO (padded storage)."""
+    return d_ff if d_ff % 8 == 0 else -(-d_ff // PAD_TO) * PAD_TO
+
+
+class MLPLayout:
+    """The storage lay_out() made for one gated MLP's parameters. widen() gives the parameters at the
+    width that runs (and the interleaved buffers) while they still are views of it."""
+
+    def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
+        self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
+        self.storages = self._storages(params)
+        self._memo: tuple | None = None  # (weights' addresses, widened parameters)
+
+    @staticmethod
+    def _storages(params: tuple) -> tuple:
+        return tuple(None if p is None else p.untyped_storage().data_ptr() for p in params)
+
+    def _views(self) -> dict:
+        """(shape, stride, storage offset) of each parameter and of its widened view, by position in
+        (wg, bg, wu, bu, wd): what lay_out made."""
+        d, F, W = self.d_model, self.d_ff, self.width
+        step = 2 if self.interleaved else 1
+        return {
+            0: ((F, d), (step * d, 1), 0, (W, d)),
+            1: ((F,), (step,), 0, (W,)),
+            2: ((F, d), (step * d, 1), d if self.interleaved else 0, (W, d)),
+            3: ((F,), (step,), 1 if self.interleaved else 0, (W,)),
+            4: ((d, F), (W, 1), 0, (d, W)),
+        }
+
+    def widen(self, params: tuple, weights: list) -> tuple | None:
+        """(wg, bg, wu, bu, wd, bd) at the width that runs (interleaved: still views of the one buffer,
+        ops.gated_pairs.pairs_of gives it back), or None where a parameter is no longer a view of this
+        storage. `weights`: the parameters' addresses (launch.addresses), the memo's key."""
+        memo = self._memo
+        if memo is not None and memo[0] == weights:
+            return memo[1]
+        widened = self._widened(params)
+        # The widened views keep their storage alive, so the addresses cannot be reused while memoised.
+        self._memo = None if widened is None else (weights, widened)
+        return widened
+
+    def _widened(self, params: tuple) -> tuple | None:
+        if self._storages(params) != self.storages or params[5] is not None and params[5].shape != (self.d_model,):
+            return None
+        wide = list(params)
+        for i, (shape, stride, offset, wide_shape) in self._views().items():
+            p = params[i]
+            if p is None:
+                continue
+            if p.shape != shape or p.stride() != stride or p.storage_offset() != offset:
+                return None
+            wide[i] = p.as_strided(wide_shape, stride, offset)
+        return tuple(wide)
+
+
+def _relay(param: nn.Parameter, storage: torch.Tensor, view) -> None:
+    with torch.no_grad():
+        view(storage).copy_(param)
+        param.data = view(storage)
+
+
+def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool = False) -> MLPLayout | None:
+    """Re-lays a gated MLP's parameters into the storage described in the module docstring; None where
+    nothing needs it (d_ff a multiple of 8 and not interleaved) or can have it (the meta device)."""
+    d_ff, d_model = gate.weight.shape
+    width = run_width(d_ff)
+    if (width == d_ff and not interleaved) or gate.weight.device.type == "meta":
+        return None
+    # Made outside inference mode: an inference tensor could not stay a parameter's data.
+    with torch.inference_mode(False):
+        if interleaved:
+            pairs = gate.weight.new_zeros((2 * width, d_model))
+            _relay(gate.weight, pairs, lambda s: s[0:2 * d_ff:2])
+            _relay(up.weight, pairs, lambda s: s[1:2 * d_ff:2])
+            if gate.bias is not None:
+                bias_pairs = gate.bias.new_zeros((2 * width,))
+                _relay(gate.bias, bias_pairs, lambda s: s[0:2 * d_ff:2])
+                _relay(up.bias, bias_pairs, lambda s: s[1:2 * d_ff:2])
+        else:
+            for linear in (gate, up):
+                _relay(linear.weight, linear.weight.new_zeros((width, d_model)), lambda s: s[:d_ff])
+                if linear.bias is not None:
+                    _relay(linear.bias, linear.bias.new_zeros((width,)), lambda s: s[:d_ff])
+        if width != d_ff:
+            _relay(down.weight, down.weight.new_zeros((d_model, width)), lambda s: s[:, :d_ff])
+    params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+    return MLPLayout(d_model, d_ff, interleaved, params)
+
+
+def contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A state_dict hook of a module holding such a layout: its entries are saved as plain tensors
+    (views with gaps, which safetensors refuses and torch.save would write with their padding)."""
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and isinstance(value, torch.Tensor) and not value.is_contiguous():
+            state_dict[key] = value.contiguous()
