@@ -195,12 +195,12 @@ class BoundMLP:
             with launch.binding() as recorded:
                 y = mlp_decode(x2d, wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel)
             return y, {"mlp": launch.only_launch(recorded)}
-        up_op, down = _up_op(table), table["down"]
+        up, down = table[up_op_of(table)], table["down"]
         with launch.binding() as up_launches:
             h = _up(x2d, params, act, table)
         with launch.binding() as down_launches:
             y = _down(h, params, down)
-        return y, {"up": None if table[up_op].kernel is None else launch.only_launch(up_launches),
+        return y, {"up": None if up.kernel is None else launch.only_launch(up_launches),
                    "down": None if down.kernel is None else launch.only_launch(down_launches)}
 
     def _replay(self, x, params, out_shape) -> torch.Tensor:
@@ -230,7 +230,7 @@ class BoundMLP:
         return y
 
 
-def _up_op(table: dict[str, Choice]) -> str:
+def up_op_of(table: dict[str, Choice]) -> str:
     """Which op computes H in a two-op table: gated_up, or gated_pairs over an interleaved layout."""
     return "gated_pairs" if "gated_pairs" in table else "gated_up"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .dispatch import up_op_of
 from .modules import get_linear, get_mlp
 from .reference import eager_linear, eager_mlp
 from .shapes import LinearShape, MLPShape
@@ -58,7 +59,7 @@ def _traffic(shape, provider: str, M: int, itemsize: int, choices: dict | None) 
         hidden = 3 * M * f  # one pointwise kernel: read G and U, write H
     elif "mlp" in (choices or {}):
         gemms, hidden = M * d + M * d, 0  # one launch: X in, Y out
-    elif choices["gated_up"].kernel is None:  # tuning gave the gated part to a library path: eager's traffic
+    elif choices[up_op_of(choices)].kernel is None:  # tuning gave the gated part to a library path: eager's traffic
         hidden = eager_hidden
     else:
         gemms, hidden = M * d + M * f + M * f + M * d, 0  # gated_up: X in, H out; down: H in, Y out
