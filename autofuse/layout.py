@@ -40,12 +40,17 @@ def run_width(d_ff: int) -> int:
 
 class MLPLayout:
     """The storage lay_out() made for one gated MLP's parameters. widen() gives the parameters at the
-    width that runs (and the interleaved buffers) while they still are views of it."""
+    width that runs while they still are views of it; `active` says whether they were at the last
+    widen (or, before any, since lay_out)."""
 
     def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
         self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
         self.storages = self._storages(params)
-        self._memo: tuple | None = None  # (weights' addresses, widened parameters)
+        self._memo: tuple | None = None  # (weights' addresses, widened parameters or None)
+
+    @property
+    def active(self) -> bool:
+        return self._memo is None or self._memo[1] is not None
 
     @staticmethod
     def _storages(params: tuple) -> tuple:
@@ -72,8 +77,9 @@ class MLPLayout:
         if memo is not None and memo[0] == weights:
             return memo[1]
         widened = self._widened(params)
-        # The widened views keep their storage alive, so the addresses cannot be reused while memoised.
-        self._memo = None if widened is None else (weights, widened)
+        # The widened views keep their storage alive, so the addresses cannot be reused while memoised; a
+        # failed check is kept too, so that replaced parameters cost no storage lookups per forward.
+        self._memo = (weights, widened)
         return widened
 
     def _widened(self, params: tuple) -> tuple | None:

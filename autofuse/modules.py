@@ -109,25 +109,34 @@ class FusedMLP(FusedModule):
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
         # A d_ff whose rows are not 16-byte aligned, or interleaved gate and up weights: the parameters
-        # are views of storage laid out for the kernels (layout.py); inference runs at d_ff_run (the
-        # padded width), and over the interleaved buffer where `runs_pairs`.
+        # are views of storage laid out for the kernels (layout.py).
         self._layout: MLPLayout | None = None
-        self.d_ff_run, self.runs_pairs = d_ff, False
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
 
     def _lay_out(self) -> None:
-        """Keeps the parameters in padded storage where d_ff needs it: made here, and again after
-        `.to()` / `.half()` (nn.Module._apply), which copy them into plain tensors."""
+        """Keeps the parameters in the storage layout.lay_out makes (padded where d_ff needs it,
+        interleaved where asked): made here, and again after `.to()` / `.half()` (nn.Module._apply),
+        which copy them into plain tensors."""
         try:
             params = self._params()
         except AutofuseError:
             return  # the forward says what is wrong
         if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
             return
-        self._layout = layout = lay_out(self.gate_proj, self.up_proj, self.down_proj, self.interleaved)
-        self.d_ff_run = self.d_ff if layout is None else layout.width
-        self.runs_pairs = layout is not None and layout.interleaved
+        self._layout = lay_out(self.gate_proj, self.up_proj, self.down_proj, self.interleaved)
+
+    @property
+    def d_ff_run(self) -> int:
+        """The d_ff inference runs at: the padded width while the parameters are views of padded storage."""
+        layout = self._layout
+        return layout.width if layout is not None and layout.active else self.d_ff
+
+    @property
+    def runs_pairs(self) -> bool:
+        """Whether inference may run op gated_pairs: the parameters are views of one interleaved buffer."""
+        layout = self._layout
+        return layout is not None and layout.active and layout.interleaved
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -165,10 +174,7 @@ class FusedMLP(FusedModule):
         weights = addresses(params)
         layout = self._layout
         if layout is not None:
-            widened = layout.widen(params, weights)
-            self.d_ff_run = self.d_ff if widened is None else layout.width
-            self.runs_pairs = widened is not None and layout.interleaved
-            params = widened or params
+            params = layout.widen(params, weights) or params
         return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
 
     def _params(self) -> tuple:
