@@ -150,13 +150,10 @@ class BoundLaunch:
 
     def _descriptor(self, i: int, address: int):
         """The TMA descriptor of the per-call operand at position i, at this address (rows bound)."""
-        descriptors = self.descriptors
-        desc = descriptors.get((i, address))
+        desc = self.descriptors.get((i, address))
         if desc is None:
-            if len(descriptors) >= _DESCRIPTORS_KEPT:
-                descriptors.clear()
             bound = self.keep[i]
-            desc = descriptors[(i, address)] = _tensor_descriptor(address, bound.base.dtype, bound)
+            desc = _keep(self.descriptors, (i, address), _tensor_descriptor(address, bound.base.dtype, bound))
         return desc
 
     def _interpret(self, tensors: dict) -> bool:
@@ -172,6 +169,15 @@ class BoundLaunch:
             args[i] = type(bound)(t, shape, bound.strides, bound.block_shape) if is_descriptor else t
         self.fn[self.grid](*args[:self.positional], **self.options)
         return True
+
+
+def _keep(descriptors: dict, key: tuple, value):
+    """`value` stored under `key` in a BoundLaunch's per-address descriptor cache, which starts over
+    once it holds _DESCRIPTORS_KEPT entries; returns the value."""
+    if len(descriptors) >= _DESCRIPTORS_KEPT:
+        descriptors.clear()
+    descriptors[key] = value
+    return value
 
 
 def _pointer(arg):
@@ -260,14 +266,11 @@ class _RawLaunch:
 
     def _expanded(self, bound: BoundLaunch, i: int, address: int) -> list:
         """The launcher's arguments for the per-call descriptor at position i, encoded once per address."""
-        descriptors = bound.descriptors
-        expanded = descriptors.get((i, address))
+        expanded = bound.descriptors.get((i, address))
         if expanded is None:
-            if len(descriptors) >= _DESCRIPTORS_KEPT:
-                descriptors.clear()
             meta, expand = self.metas[i]
             desc = _tensor_descriptor(address, bound.keep[i].base.dtype, bound.keep[i])
-            expanded = descriptors[(i, address)] = [_pointer(a) for a in expand(desc, meta)]
+            expanded = _keep(bound.descriptors, (i, address), [_pointer(a) for a in expand(desc, meta)])
         return expanded
 
 

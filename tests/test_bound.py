@@ -9,6 +9,7 @@ from _helpers import DTYPES
 
 import autofuse
 from autofuse import launch
+from autofuse.bound import _DESCRIPTORS_KEPT, _keep
 from autofuse.configs import KernelConfig
 from autofuse.ops.gated_up import gated_up
 from autofuse.ops.linear import linear
@@ -273,3 +274,14 @@ def test_memos_of_an_older_generation_are_dropped(device):
         torch.ops.autofuse.mlp(x, *w, "silu", False)
     assert len(mlp._bound) == 1 and len(mlp._configs) == 1
     assert len(custom_ops._entries) == 1
+
+
+def test_the_per_address_descriptor_cache_starts_over_when_full():
+    # A decode loop's allocator cycles through a few addresses; an unbounded cache would grow with every
+    # new one (bound._keep serves both the generic and the raw launch path).
+    cache = {}
+    for address in range(_DESCRIPTORS_KEPT):
+        assert _keep(cache, (0, address), address) == address
+    assert len(cache) == _DESCRIPTORS_KEPT
+    _keep(cache, (0, 999), "new")
+    assert cache == {(0, 999): "new"}
