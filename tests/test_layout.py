@@ -1,5 +1,6 @@
-"""A gated MLP whose d_ff is not a multiple of 8 keeps its parameters in zero-padded storage and runs at
-the padded width (autofuse/layout.py): correct in every dtype, invisible to state_dict, kept through
+"""A gated MLP's parameter layouts (autofuse/layout.py): a d_ff that is not a multiple of 8 kept in
+zero-padded storage and run at the padded width, and gate and up interleaved in one buffer (opt-in), where
+op gated_pairs runs if checked faster. Correct in every dtype, invisible to state_dict, kept through
 `.to()`, given up (not wrong) when a parameter is replaced."""
 
 import pytest
