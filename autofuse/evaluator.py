@@ -23,15 +23,17 @@ from .errors import AutofuseError
 from .key import TuningKey
 from .reference import ERROR_BOUNDS, relative_error
 from .store import TrialRecord, Winner
-from .timing import cpu_median_ms, gpu_median_ms, graph_replay_us
+from .timing import cpu_median_ms, graph_median_ms
 
 logger = logging.getLogger("autofuse")
 
-# Up to this M, trials and library candidates are timed replayed from a CUDA graph (what a decode
-# step pays); above it, by do_bench's median with L2 flushed between runs. At decode sizes do_bench's
-# flush and launch gaps would rank configs by overheads a graph-replayed step never pays
-# (RESULTS.md, issue 4).
-GRAPH_TIMED_MAX_M = 128
+# Trials and library candidates are timed replayed from a CUDA graph at every M: the GPU time a step
+# pays, which is what the "never slower" sweep compares (benchmarks/never_slower.py). do_bench's L2
+# flush between runs and its launch gaps ranked configs by costs a replayed or back-to-back step never
+# pays: at decode sizes (issue 4) and also at M of a few hundred to a thousand, where a flushed do_bench
+# put a gated up-projection at well over the whole graph-replayed MLP's time and chose the eager library
+# path over a faster one (RESULTS.md, issue 16, third session).
+TIMING_BUDGET_MS = {False: 100.0, True: 20.0}  # a tuning trial's, a first-use check's (quick)
 
 
 def bytes_needed(key: TuningKey, M: int) -> int:
@@ -106,9 +108,7 @@ class Evaluator:
     def _time(self, fn: Callable[[], object]) -> float:
         if self.interpret:
             return cpu_median_ms(fn, repeats=1)
-        if self.M <= GRAPH_TIMED_MAX_M:
-            return graph_replay_us(fn, replays=20 if self.quick else 100) / 1e3
-        return gpu_median_ms(fn, 5, 25) if self.quick else gpu_median_ms(fn)
+        return graph_median_ms(fn, TIMING_BUDGET_MS[self.quick])
 
     def library_ms(self) -> dict[str, float]:
         """Each library candidate that computes this key, checked like a trial and timed like one.

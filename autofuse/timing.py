@@ -7,6 +7,7 @@ wall-clock median, which says nothing about GPU speed and is labelled so.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -97,6 +98,21 @@ def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_grap
     dominate a few-microsecond forward."""
     graph = _captured(fn, calls_per_graph)
     return statistics.median(_replay_us(graph, calls_per_graph) for _ in range(replays))
+
+
+def graph_median_ms(fn: Callable[[], object], budget_ms: float = 100.0, min_replay_us: float = 50.0,
+                    max_calls_per_graph: int = 10) -> float:
+    """Median GPU time of one call replayed from a CUDA graph, at any size: as many back-to-back calls
+    per graph as make one replay last at least `min_replay_us` (the events' resolution), as many replays
+    as fit in `budget_ms` (at least 5, at most 100). What graph_replay_us measures, sized so that a
+    multi-millisecond prefill GEMM is not replayed a thousand times."""
+    single = _captured(fn, 1)
+    one_us = statistics.median(_replay_us(single, 1) for _ in range(3))
+    calls = max(1, min(max_calls_per_graph, math.ceil(min_replay_us / max(one_us, 1e-3))))
+    graph = single if calls == 1 else _captured(fn, calls)
+    del single
+    replays = max(5, min(100, int(budget_ms * 1e3 / (one_us * calls))))
+    return statistics.median(_replay_us(graph, calls) for _ in range(replays)) / 1e3
 
 
 def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int = 100,

@@ -140,3 +140,16 @@ def test_the_cublaslt_epilogue_computes_the_tanh_gelu():
         return ((out - ref).norm() / ref.norm()).item()
 
     assert error("tanh") < 2e-5 < 5e-5 < error("none")
+
+
+@pytest.mark.parametrize("n", [64, 4096])
+def test_graph_timing_scales_with_the_work(n):
+    """timing.graph_median_ms, which ranks every tuning trial and first-use check: two back-to-back
+    GEMMs must time about twice one, at a size where one replay holds many calls (n=64) and at one
+    where it holds a single call (n=4096)."""
+    from autofuse.timing import graph_median_ms
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    once = graph_median_ms(lambda: a @ a)
+    twice = graph_median_ms(lambda: (a @ a, a @ a))
+    assert 0 < once and 1.5 < twice / once < 2.5, (once, twice)
