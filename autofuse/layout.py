@@ -10,10 +10,10 @@ along d_ff to run_width(d_ff), and inference runs the MLP at that width on as_st
 That is exact: the padded gate and up rows and biases are 0, so H's padded columns are
 act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them.
 
-Interleaving (opt-in, get_mlp(interleaved=True)). The gate and up weights live in ONE [2W, d_model]
-buffer, row 2j the gate's row j and row 2j + 1 the up's, each parameter a strided view of it (row
-stride 2 d_model), so that op gated_pairs runs the gated up-projection as one GEMM over the buffer
-(ops/gated_pairs.py) while every other path reads the two views.
+Interleaving (the default; get_mlp(interleaved=False) / fuse(..., interleaved=False) opt out). The gate
+and up weights live in ONE [2W, d_model] buffer, row 2j the gate's row j and row 2j + 1 the up's, each
+parameter a strided view of it (row stride 2 d_model), so that op gated_pairs runs the gated up-projection
+as one GEMM over the buffer (ops/gated_pairs.py) while every other path reads the two views.
 
 Either way the weights are kept ONCE: the views have the parameters' own shapes, so state_dict keys
 and shapes, optimizers and user code see the same tensors; a state_dict saves plain contiguous

@@ -94,7 +94,7 @@ class FusedMLP(FusedModule):
     MLP in one launch (config_for then names the single op "mlp")."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
-                 dtype: torch.dtype, device: torch.device, tuned: bool = True, interleaved: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, tuned: bool = True, interleaved: bool = True) -> None:
         super().__init__(tuned)
         self.in_features = d_model
         self.d_model = d_model
@@ -222,7 +222,7 @@ class FusedMLP(FusedModule):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"
-                + (", interleaved=True" if self.interleaved else ""))
+                + ("" if self.interleaved else ", interleaved=False"))
 
 
 def get_linear(in_features: int, out_features: int, *, bias: bool = True, activation: str = "none",
@@ -242,11 +242,12 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
 
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
             dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True,
-            interleaved: bool = False) -> FusedMLP:
+            interleaved: bool = True) -> FusedMLP:
     """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names.
-    `tuned=False` ignores tuned configs and uses the built-in heuristic. `interleaved=True` keeps the
-    gate and up weights interleaved in one buffer (each parameter a strided view of it), so that the
-    gated up-projection may run as one GEMM (op gated_pairs) where that was checked or tuned faster."""
+    `tuned=False` ignores tuned configs and uses the built-in heuristic. `interleaved` (the default)
+    keeps the gate and up weights interleaved in one buffer (each parameter a strided view of it), so
+    that the gated up-projection may run as one GEMM (op gated_pairs) where that was checked or tuned
+    faster; `interleaved=False` keeps them as two plain tensors (and never runs gated_pairs)."""
     return FusedMLP(
         check_size("d_model", d_model),
         check_size("d_ff", d_ff),

@@ -17,6 +17,10 @@ from autofuse.ops.gated_bwd import gated_backward, gated_backward_cublas, gated_
 # roundoff: float32 allows for K-long float32 sums; 16-bit types for ~4-6 roundings of 2**-11
 # (float16) or 2**-8 (bfloat16). The sharper check is against eager PyTorch's own gradient error.
 GRAD_BOUNDS = {torch.float32: 1e-5, torch.float16: 6e-3, torch.bfloat16: 5e-2}
+# Below this, a gradient's error against eager's says nothing: a short gradient (a bias of a few dozen
+# elements) ends in one rounding to the dtype that neither path controls, up to half a unit roundoff
+# (2**-12 float16, 2**-9 bfloat16); two correct orders of the same sums land anywhere below it.
+ROUNDING = {torch.float32: 1e-6, torch.float16: 2**-12, torch.bfloat16: 2**-9}
 
 
 def _check_grads(got: dict, ref: dict, eager: dict, dtype) -> None:
@@ -25,7 +29,7 @@ def _check_grads(got: dict, ref: dict, eager: dict, dtype) -> None:
         assert got[name].dtype == dtype and got[name].shape == ref[name].shape, name
         err, eager_err = relative_error(got[name], ref[name]), relative_error(eager[name], ref[name])
         assert err <= GRAD_BOUNDS[dtype], f"{name}: error {err:.3g} > {GRAD_BOUNDS[dtype]:.3g} in {dtype}"
-        assert err <= 1.25 * eager_err + 1e-6, f"{name}: error {err:.3g} vs eager's {eager_err:.3g} in {dtype}"
+        assert err <= 1.25 * eager_err + ROUNDING[dtype], f"{name}: {err:.3g} vs eager {eager_err:.3g} ({dtype})"
 
 
 def _grads(module_params: dict, x: torch.Tensor, fn, dy: torch.Tensor) -> dict:

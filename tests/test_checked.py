@@ -44,7 +44,7 @@ def _fake_timer(monkeypatch, library_ms: float, kernel_ms: float, one_launch_ms:
 
 
 def _mlp(device, dtype=torch.float32):
-    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=dtype, device=device)
+    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=dtype, device=device, interleaved=False)
     return mlp, (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
 
@@ -104,7 +104,7 @@ def test_a_second_process_reuses_the_decision_without_checking(device, monkeypat
         def refuse(*args, **kwargs):
             raise SystemExit("a second check ran")
         objective.Evaluator.__init__ = refuse
-        mlp = autofuse.get_mlp({D}, {F_}, activation="silu", dtype=torch.float32, device="{device}")
+        mlp = autofuse.get_mlp({D}, {F_}, activation="silu", dtype=torch.float32, device="{device}", interleaved=False)
         with torch.no_grad():
             mlp(torch.randn({M}, {D}, device="{device}"))
         print(sorted(mlp.config_sources({M}).values()), sorted(c.to_json() for c in mlp.config_for({M}).values()))
@@ -153,7 +153,7 @@ def test_checks_can_be_switched_off(device, monkeypatch):
 
 
 def test_untuned_modules_are_not_checked(device):
-    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device=device, tuned=False)
+    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device=device, tuned=False, interleaved=False)
     with torch.no_grad():
         mlp(torch.randn(M, D, device=device))
     assert set(mlp.config_sources(M).values()) == {"heuristic"} and list(Store().winners()) == []

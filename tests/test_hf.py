@@ -69,16 +69,23 @@ def test_fused_model_logits_match_the_original(family, dtype, monkeypatch, devic
     assert relative_error(after, before.double()) <= LOGIT_BOUNDS[dtype]
 
 
-def test_fused_modules_share_the_original_parameters_and_state_dict_keys(device):
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_fused_modules_share_the_original_parameters_and_state_dict_keys(interleaved, device):
     model = _gemma().to(device).eval()
-    keys = list(model.state_dict())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
-    autofuse.fuse(model, verbose=False)
-    assert list(model.state_dict()) == keys
-    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == ptrs
+    originals = {name: p for name, p in model.named_parameters()}
+    autofuse.fuse(model, verbose=False, interleaved=interleaved)
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    # The same parameter objects (what an optimizer or a tied weight holds); interleaving moves the gate
+    # and up weights' data into one buffer, not interleaving copies nothing.
+    assert all(p is originals[name] for name, p in model.named_parameters())
+    moved = {k for k, v in model.state_dict().items() if v.data_ptr() != ptrs[k]}
+    assert moved == ({k for k in ptrs if ".mlp.gate_proj." in k or ".mlp.up_proj." in k} if interleaved else set())
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in _gemma().parameters())
     block = model.model.layers[0].mlp
-    with torch.no_grad():  # an in-place weight change is seen by the fused forward: nothing was copied
+    with torch.no_grad():  # an in-place weight change is seen by the fused forward
         block.up_proj.weight.mul_(0)
         assert torch.count_nonzero(block(torch.randn(3, 64, device=device))) == 0
 

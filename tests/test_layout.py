@@ -1,5 +1,5 @@
 """A gated MLP's parameter layouts (autofuse/layout.py): a d_ff that is not a multiple of 8 kept in
-zero-padded storage and run at the padded width, and gate and up interleaved in one buffer (opt-in), where
+zero-padded storage and run at the padded width, and gate and up interleaved in one buffer (the default), where
 op gated_pairs runs if checked faster. Correct in every dtype, invisible to state_dict, kept through
 `.to()`, given up (not wrong) when a parameter is replaced."""
 
@@ -40,9 +40,16 @@ def test_odd_d_ff_runs_padded_and_correct(dtype, bias, M, device):
     assert wd.as_strided((40, 128), (128, 1))[:, 75:].abs().max() == 0
 
 
-def test_aligned_d_ff_keeps_plain_parameters(device):
+def test_aligned_d_ff_keeps_plain_parameters_when_not_interleaved(device):
+    module = autofuse.get_mlp(40, 72, dtype=torch.float16, device=device, interleaved=False)
+    assert module.d_ff_run == 72 and all(p.is_contiguous() for p in module.parameters()) and not module.runs_pairs
+    assert "interleaved=False" in repr(module)
+
+
+def test_gate_and_up_are_interleaved_by_default(device):
     module = autofuse.get_mlp(40, 72, dtype=torch.float16, device=device)
-    assert module.d_ff_run == 72 and all(p.is_contiguous() for p in module.parameters())
+    assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == 72
+    assert module.down_proj.weight.is_contiguous()  # aligned d_ff: the down projection stays as it was
 
 
 def test_state_dict_is_plain_and_round_trips(device):

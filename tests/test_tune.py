@@ -41,23 +41,26 @@ def _tune(args):
 def test_tune_end_to_end_and_modules_use_the_winners(tmp_path):
     shapes = write_json(tmp_path / "s.json", TINY)
     out = _tune(["--shapes", str(shapes), "--trials", "3"])
-    # Per M: gated_up, down, the one-launch mlp (M <= 64 for both token counts) and the Linear.
-    assert "tuning 8 keys with optuna" in out
+    # Per M: gated_up, gated_pairs, down, the one-launch mlp (M <= 64 for both token counts) and the Linear.
+    assert "tuning 10 keys with optuna" in out
     table = [line for line in out.splitlines() if line.startswith(("tiny ", "lin "))]
-    assert len(table) == 8, out
+    assert len(table) == 10, out
     store = Store()
     winners = {(w.key.op, w.key.m_bucket): w for w in store.winners()}
-    assert set(winners) == {(op, m) for op in ("gated_up", "down", "mlp", "linear") for m in (3, 37)}
+    assert set(winners) == {(op, m) for op in ("gated_up", "gated_pairs", "down", "mlp", "linear") for m in (3, 37)}
     assert all(w.trials == 3 and w.config is not None for w in winners.values())
 
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
-    pair_ms = winners["gated_up", 37].time_ms + winners["down", 37].time_ms
-    if winners["mlp", 37].time_ms < pair_ms:  # the module takes whichever tuning timed faster
+    # The module takes whichever tuning timed faster: gated_pairs or gated_up for H, then the pair
+    # against the one-launch kernel.
+    up_op = "gated_pairs" if winners["gated_pairs", 37].time_ms < winners["gated_up", 37].time_ms else "gated_up"
+    pair_ms = winners[up_op, 37].time_ms + winners["down", 37].time_ms
+    if winners["mlp", 37].time_ms < pair_ms:
         assert mlp.config_sources(37) == {"mlp": "user-cache"}
         assert mlp.config_for(37) == {"mlp": winners["mlp", 37].config}
     else:
-        assert mlp.config_sources(37) == {"gated_up": "user-cache", "down": "user-cache"}
-        assert mlp.config_for(37) == {"gated_up": winners["gated_up", 37].config, "down": winners["down", 37].config}
+        assert mlp.config_sources(37) == {up_op: "user-cache", "down": "user-cache"}
+        assert mlp.config_for(37) == {up_op: winners[up_op, 37].config, "down": winners["down", 37].config}
     lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.bfloat16, device="cpu")
     assert lin.config_for(3) == {"linear": winners["linear", 3].config}
     # M=20 was not tuned: its pow2 bucket 32 neither, so the nearest tuned bucket (37) serves it.
@@ -102,13 +105,13 @@ def test_export_import_round_trip_into_a_fresh_cache(tmp_path, monkeypatch):
     _tune(["--shapes", str(write_json(tmp_path / "s.json", TINY)), "--trials", "2", "--tokens", "37"])
     exported = tmp_path / "h.json"
     result = CliRunner().invoke(main, ["cache", "export", "-o", str(exported)])
-    assert result.exit_code == 0 and "exported 4 configs" in result.output
+    assert result.exit_code == 0 and "exported 5 configs" in result.output
     tuned = {w.key.id(): w for w in Store().winners()}
 
     monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path / "fresh"))
     resolve.invalidate()
     result = CliRunner().invoke(main, ["cache", "import", str(exported)])
-    assert result.exit_code == 0 and "imported 4 configs" in result.output
+    assert result.exit_code == 0 and "imported 5 configs" in result.output
     assert {w.key.id(): w for w in Store().winners()} == tuned
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
     assert set(mlp.config_sources(37).values()) == {"user-cache"}
@@ -234,7 +237,7 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
         assert p.returncode == 0, err
     winners = list(Store(cache).winners())
     expected = {("gated_up", 48, 16 + 8 * i) for i in range(4)} | {("down", 16 + 8 * i, 48) for i in range(4)}
-    expected |= {("mlp", 48, 16 + 8 * i) for i in range(4)}
+    expected |= {(op, 48, 16 + 8 * i) for op in ("mlp", "gated_pairs") for i in range(4)}
     expected |= {("linear", 40, 24)}
     assert {(w.key.op, w.key.n, w.key.k) for w in winners} == expected
     assert all(len(Store(cache).trials(w.key)) >= 3 for w in winners)
@@ -255,12 +258,12 @@ def test_a_killed_run_resumes_without_repeating_work(tmp_path):
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed; make it slower"
     before = key_trials()
-    assert 2 <= before < 18 and len(list(Store(cache).winners())) < 2  # trials kept, the run unfinished
+    assert 2 <= before < 24 and len(list(Store(cache).winners())) < 2  # trials kept, the run unfinished
 
     resumed = _tune_process(shapes, cache, "--trials", "6", "--policy", "random", "--resume")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert key_trials() == 18  # 6 per key (gated_up, down, mlp), the killed run's included
+    assert key_trials() == 24  # 6 per key (gated_up, gated_pairs, down, mlp), the killed run's included
     rows = [line.split() for line in out.splitlines() if line.startswith("mlp0 ")]
     resumed_counts = [int(row[-2]) for row in rows]
     assert sum(resumed_counts) == before, out  # every trial of the killed run was reused, none re-run
@@ -276,7 +279,7 @@ def _keys(cache, shapes_path):
 def test_cache_show_clear_and_kernel(tmp_path):
     _tune(["--shapes", str(write_json(tmp_path / "s.json", TINY)), "--trials", "2", "--tokens", "3"])
     ls = CliRunner().invoke(main, ["cache", "ls"])
-    assert ls.exit_code == 0 and "4 tuned keys" in ls.output
+    assert ls.exit_code == 0 and "5 tuned keys" in ls.output
     row = next(line.split() for line in ls.output.splitlines() if " gated_up " in line and "user-cache" in line)
     short = row[0]
     for given in (short, short[:6]):  # the short id `cache ls` prints, or a unique prefix of it
@@ -288,7 +291,7 @@ def test_cache_show_clear_and_kernel(tmp_path):
     assert CliRunner().invoke(main, ["cache", "show", "op=nonsense"]).exit_code == 2
     assert "at least 4 characters" in CliRunner().invoke(main, ["cache", "show", "ab"]).output
     clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
-    assert clear.exit_code == 0 and "removed 4 tuned configs" in clear.output
+    assert clear.exit_code == 0 and "removed 5 tuned configs" in clear.output
     assert list(Store().winners()) == []
 
 

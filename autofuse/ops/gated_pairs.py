@@ -6,8 +6,8 @@ epilogue splits the pairs and writes H = act(G) * U ([M, F]). Keyed with n = F (
 
 The interleaved weight is what an interleaved module keeps its two parameters in (each a strided view
 of it, one copy of the weights; layout.py, get_mlp(interleaved=True)): `interleave` builds one,
-`gate_and_up` gives the two views, `pairs_of` the buffer behind them. Such a module checks or tunes this
-op beside gated_up and runs the faster (dispatch.mlp_choices)."""
+`gate_and_up` gives the two views, `pairs_of` the buffer behind them. Such a module (the default) checks
+or tunes this op beside gated_up and runs the faster (dispatch.mlp_choices)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS
 from ..configs import Device, KernelConfig, gemm_heuristic
+from ..layout import run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
 
@@ -116,5 +117,7 @@ GATED_PAIRS = OpSpec(
     reference=_reference,
     make_operands=_make_operands,
     output_width=lambda n, k: n,
+    serves="mlp",
+    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what an interleaved FusedMLP runs (layout.py)
     template_files=("gated_pairs.py.jinja", "gated_pairs_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )
