@@ -24,7 +24,7 @@ import torch
 
 from . import ops, resolve, workspaces
 from .configs import Library
-from .device import interpreting
+from .device import capturing, interpreting
 from .errors import AutofuseError
 from .key import current_environment, m_bucket, make_key
 from .resolve import CHECKED, Choice, heuristic_for
@@ -88,7 +88,7 @@ def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype,
 
 def _cannot_time(device: torch.device) -> bool:
     return (torch.compiler.is_compiling() or workspaces.per_call()
-            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+            or capturing(device))
 
 
 def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:

@@ -107,3 +107,9 @@ def persistent_programs(device: torch.device) -> int:
 def fp32_input_precision() -> str:
     """Follow PyTorch's own switch for float32 matmuls: tf32 only when the user allowed it."""
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is capturing a CUDA graph (nothing may allocate or copy
+    outside the graph's pool then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

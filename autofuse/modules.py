@@ -15,6 +15,7 @@ from torch import nn
 from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .checked import pending
+from .device import capturing
 from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, resolve_checked
 from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
@@ -111,6 +112,7 @@ class FusedMLP(FusedModule):
         # A d_ff whose rows are not 16-byte aligned, or interleaved gate and up weights: the parameters
         # are views of storage laid out for the kernels (layout.py).
         self._layout: MLPLayout | None = None
+        self._plain_for_training = False  # a training forward made the parameters plain (_lay_out_plain)
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
 
@@ -168,14 +170,35 @@ class FusedMLP(FusedModule):
                                           self.tuned).reshape(out_shape)
         if needs_grad(x, *params):
             self._check_parameters()
+            if self._layout is not None and not capturing(wg.device):
+                params = self._lay_out_plain()
+                wg = params[0]
             down_config, backward_config, launches = self._training_configs(M, wg)
             return MLPFunction.apply(x.reshape(-1, self.d_model), *params, activation, down_config,
                                      backward_config, launches).reshape(out_shape)
+        if self._plain_for_training and not capturing(wg.device):
+            self._plain_for_training = False
+            self._lay_out()
+            params = self._params()
+            wg = params[0]
         weights = addresses(params)
         layout = self._layout
         if layout is not None:
             params = layout.widen(params, weights) or params
         return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
+
+    def _lay_out_plain(self) -> tuple:
+        """Before a training forward: the parameters as plain dense tensors again, as optimizers expect
+        them (CUDA's fused AdamW requires a parameter's strides to match its gradient's and its state's,
+        which are dense; a view with gaps has no dense twin). The same parameter objects keep their
+        values; the inference layout is made again at the next inference forward."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for p in self._params():
+                if p is not None and not p.is_contiguous():
+                    p.data = p.data.contiguous()
+        self._layout = None
+        self._plain_for_training = True
+        return self._params()
 
     def _params(self) -> tuple:
         """(wg, bg, wu, bu, wd, bd), read from the submodules' parameter dicts: an nn.Module attribute

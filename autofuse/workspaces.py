@@ -9,7 +9,7 @@ import contextvars
 import torch
 
 from .configs import next_power_of_2
-from .device import cuda_index
+from .device import capturing, cuda_index
 
 # Split-K workspaces: float32 partial sums and int32 arrival counters, per (device, stream). The
 # kernels leave both all zero when they finish, so one zeroing at allocation serves every later
@@ -63,7 +63,7 @@ def workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Ten
         return buffer[:sums], buffer[sums:].view(torch.int32)  # one allocation, one memset
     key = (device, stream_id(device))
     found = _workspaces.get(key)
-    if _too_small(found, sums, counters) and _capturing(device):
+    if _too_small(found, sums, counters) and capturing(device):
         # A torch.cuda.graph capture of an eager module runs on a stream of its own, after a warm-up
         # that allocated on another: reuse that workspace rather than allocate one in the graph's
         # private memory pool. (torch.compile's CUDA graphs go through the ops: per-call workspaces.)
@@ -82,10 +82,6 @@ def workspace(device: torch.device, sums: int, counters: int) -> tuple[torch.Ten
 
 def _too_small(found, sums: int, counters: int) -> bool:
     return found is None or found[0].numel() < sums or found[1].numel() < counters
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def reset_workspaces() -> None:

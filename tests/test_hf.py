@@ -73,16 +73,19 @@ def test_fused_model_logits_match_the_original(family, dtype, monkeypatch, devic
 def test_fused_modules_share_the_original_parameters_and_state_dict_keys(interleaved, device):
     model = _gemma().to(device).eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
     originals = {name: p for name, p in model.named_parameters()}
+    ptrs = {name: p.data_ptr() for name, p in originals.items()}
     autofuse.fuse(model, verbose=False, interleaved=interleaved)
     assert list(model.state_dict()) == list(state)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     # The same parameter objects (what an optimizer or a tied weight holds); interleaving moves the gate
-    # and up weights' data into one buffer, not interleaving copies nothing.
+    # and up weights' data into one buffer per block, not interleaving copies nothing.
     assert all(p is originals[name] for name, p in model.named_parameters())
-    moved = {k for k, v in model.state_dict().items() if v.data_ptr() != ptrs[k]}
-    assert moved == ({k for k in ptrs if ".mlp.gate_proj." in k or ".mlp.up_proj." in k} if interleaved else set())
+    for layer in model.model.layers:
+        gate, up = layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight
+        shared = gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+        assert shared == interleaved and gate.is_contiguous() != interleaved
+    assert interleaved or {name: p.data_ptr() for name, p in model.named_parameters()} == ptrs
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in _gemma().parameters())
     block = model.model.layers[0].mlp
     with torch.no_grad():  # an in-place weight change is seen by the fused forward
@@ -154,7 +157,8 @@ def test_the_original_forward_runs_where_the_kernels_would_differ(device):
 def test_tune_model_tunes_the_fused_model_shapes(device):
     model = _gemma().to(device).eval()
     autofuse.fuse(model, verbose=False)
-    assert autofuse.tune_model(model, tokens=(16,), trials=1) == 3  # gated_up, down, mlp: one shape, one M
+    # gated_up, gated_pairs, down, mlp: one shape, one M
+    assert autofuse.tune_model(model, tokens=(16,), trials=1) == 4
     sources = model.model.layers[0].mlp._fused.config_sources(16)
     assert sources and all(s == "user-cache" for s in sources.values()), sources
 
