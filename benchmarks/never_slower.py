@@ -1,6 +1,10 @@
 """The "never slower" sweep (issue 16): autofuse on shapes nobody tuned, against the best peer.
 
   python benchmarks/never_slower.py --out DIR [--mlps 12] [--linears 4] [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000]
+      [--public]
+
+--public adds public model shapes (PUBLIC_MLPS, PUBLIC_LINEARS) after the drawn ones: issue 17's prefill
+check runs `--public --tokens 1024,2048,4096,8192,16384`.
 
 Shapes come from a seeded generator (d_model 512-8192, d_ff 1-8x d_model, some not multiples of 8 or
 64; activations gelu_tanh / silu, Linear with a bias and gelu_tanh), none of them in the shipped files.
@@ -32,6 +36,19 @@ from autofuse.reference import eager_linear, eager_mlp
 from autofuse.timing import graph_replay_round_robin
 
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
+
+
+# Public models' MLP blocks and two Linear widths of the issue 16 measurement (not drawn: --public).
+PUBLIC_MLPS = (
+    dict(d_model=2048, d_ff=16384, activation="gelu_tanh", name="gemma-2b"),
+    dict(d_model=3072, d_ff=24576, activation="gelu_tanh", name="gemma-7b"),
+    dict(d_model=4096, d_ff=14336, activation="silu", name="llama-3-8b"),
+    dict(d_model=3584, d_ff=18944, activation="silu", name="qwen2.5-7b"),
+)
+PUBLIC_LINEARS = (
+    dict(in_features=4096, out_features=16384, activation="gelu_tanh", name="4096->16384"),
+    dict(in_features=2560, out_features=10240, activation="gelu_tanh", name="2560->10240"),
+)
 
 
 def draw_shapes(seed: int, mlps: int, linears: int) -> tuple[list[dict], list[dict]]:
@@ -103,8 +120,11 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
     for name, fn in providers.items():
         out = fn(x)  # first calls: compile, first-use checks
         errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    # Prefill calls take up to tens of milliseconds: fewer calls per graph and replays there, so that a
+    # point costs seconds, not minutes (a replay of 2 such calls is far above the events' resolution).
     times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()},
-                                     replays=20 if M >= 1000 else 50)
+                                     replays=50 if M < 1000 else 20 if M < 4096 else 8,
+                                     calls_per_graph=10 if M < 1000 else 2)
     peers = {k: v for k, v in times.items() if k != "autofuse"}
     best = min(peers, key=peers.get)
     return dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
@@ -117,6 +137,7 @@ def main() -> None:
     parser.add_argument("--mlps", type=int, default=12)
     parser.add_argument("--linears", type=int, default=4)
     parser.add_argument("--tokens", default="1,2,5,16,48,77,128,300,1000,2048,5000")
+    parser.add_argument("--public", action="store_true", help="add the public model shapes after the drawn ones")
     args = parser.parse_args()
     # The first-use checks' decisions, with the times they compared (autofuse/checked.py).
     handler = logging.FileHandler(Path(args.out, "checks.log"))
@@ -125,6 +146,8 @@ def main() -> None:
     logging.getLogger("autofuse").setLevel(logging.INFO)
     tokens = [int(t) for t in args.tokens.split(",")]
     gated, linear = draw_shapes(args.seed, args.mlps, args.linears)
+    if args.public:
+        gated, linear = gated + list(PUBLIC_MLPS), linear + list(PUBLIC_LINEARS)
     liger = _liger_gate()
     rows = []
     start = time.perf_counter()
@@ -134,7 +157,7 @@ def main() -> None:
                 providers = mlp_providers(shape, liger) if kind == "mlp" else linear_providers(shape)
                 d_in = shape.get("d_model", shape.get("in_features"))
                 for M in tokens:
-                    row = dict(kind=kind, **shape, **measure(providers, d_in, M))
+                    row = dict(kind=kind, **{"name": "drawn", **shape}, **measure(providers, d_in, M))
                     row["sources"] = providers["autofuse"].config_sources(M)
                     row["choices"] = {op: c.short() for op, c in providers["autofuse"].config_for(M).items()}
                     rows.append(row)
@@ -162,6 +185,10 @@ def _write(args, liger, rows: list[dict], start: float) -> dict:
                    geomean_m_le_128=_geomean([r["ratio"] for r in rows if r["M"] <= 128]),
                    geomean_m_ge_1024=_geomean([r["ratio"] for r in rows if r["M"] >= 1024]),
                    seconds=time.perf_counter() - start)
+    for kind in ("mlp", "linear"):  # issue 17 judges gated MLPs and Linears apart, at M >= 1024
+        prefill = [r["ratio"] for r in rows if r["kind"] == kind and r["M"] >= 1024]
+        summary[f"{kind}_m_ge_1024"] = dict(points=len(prefill), geomean=_geomean(prefill),
+                                            min=min(prefill, default=float("nan")))
     Path(args.out, "never_slower.json").write_text(json.dumps(dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         seed=args.seed, liger=liger is not None, summary=summary, rows=rows), indent=1))
