@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import launch, ops, workspaces
-from .checked import checked
+from .checked import checked, faster_of
 from .configs import KernelConfig
 from .key import MAX_M_BUCKET, m_bucket
 from .ops.gated_pairs import gated_pairs, pairs_of
@@ -52,7 +52,9 @@ def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dt
     up = resolve_checked(up_op, M, d_ff, d_model, dtype, device, activation=activation, bias=bias, tuned=tuned)
     if pairs and tuned:
         one_gemm = resolve_checked("gated_pairs", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
-        if None not in (one_gemm.time_ms, up.time_ms) and one_gemm.time_ms < up.time_ms:
+        if None not in (one_gemm.time_ms, up.time_ms) and faster_of(
+                ("gated_pairs", one_gemm), (up_op, up), M, d_ff, d_model, dtype, device, activation=activation,
+                bias=bias) == "gated_pairs":
             up_op, up = "gated_pairs", one_gemm
     pair = {
         up_op: up,

@@ -23,7 +23,7 @@ from .errors import AutofuseError
 from .key import TuningKey
 from .reference import ERROR_BOUNDS, relative_error
 from .store import TrialRecord, Winner
-from .timing import cpu_median_ms, graph_median_ms
+from .timing import cpu_median_ms, graph_median_ms, graph_side_by_side_ms
 
 logger = logging.getLogger("autofuse")
 
@@ -109,6 +109,18 @@ class Evaluator:
         if self.interpret:
             return cpu_median_ms(fn, repeats=1)
         return graph_median_ms(fn, TIMING_BUDGET_MS[self.quick])
+
+    def runner(self, config: KernelConfig | Library) -> Callable[[], object]:
+        """A call of a kernel config or a library candidate on this key's operands (for timing)."""
+        x = self.operands[self._input]
+        if isinstance(config, Library):
+            return lambda: self.library(config.name, x)
+        return lambda: self._launch(config, x)
+
+    def side_by_side_ms(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """Times of several calls replayed in turn (timing.graph_side_by_side_ms), each with this
+        evaluator's timing budget."""
+        return graph_side_by_side_ms(fns, TIMING_BUDGET_MS[self.quick])
 
     def library_ms(self) -> dict[str, float]:
         """Each library candidate that computes this key, checked like a trial and timed like one.

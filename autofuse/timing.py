@@ -106,13 +106,27 @@ def graph_median_ms(fn: Callable[[], object], budget_ms: float = 100.0, min_repl
     per graph as make one replay last at least `min_replay_us` (the events' resolution), as many replays
     as fit in `budget_ms` (at least 5, at most 100). What graph_replay_us measures, sized so that a
     multi-millisecond prefill GEMM is not replayed a thousand times."""
-    single = _captured(fn, 1)
-    one_us = statistics.median(_replay_us(single, 1) for _ in range(3))
-    calls = max(1, min(max_calls_per_graph, math.ceil(min_replay_us / max(one_us, 1e-3))))
-    graph = single if calls == 1 else _captured(fn, calls)
-    del single
-    replays = max(5, min(100, int(budget_ms * 1e3 / (one_us * calls))))
-    return statistics.median(_replay_us(graph, calls) for _ in range(replays)) / 1e3
+    return graph_side_by_side_ms({"fn": fn}, budget_ms, min_replay_us, max_calls_per_graph)["fn"]
+
+
+def graph_side_by_side_ms(fns: dict[str, Callable[[], object]], budget_ms: float = 100.0,
+                          min_replay_us: float = 50.0, max_calls_per_graph: int = 10) -> dict[str, float]:
+    """graph_median_ms of several functions, replayed in turn (one replay of each per round), so that
+    a drift of clocks or temperature during the measurement falls on all of them alike: what a choice
+    between near-equal candidates must be decided on. `budget_ms` is each function's share."""
+    graphs, one_us = {}, {}
+    for name, fn in fns.items():
+        single = _captured(fn, 1)
+        one_us[name] = statistics.median(_replay_us(single, 1) for _ in range(3))
+        calls = max(1, min(max_calls_per_graph, math.ceil(min_replay_us / max(one_us[name], 1e-3))))
+        graphs[name] = (single if calls == 1 else _captured(fn, calls), calls)
+        del single
+    replays = max(5, min(100, int(budget_ms * 1e3 / max(one_us[n] * c for n, (_, c) in graphs.items()))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(replays):
+        for name, (graph, calls) in graphs.items():
+            samples[name].append(_replay_us(graph, calls))
+    return {name: statistics.median(values) / 1e3 for name, values in samples.items()}
 
 
 def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int = 100,

@@ -212,3 +212,13 @@ def test_a_check_that_fails_runs_the_library_path_once_and_stores_nothing(device
     assert mlp.config_sources(M) == {"gated_up": checked.CHECK_FAILED, "down": checked.CHECK_FAILED}
     assert len(attempts) == 2 and list(Store().winners()) == []  # once per op, never stored
     assert any("could not check" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("times, expected", [((1.0, 2.0), "gated_pairs"), ((2.0, 1.0), "gated_up"),
+                                             ((1.0, 1.05), "gated_pairs")])
+def test_the_faster_of_two_ops_goes_by_their_records_where_nothing_can_time(times, expected):
+    # On the CPU (and while capturing or tracing) nothing is timed again: the recorded times decide, a
+    # near tie included. On a GPU a near tie is timed side by side (tests/test_gpu.py).
+    pairs, up = (resolve.Choice(Library("eager"), "checked", t) for t in times)
+    assert checked.faster_of(("gated_pairs", pairs), ("gated_up", up), 16, 72, 40, torch.float32,
+                             torch.device("cpu"), activation="silu", bias=False) == expected

@@ -159,8 +159,10 @@ def test_graph_timing_scales_with_the_work(n):
 
 @pytest.mark.parametrize("optimizer", ["fused", "foreach"])
 def test_optimizers_step_an_interleaved_module_like_a_plain_one(optimizer):
-    """Interleaved gate and up weights (the default layout) are strided views of one buffer: CUDA's
-    fused and foreach AdamW must update them in place as they update plain parameters."""
+    """Interleaved gate and up weights (the default layout) are strided views of one buffer, which CUDA's
+    fused AdamW refuses (a parameter's strides must match its dense gradient's and state's): a training
+    forward makes them plain first (FusedMLP._lay_out_plain), and the optimizers then step the module
+    exactly as a plain one; the next inference forward interleaves them again."""
     torch.manual_seed(0)
     modules = [autofuse.get_mlp(64, 96, activation="silu", dtype=torch.float32, device="cuda", interleaved=i)
                for i in (True, False)]
@@ -172,6 +174,33 @@ def test_optimizers_step_an_interleaved_module_like_a_plain_one(optimizer):
             module(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    assert modules[0].runs_pairs  # still views of the one buffer after the steps
+    assert all(p.is_contiguous() for p in modules[0].parameters()) and not modules[0].runs_pairs
     for (name, a), b in zip(modules[0].state_dict().items(), modules[1].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    with torch.no_grad():
+        out = modules[0](x)
+    assert modules[0].runs_pairs
+    with torch.no_grad():
+        torch.testing.assert_close(out, modules[1](x), rtol=1e-4, atol=1e-5)
+
+
+def test_side_by_side_timing_ranks_by_the_work():
+    from autofuse.timing import graph_side_by_side_ms
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    times = graph_side_by_side_ms({"once": lambda: a @ a, "twice": lambda: (a @ a, a @ a)})
+    assert 1.7 < times["twice"] / times["once"] < 2.3, times
+
+
+def test_a_near_tie_between_gated_up_and_gated_pairs_is_timed_side_by_side(caplog):
+    import logging
+
+    from autofuse.checked import faster_of
+    from autofuse.configs import Library
+    from autofuse.resolve import Choice
+
+    caplog.set_level(logging.INFO, logger="autofuse")
+    up, pairs = Choice(Library("eager"), "checked", 1.0), Choice(Library("eager"), "checked", 1.05)
+    winner = faster_of(("gated_pairs", pairs), ("gated_up", up), 1024, 4096, 1024, torch.bfloat16,
+                       torch.device("cuda"), activation="silu", bias=False)
+    assert winner in ("gated_pairs", "gated_up") and "side by side" in caplog.text
