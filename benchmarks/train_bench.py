@@ -27,17 +27,22 @@ import triton.testing
 
 import autofuse
 
-SHAPES = [("gemma-2b", 2048, 16384, 4096), ("gemma-7b", 3072, 24576, 16384)]
+# Issue 16's training acceptance: gemma-7b's GeGLU and a SwiGLU model (Llama-3-8B) at M = 4096 and 16384.
+SHAPES = [("gemma-7b", 3072, 24576, "gelu_tanh", 4096), ("gemma-7b", 3072, 24576, "gelu_tanh", 16384),
+          ("llama-3-8b", 4096, 14336, "silu", 4096), ("llama-3-8b", 4096, 14336, "silu", 16384)]
+ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
 
-def _eager(x, wg, wu, wd):
-    return F.linear(F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd)
+def _eager(x, wg, wu, wd, activation="gelu_tanh"):
+    return F.linear(ACT[activation](F.linear(x, wg)) * F.linear(x, wu), wd)
 
 
-def _liger(x, wg, wu, wd):
+def _liger(x, wg, wu, wd, activation="gelu_tanh"):
     from liger_kernel.ops.geglu import LigerGELUMulFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    return F.linear(LigerGELUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+    gate = LigerGELUMulFunction if activation == "gelu_tanh" else LigerSiLUMulFunction
+    return F.linear(gate.apply(F.linear(x, wg), F.linear(x, wu)), wd)
 
 
 class _GemmOnly(torch.autograd.Function):
@@ -67,7 +72,7 @@ class _GemmOnly(torch.autograd.Function):
         return dx, dw[:f], dw[f:], dwd
 
 
-def _gemm_only(x, wg, wu, wd):
+def _gemm_only(x, wg, wu, wd, activation=None):
     return _GemmOnly.apply(x, wg, wu, wd)
 
 
@@ -103,8 +108,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     torch.manual_seed(0)
-    for name, d, f, M in SHAPES:
-        module = autofuse.get_mlp(d, f, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
+    for name, d, f, activation, M in SHAPES:
+        module = autofuse.get_mlp(d, f, activation=activation, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             for p in module.parameters():
                 p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
@@ -115,13 +120,19 @@ def main() -> None:
         def fused(x, wg, wu, wd, module=module):
             return module(x)
 
-        compiled = torch.compile(_eager)
-        providers = {"gemm-only": _gemm_only, "eager": _eager, "torch.compile": compiled, "liger": _liger,
+        def eager(x, wg, wu, wd, activation=activation):
+            return _eager(x, wg, wu, wd, activation)
+
+        def liger(x, wg, wu, wd, activation=activation):
+            return _liger(x, wg, wu, wd, activation)
+
+        compiled = torch.compile(eager)
+        providers = {"gemm-only": _gemm_only, "eager": eager, "torch.compile": compiled, "liger": liger,
                      "autofuse": fused}
-        ref = _grads(_eager, [p.float() for p in params], x.float(), dy.float())
-        eager_grads = _grads(_eager, params, x, dy)
+        ref = _grads(eager, [p.float() for p in params], x.float(), dy.float())
+        eager_grads = _grads(eager, params, x, dy)
         for provider, fn in providers.items():
-            row = dict(shape=name, d=d, f=f, M=M, provider=provider)
+            row = dict(shape=name, d=d, f=f, activation=activation, M=M, provider=provider)
             try:
                 if provider == "gemm-only":
                     got = None  # a floor, not an MLP: nothing to check
@@ -143,7 +154,7 @@ def main() -> None:
                 x.grad = None
                 row.update(_measure(fn, params, x, dy))
                 if provider == "autofuse":
-                    down, backward = module._training_configs(M, module.gate_proj.weight)
+                    down, backward, _ = module._training_configs(M, module.gate_proj.weight)
                     row["configs"] = {op: c.short() if c is not None else "eager"
                                       for op, c in (("down", down), ("gated_bwd", backward))}
                 row["status"] = "ok"
