@@ -23,7 +23,7 @@ from autofuse.tune.coordinator import parse_devices
 SHAPES = {"dtype": "float32", "tokens": [5, 37],
           "mlps": [{"name": "m", "d_model": 24, "d_ff": 40, "activation": "silu"}],
           "linears": [{"name": "l", "in_features": 24, "out_features": 40}]}
-KEYS = 8  # per M: gated_up, down, mlp (M <= 64), linear; M = 5 and 37
+KEYS = 10  # per M: gated_up, gated_pairs, down, mlp (M <= 64), linear; M = 5 and 37
 
 
 def _claims(storage):
@@ -45,7 +45,8 @@ def test_two_workers_share_one_journal_and_tune_every_key_once(tmp_path):
     assert {c[0][1]["worker"] for c in claims.values()} == {"cpu0", "cpu1"}  # both did work
     winners = list(Store().winners())
     assert len(winners) == KEYS and len({w.key for w in winners}) == KEYS
-    assert "tuning 8 keys on 2 workers" in result.output and "[8/8 keys done, run ETA 0s]" in result.output
+    assert f"tuning {KEYS} keys on 2 workers" in result.output
+    assert f"[{KEYS}/{KEYS} keys done, run ETA 0s]" in result.output
 
 
 def _worker(shapes, storage, cache, name, *extra):
