@@ -108,7 +108,7 @@ def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
         with torch.no_grad():
             library_ms = evaluator.library_ms()
             record = evaluator.evaluate(choice.kernel)
-            if record.status == "ok" and device.type == "cuda" and not interpreting():
+            if record.status == "ok" and _times_on_gpu(device):
                 record, library_ms = _side_by_side_if_near(evaluator, record, library_ms)
     finally:
         evaluator.close()
@@ -118,6 +118,11 @@ def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
     return choose_winner(key, {choice.kernel: record}, library_ms, choice.kernel,
                          time.perf_counter() - start, CHECKED, times_mean_speed=not interpreting(),
                          kernel_margin=CHECK_MARGIN)
+
+
+def _times_on_gpu(device: torch.device) -> bool:
+    """Whether times taken now are a GPU's (not the interpreter's, which say nothing about speed)."""
+    return device.type == "cuda" and not interpreting()
 
 
 def _near(a: float, b: float) -> bool:
@@ -142,7 +147,7 @@ def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], M: int, N: 
     tie and a GPU can time now. Needs both times (tuned or checked choices)."""
     (op_a, a), (op_b, b) = first, second
     by_record = op_a if a.time_ms <= b.time_ms else op_b
-    if not _near(a.time_ms, b.time_ms) or device.type != "cuda" or interpreting() or _cannot_time(device):
+    if not _near(a.time_ms, b.time_ms) or not _times_on_gpu(device) or _cannot_time(device):
         return by_record
     from .evaluator import Evaluator
 

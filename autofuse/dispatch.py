@@ -11,8 +11,7 @@ from . import launch, ops, workspaces
 from .checked import checked, faster_of
 from .configs import KernelConfig
 from .key import MAX_M_BUCKET, m_bucket
-from .ops.gated_pairs import gated_pairs, pairs_of
-from .ops.gated_up import gated_up
+from .ops.gated_pairs import pairs_of
 from .ops.linear import linear
 from .ops.mlp import MLP, mlp_decode
 from .resolve import CHECKED, Choice, generation, heuristic_for, resolve, resolve_tuned
@@ -241,15 +240,9 @@ def _up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
     """H through the table's gated_up or gated_pairs choice."""
     wg, bg, wu, bu = params[:4]
     if "gated_pairs" in table:
-        choice = table["gated_pairs"]
         w, b = pairs_of(wg, bg)
-        if choice.kernel is None:
-            return _library("gated_pairs", choice, {"x": x2d, "w": w, "b": b}, activation)
-        return gated_pairs(x2d, w, b, activation, choice.kernel)
-    up = table["gated_up"]
-    if up.kernel is None:
-        return _library("gated_up", up, {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, activation)
-    return gated_up(x2d, wg, wu, bg, bu, activation, up.kernel)
+        return run_choice("gated_pairs", table["gated_pairs"], {"x": x2d, "w": w, "b": b}, activation)
+    return run_choice("gated_up", table["gated_up"], {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, activation)
 
 
 def _down(h, params, down: Choice) -> torch.Tensor:

@@ -126,7 +126,6 @@ class Evaluator:
         """Each library candidate that computes this key, checked like a trial and timed like one.
         A wrong one is left out (logged); eager, what the user's model runs anyway, always stays."""
         key = self.key
-        x = self.operands[self._input]
         times = {}
         with torch.no_grad():
             for name in self.spec.library_for(key.activation, key.bias, key.residual):
@@ -134,7 +133,7 @@ class Evaluator:
                 if wrong is not None:
                     logger.warning("library candidate %s of %s left out: %s", name, key.op, wrong)
                     continue
-                times[name] = self._time(lambda name=name: self.library(name, x))
+                times[name] = self._time(self.runner(Library(name)))
         return times
 
     def _verify_library(self, name: str) -> str | None:
@@ -151,8 +150,7 @@ class Evaluator:
                 if wrong is not None:
                     self._clean_up()
                     return TrialRecord(config, "wrong_result", None, wrong)
-                x = self.operands[self._input]
-                return TrialRecord(config, "ok", self._time(lambda: self._launch(config, x)))
+                return TrialRecord(config, "ok", self._time(self.runner(config)))
         except Exception as e:  # any failure is a typed result, never a crash of the run
             self._clean_up()
             return TrialRecord(config, _status_of(e), None, f"{type(e).__name__}: {e}")

@@ -96,8 +96,7 @@ def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_grap
 
     The graph holds `calls_per_graph` back-to-back calls so the events' ~1 us resolution does not
     dominate a few-microsecond forward."""
-    graph = _captured(fn, calls_per_graph)
-    return statistics.median(_replay_us(graph, calls_per_graph) for _ in range(replays))
+    return graph_replay_round_robin({"fn": fn}, replays, calls_per_graph)["fn"]
 
 
 def graph_median_ms(fn: Callable[[], object], budget_ms: float = 100.0, min_replay_us: float = 50.0,
@@ -122,11 +121,7 @@ def graph_side_by_side_ms(fns: dict[str, Callable[[], object]], budget_ms: float
         graphs[name] = (single if calls == 1 else _captured(fn, calls), calls)
         del single
     replays = max(5, min(100, int(budget_ms * 1e3 / max(one_us[n] * c for n, (_, c) in graphs.items()))))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(replays):
-        for name, (graph, calls) in graphs.items():
-            samples[name].append(_replay_us(graph, calls))
-    return {name: statistics.median(values) / 1e3 for name, values in samples.items()}
+    return {name: us / 1e3 for name, us in _replayed_in_turn(graphs, replays).items()}
 
 
 def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int = 100,
@@ -134,11 +129,16 @@ def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int 
     """graph_replay_us of several functions side by side: every graph is captured first, then each is
     replayed once per round, so that a drift of clocks or temperature during the measurement falls on
     all of them alike instead of on whichever was timed last."""
-    graphs = {name: _captured(fn, calls_per_graph) for name, fn in fns.items()}
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    graphs = {name: (_captured(fn, calls_per_graph), calls_per_graph) for name, fn in fns.items()}
+    return _replayed_in_turn(graphs, replays)
+
+
+def _replayed_in_turn(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], replays: int) -> dict[str, float]:
+    """Median µs of one call per (graph, calls in it), each graph replayed once per round."""
+    samples: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(replays):
-        for name, graph in graphs.items():
-            samples[name].append(_replay_us(graph, calls_per_graph))
+        for name, (graph, calls) in graphs.items():
+            samples[name].append(_replay_us(graph, calls))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -3,12 +3,14 @@ zero-padded storage and run at the padded width, and gate and up interleaved in 
 op gated_pairs runs if checked faster. Correct in every dtype, invisible to state_dict, kept through
 `.to()`, given up (not wrong) when a parameter is replaced."""
 
+import importlib
+
 import pytest
 import torch
 from _helpers import DTYPES, check_mlp
 
 import autofuse
-from autofuse import checked, dispatch, evaluator, ops, resolve
+from autofuse import checked, evaluator, ops, resolve
 from autofuse.layout import PAD_TO, run_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
@@ -173,11 +175,14 @@ def test_gated_pairs_runs_where_checked_faster(pairs_faster, device, monkeypatch
     module = autofuse.get_mlp(40, 72, activation="silu", bias=True, dtype=torch.float32, device=device,
                               interleaved=True)
     ran = []
-    real_pairs = dispatch.gated_pairs
-    monkeypatch.setattr(dispatch, "gated_pairs", lambda *a, **k: ran.append(1) or real_pairs(*a, **k))
+    pairs_module = importlib.import_module("autofuse.ops.gated_pairs")  # what op gated_pairs' run calls
+    real_pairs = pairs_module.gated_pairs
+    monkeypatch.setattr(pairs_module, "gated_pairs", lambda *a, **k: ran.append(1) or real_pairs(*a, **k))
     x = torch.randn(5, 40, device=device)
-    check_mlp(module, x)
+    # The checks run op gated_pairs too: resolve the table first, then count what the forwards run.
     assert set(module.config_for(5)) == ({"gated_pairs", "down"} if pairs_faster else {"gated_up", "down"})
+    ran.clear()
+    check_mlp(module, x)
     assert bool(ran) == pairs_faster
     check_mlp(module, x)  # the bound replay of the same table
 

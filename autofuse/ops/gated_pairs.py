@@ -5,7 +5,7 @@ then a plain GEMM — one weight tile and one accumulator per K step, where op g
 epilogue splits the pairs and writes H = act(G) * U ([M, F]). Keyed with n = F (H's width), k = d_model.
 
 The interleaved weight is what an interleaved module keeps its two parameters in (each a strided view
-of it, one copy of the weights; layout.py, get_mlp(interleaved=True)): `interleave` builds one,
+of it, one copy of the weights; layout.py, get_mlp's default): `interleave` builds one,
 `gate_and_up` gives the two views, `pairs_of` the buffer behind them. Such a module (the default) checks
 or tunes this op beside gated_up and runs the faster (dispatch.mlp_choices)."""
 
