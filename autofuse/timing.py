@@ -65,16 +65,32 @@ def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25
     return text.getvalue()
 
 
+# One side stream per device for every warm-up and capture. cuBLAS keeps a workspace (32 MiB on Hopper)
+# per (handle, stream) for the life of the process, and torch.cuda.Stream() hands out a new pool stream
+# each time: a stream per measurement had left up to one workspace per pool stream behind (measured: seven,
+# 224 MiB, after one training step's first-use checks; RESULTS.md, fifth session).
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def timing_stream() -> torch.cuda.Stream:
+    """The current device's side stream for warm-ups and graph captures (made once)."""
+    index = torch.cuda.current_device()
+    stream = _streams.get(index)
+    if stream is None:
+        stream = _streams[index] = torch.cuda.Stream()
+    return stream
+
+
 def _captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
     """`calls_per_graph` back-to-back calls of fn captured in a CUDA graph, warmed up."""
-    stream = torch.cuda.Stream()
+    stream = timing_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):  # warm up: compile and allocate outside the capture
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for _ in range(calls_per_graph):
             fn()
     for _ in range(5):

@@ -9,9 +9,11 @@ gemm-only: the nine GEMM-units of work a gated MLP's forward+backward needs (cuB
 fewest buffers any implementation must hold (the [M, 2F] pre-activations, reused for their
 gradient, and dH) and no pointwise work at all: the floor the issue's "GEMMs alone" names.
 Time: do_bench median of one forward+backward (gradients accumulate; L2 flushed), and of the
-forward alone. Peak memory: torch.cuda.max_memory_allocated during one forward+backward, absolute
-(parameters, their .grad, the input and dY included, the same for every provider) and above what
-was allocated before it. Gradients are compared with a float32 computation, beside eager's error.
+forward alone, the providers timed in turn for three rounds (the median round reported). Peak
+memory: torch.cuda.max_memory_allocated during one forward+backward, absolute (parameters, their
+.grad, the input and dY included, the same for every provider) and above what was allocated before
+it; autofuse is measured last, so its first-use checks' leftovers would count against it alone.
+Gradients are compared with a float32 computation, beside eager's error.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -76,12 +79,9 @@ def _gemm_only(x, wg, wu, wd, activation=None):
     return _GemmOnly.apply(x, wg, wu, wd)
 
 
-def _measure(fn, params, x, dy):
+def _peak(fn, params, x, dy):
     def step():
         fn(x, *params).backward(dy)
-
-    def forward():
-        fn(x, *params)
 
     step()
     torch.cuda.synchronize()
@@ -90,9 +90,25 @@ def _measure(fn, params, x, dy):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
-    forward_ms = triton.testing.do_bench(forward, warmup=25, rep=150, return_mode="median")
-    return dict(ms=ms, forward_ms=forward_ms, peak_gib=peak / 2**30, peak_above_start_gib=(peak - before) / 2**30)
+    return dict(peak_gib=peak / 2**30, peak_above_start_gib=(peak - before) / 2**30)
+
+
+def _times(fns: dict, params, x, dy, rounds: int = 3) -> dict:
+    """Per provider, the median over `rounds` of do_bench medians of one forward+backward and of the forward
+    alone, the providers taken in turn each round (a drift of clocks during the minutes this takes falls on
+    all of them alike, not on whichever runs last)."""
+    samples = {name: ([], []) for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name][0].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params).backward(dy), warmup=50,
+                                                            rep=300, return_mode="median"))
+            samples[name][1].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params), warmup=25, rep=150,
+                                                            return_mode="median"))
+            for p in params:
+                p.grad = None
+            x.grad = None
+    return {name: dict(ms=statistics.median(step), forward_ms=statistics.median(forward), step_ms_rounds=step)
+            for name, (step, forward) in samples.items()}
 
 
 def _grads(fn, params, x, dy):
@@ -131,6 +147,7 @@ def main() -> None:
                      "autofuse": fused}
         ref = _grads(eager, [p.float() for p in params], x.float(), dy.float())
         eager_grads = _grads(eager, params, x, dy)
+        shape_rows, timed = [], {}
         for provider, fn in providers.items():
             row = dict(shape=name, d=d, f=f, activation=activation, M=M, provider=provider)
             try:
@@ -152,7 +169,8 @@ def main() -> None:
                 for p in params:
                     p.grad = None
                 x.grad = None
-                row.update(_measure(fn, params, x, dy))
+                row.update(_peak(fn, params, x, dy))
+                timed[provider] = fn
                 if provider == "autofuse":
                     down, backward, _ = module._training_configs(M, module.gate_proj.weight)
                     row["configs"] = {op: c.short() if c is not None else "eager"
@@ -160,11 +178,15 @@ def main() -> None:
                 row["status"] = "ok"
             except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
                 row.update(status=f"{type(e).__name__}: {e}"[:300])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            shape_rows.append(row)
             for p in params:
                 p.grad = None
             x.grad = None
+        times = _times(timed, params, x, dy)
+        for row in shape_rows:
+            row.update(times.get(row["provider"], {}))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     rows.append(training_run())
     print(json.dumps(rows[-1]), flush=True)
     Path(args.out, "train_bench.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import autofuse
-from autofuse.ops.gated_act import gated_activation
+from autofuse.ops.gated_act import gated_activation, pairs_activation
 from autofuse.ops.gated_up import pre_activations
 from autofuse.timing import graph_side_by_side_ms
 
@@ -73,12 +73,14 @@ def layouts(d, f, act, M):
         "separate + Inductor pointwise": lambda: pointwise(F.linear(x, wg), F.linear(x, wu)),
         "torch.compile of act(xWg) * xWu": lambda: compiled_up(x, wg, wu),
         "eager act(xWg) * xWu": lambda: fn(F.linear(x, wg)) * F.linear(x, wu),
-        "cublas_pairs (interleaved GEMM + eager act*mul)": lambda: (lambda gu: fn(gu[:, 0::2]) * gu[:, 1::2])(
+        "interleaved GEMM + eager act*mul": lambda: (lambda gu: fn(gu[:, 0::2]) * gu[:, 1::2])(
             F.linear(x, pairs)),
+        "cublas_pairs (interleaved GEMM + pairs_act)": lambda: pairs_activation(F.linear(x, pairs), act),
         "views: halves + gated_act": lambda: gated_activation(pre_activations(x, wg_view, None, wu_view, None), act),
     }
     passes = {
         "gated_act on [M, 2F]": lambda: gated_activation(halves, act),
+        "pairs_act on [M, 2F]": lambda: pairs_activation(one, act),
         "Inductor pointwise on separate": lambda: pointwise(g_c, u_c),
     }
     budget = 60.0 if M <= 1024 else 300.0

@@ -23,7 +23,7 @@ def _operands(spec, n, k, M, bias, dtype, device):
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_library_candidate_is_correct(device, dtype, activation, bias):
-    for name in ("gated_up", "mlp", "linear", "down", "gated_bwd"):
+    for name in ("gated_up", "gated_pairs", "mlp", "linear", "down", "gated_bwd"):
         spec = ops.get(name)
         act = activation if activation in spec.activations else spec.activations[0]
         operands = _operands(spec, 72, 40, 5, bias, dtype, device)
@@ -35,6 +35,25 @@ def test_every_library_candidate_is_correct(device, dtype, activation, bias):
             assert out.shape == ref.shape and relative_error(out, ref) <= ERROR_BOUNDS[dtype], (name, candidate)
     assert list(ops.get("gated_up").library) == ["eager", "cublas_gated_act"]
     assert list(ops.get("gated_bwd").library) == ["eager", "cublas_gated_grad"]
+    assert list(ops.get("gated_pairs").library) == ["eager", "cublas_pairs"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+def test_the_pairs_pass_reads_interleaved_gate_and_up_columns(dtype, activation, device):
+    """Op pairs_act (cublas_pairs's one pointwise pass) over ragged edges: F not a multiple of its tile, G_j in
+    column 2j and U_j in 2j + 1, written into a given output."""
+    from autofuse.activations import TORCH_ACTIVATIONS
+    from autofuse.ops.gated_act import pairs_activation
+
+    M, F = 37, 72
+    gu = (torch.randn(M, 2 * F, device=device) * 2).to(dtype)
+    out = torch.full((M, F), float("nan"), dtype=dtype, device=device)
+    h = pairs_activation(gu, activation, out=out)
+    ref = TORCH_ACTIVATIONS[activation](gu.double()[:, 0::2]) * gu.double()[:, 1::2]
+    eager = TORCH_ACTIVATIONS[activation](gu[:, 0::2]) * gu[:, 1::2]
+    # One rounding of a float32 result to the dtype: at most eager's error (which rounds twice).
+    assert h.data_ptr() == out.data_ptr() and relative_error(h, ref) <= relative_error(eager, ref) + 1e-7
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -14,7 +14,7 @@ from ..device import fp32_input_precision, interpreting
 from ..errors import AutofuseError
 from ..opspec import Operand, OpSpec
 from ..render import KernelSpec, render
-from .gated_act import GATED_ACT
+from .gated_act import GATED_ACT, PAIRS_ACT
 from .gated_bwd import GATED_BWD
 from .gated_grad import GATED_GRAD
 from .gated_pairs import GATED_PAIRS
@@ -57,7 +57,7 @@ def specs() -> tuple[OpSpec, ...]:
     return tuple(_REGISTRY.values())
 
 
-for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_PAIRS):
+for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_PAIRS, PAIRS_ACT):
     register(_spec)
 
 

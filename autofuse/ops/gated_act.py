@@ -1,6 +1,9 @@
-"""The training forward's pointwise pass, op `gated_act` (templates/gated_act.py.jinja): H = act(G) * U
-from the pre-activations [G | U] that cuBLAS wrote (and the backward keeps). A pass over memory:
-one fixed tile shape serves every size, so nothing is tuned."""
+"""The pointwise pass H = act(G) * U after cuBLAS wrote the pre-activations, in their two layouts:
+op `gated_act` (templates/gated_act.py.jinja) reads [G | U] (two GEMMs into the halves of one buffer: the
+training forward, which keeps it for the backward, and gated_up's library path cublas_gated_act); op
+`pairs_act` (templates/pairs_act.py.jinja) reads G and U interleaved column by column (ONE GEMM over an
+interleaved module's weight buffer: gated_pairs's library path cublas_pairs). A pass over memory: one
+fixed tile shape serves every size, so nothing is tuned."""
 
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ from ..opspec import POINTWISE, Operand, OpSpec
 
 OPERANDS = (
     Operand("gu", "[M, 2 N]: G in columns [0, N), U in [N, 2 N)", "mn"),
+    Operand("h", "[M, N]", "mn"),
+)
+PAIRS_OPERANDS = (
+    Operand("gu", "[M, 2 N]: G_j in column 2j, U_j in 2j + 1", "mn"),
     Operand("h", "[M, N]", "mn"),
 )
 
@@ -46,4 +53,37 @@ GATED_ACT = OpSpec(
     **POINTWISE,
     library={"eager": _eager},
     template_files=("gated_act.py.jinja", "_common.py.jinja"),
+)
+
+
+def pairs_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(G) * U from gu with G_j in column 2j and U_j in 2j + 1 ([M, 2F]); written into `out`
+    ([M, F]) when given."""
+    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"pairs_activation: gu must be [M, 2F], got {tuple(gu.shape)}")
+    M, F = gu.shape[0], gu.shape[1] // 2
+    h = L.output(out, (M, F), gu)
+    if M == 0 or F == 0:
+        return h
+    L.pointwise_launch(PAIRS_ACT, activation, gu.dtype, M, F, {"gu": gu, "h": h})
+    return h
+
+
+def _pairs_run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return pairs_activation(ops["gu"], activation, out=out)
+
+
+def _pairs_eager(ops: dict, activation: str) -> torch.Tensor:
+    return TORCH_ACTIVATIONS[activation](ops["gu"][:, 0::2]) * ops["gu"][:, 1::2]
+
+
+PAIRS_ACT = OpSpec(
+    name="pairs_act",
+    template="pairs_act",
+    doc="act(G) * U from interleaved pre-activations (gated_pairs's library path; nothing to tune)",
+    operands=PAIRS_OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_pairs_run,
+    **POINTWISE,
+    library={"eager": _pairs_eager},
+    template_files=("pairs_act.py.jinja", "_common.py.jinja"),
 )

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import launch as L
-from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS
+from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, gemm_heuristic
 from ..layout import run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
+from .gated_act import pairs_activation
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk", tma_block=("BLOCK_M", "BLOCK_K")),
@@ -84,9 +85,11 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
 
 
 def _cublas_pairs(ops: dict, activation: str) -> torch.Tensor:
-    """One cuBLAS GEMM over the interleaved weight, then act(G) * U on its strided halves."""
-    gu = F.linear(ops["x"], ops["w"], ops.get("b"))
-    return TORCH_ACTIVATIONS[activation](gu[:, 0::2]) * gu[:, 1::2]
+    """One cuBLAS GEMM over the interleaved weight, then ONE pointwise pass act(G) * U over its column
+    pairs (op pairs_act). At decode-to-mid M the one GEMM over [2F, K] runs faster than two over [F, K]
+    (RESULTS.md, fifth session), and one pass reading contiguous pairs replaces PyTorch's two passes
+    over strided halves."""
+    return pairs_activation(F.linear(ops["x"], ops["w"], ops.get("b")), activation)
 
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
