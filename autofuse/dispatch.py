@@ -42,24 +42,27 @@ def linear_choices(in_features: int, out_features: int, activation: str, bias: b
 
 
 def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
-                device: torch.device, tuned: bool, pairs: bool = False) -> dict[str, Choice]:
+                device: torch.device, tuned: bool, pairs: bool = False, d_in: int | None = None) -> dict[str, Choice]:
     """{"gated_up", "down"}, or {"mlp"} where the one-launch kernel was tuned (or, beside two checked
     ops, checked) faster than the two ops together (and than their library paths). `pairs`: the
     module keeps gate and up interleaved (layout.py), so op gated_pairs may stand in for gated_up
-    ({"gated_pairs", "down"}) where its tuned or checked time is lower."""
+    ({"gated_pairs", "down"}) where its tuned or checked time is lower. `d_in`: the up-projection's K
+    where the module pads d_model (layout.py); the one-launch kernel, which reads one d_model for both
+    projections, is then left out."""
+    k = d_model if d_in is None else d_in
     up_op = "gated_up"
-    up = resolve_checked(up_op, M, d_ff, d_model, dtype, device, activation=activation, bias=bias, tuned=tuned)
+    up = resolve_checked(up_op, M, d_ff, k, dtype, device, activation=activation, bias=bias, tuned=tuned)
     if pairs and tuned:
-        one_gemm = resolve_checked("gated_pairs", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
+        one_gemm = resolve_checked("gated_pairs", M, d_ff, k, dtype, device, activation=activation, bias=bias)
         if None not in (one_gemm.time_ms, up.time_ms) and faster_of(
-                ("gated_pairs", one_gemm), (up_op, up), M, d_ff, d_model, dtype, device, activation=activation,
+                ("gated_pairs", one_gemm), (up_op, up), M, d_ff, k, dtype, device, activation=activation,
                 bias=bias) == "gated_pairs":
             up_op, up = "gated_pairs", one_gemm
     pair = {
         up_op: up,
         "down": resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned),
     }
-    if not tuned or M > MLP.max_m:
+    if not tuned or M > MLP.max_m or k != d_model:
         return pair
     fused = resolve_tuned("mlp", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
     if fused is None and all(c.source == CHECKED for c in pair.values()):

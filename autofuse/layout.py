@@ -8,7 +8,11 @@ the weights is all a kernel does, that cost up to 27x (benchmarks/unaligned_prob
 cuBLAS slows down on such rows too. The parameters then become views of storage padded with zeros
 along d_ff to run_width(d_ff), and inference runs the MLP at that width on as_strided views of it.
 That is exact: the padded gate and up rows and biases are 0, so H's padded columns are
-act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them.
+act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them. A d_model that is not a multiple
+of 8 (the up-projection's K: rows of x and of the gate and up weights) pads the same way: the gate and
+up weights get zero columns up to run_width(d_model), and inference pads x's rows with zeros to match
+(one small copy per call), so every GEMM of the up-projection reads aligned rows; x's padded columns
+meet zero weights. The down projection's output keeps d_model columns.
 
 Interleaving (the default; get_mlp(interleaved=False) / fuse(..., interleaved=False) opt out). The gate
 and up weights live in ONE [2W, d_model] buffer, row 2j the gate's row j and row 2j + 1 the up's, each
@@ -45,6 +49,7 @@ class MLPLayout:
 
     def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
         self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
+        self.d_in = run_width(d_model)  # the up-projection's K: x's and the gate/up rows' padded width
         self.storages = self._storages(params)
         self._memo: tuple | None = None  # (weights' addresses, widened parameters or None)
 
@@ -59,12 +64,12 @@ class MLPLayout:
     def _views(self) -> dict:
         """(shape, stride, storage offset) of each parameter and of its widened view, by position in
         (wg, bg, wu, bu, wd): what lay_out made."""
-        d, F, W = self.d_model, self.d_ff, self.width
+        d, D, F, W = self.d_model, self.d_in, self.d_ff, self.width
         step = 2 if self.interleaved else 1
         return {
-            0: ((F, d), (step * d, 1), 0, (W, d)),
+            0: ((F, d), (step * D, 1), 0, (W, D)),
             1: ((F,), (step,), 0, (W,)),
-            2: ((F, d), (step * d, 1), d if self.interleaved else 0, (W, d)),
+            2: ((F, d), (step * D, 1), D if self.interleaved else 0, (W, D)),
             3: ((F,), (step,), 1 if self.interleaved else 0, (W,)),
             4: ((d, F), (W, 1), 0, (d, W)),
         }
@@ -106,22 +111,22 @@ def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool =
     """Re-lays a gated MLP's parameters into the storage described in the module docstring; None where
     nothing needs it (d_ff a multiple of 8 and not interleaved) or can have it (the meta device)."""
     d_ff, d_model = gate.weight.shape
-    width = run_width(d_ff)
-    if (width == d_ff and not interleaved) or gate.weight.device.type == "meta":
+    width, d_in = run_width(d_ff), run_width(d_model)
+    if (width == d_ff and d_in == d_model and not interleaved) or gate.weight.device.type == "meta":
         return None
     # Made outside inference mode: an inference tensor could not stay a parameter's data.
     with torch.inference_mode(False):
         if interleaved:
-            pairs = gate.weight.new_zeros((2 * width, d_model))
-            _relay(gate.weight, pairs, lambda s: s[0:2 * d_ff:2])
-            _relay(up.weight, pairs, lambda s: s[1:2 * d_ff:2])
+            pairs = gate.weight.new_zeros((2 * width, d_in))
+            _relay(gate.weight, pairs, lambda s: s[0:2 * d_ff:2, :d_model])
+            _relay(up.weight, pairs, lambda s: s[1:2 * d_ff:2, :d_model])
             if gate.bias is not None:
                 bias_pairs = gate.bias.new_zeros((2 * width,))
                 _relay(gate.bias, bias_pairs, lambda s: s[0:2 * d_ff:2])
                 _relay(up.bias, bias_pairs, lambda s: s[1:2 * d_ff:2])
         else:
             for linear in (gate, up):
-                _relay(linear.weight, linear.weight.new_zeros((width, d_model)), lambda s: s[:d_ff])
+                _relay(linear.weight, linear.weight.new_zeros((width, d_in)), lambda s: s[:d_ff, :d_model])
                 if linear.bias is not None:
                     _relay(linear.bias, linear.bias.new_zeros((width,)), lambda s: s[:d_ff])
         if width != d_ff:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
@@ -135,6 +136,13 @@ class FusedMLP(FusedModule):
         return layout.width if layout is not None and layout.active else self.d_ff
 
     @property
+    def d_in_run(self) -> int:
+        """The d_model the up-projection reads at: the padded width while the gate and up weights are views
+        of storage padded along d_model (x's rows are then padded to it per call)."""
+        layout = self._layout
+        return layout.d_in if layout is not None and layout.active else self.d_model
+
+    @property
     def runs_pairs(self) -> bool:
         """Whether inference may run op gated_pairs: the parameters are views of one interleaved buffer."""
         layout = self._layout
@@ -149,11 +157,11 @@ class FusedMLP(FusedModule):
         return self.gate_proj.weight
 
     def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
-        return (*super()._table_key(M, weight), self.d_ff_run, self.runs_pairs)
+        return (*super()._table_key(M, weight), self.d_ff_run, self.d_in_run, self.runs_pairs)
 
     def _resolve(self, M, dtype, device, residual):
         return mlp_choices(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M, dtype,
-                           device, self.tuned, pairs=self.runs_pairs)
+                           device, self.tuned, pairs=self.runs_pairs, d_in=self.d_in_run)
 
     def _bind(self, table, M):
         return BoundMLP(table, self.activation, M)
@@ -184,7 +192,11 @@ class FusedMLP(FusedModule):
         weights = addresses(params)
         layout = self._layout
         if layout is not None:
-            params = layout.widen(params, weights) or params
+            wide = layout.widen(params, weights)
+            if wide is not None:
+                params = wide
+                if layout.d_in != self.d_model:  # rows of x padded with zeros to the weights' (layout.py)
+                    x = F.pad(x.reshape(M, self.d_model), (0, layout.d_in - self.d_model))
         return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
 
     def _lay_out_plain(self) -> tuple:

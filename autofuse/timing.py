@@ -65,32 +65,19 @@ def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25
     return text.getvalue()
 
 
-# One side stream per device for every warm-up and capture. cuBLAS keeps a workspace (32 MiB on Hopper)
-# per (handle, stream) for the life of the process, and torch.cuda.Stream() hands out a new pool stream
-# each time: a stream per measurement had left up to one workspace per pool stream behind (measured: seven,
-# 224 MiB, after one training step's first-use checks; RESULTS.md, fifth session).
-_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def timing_stream() -> torch.cuda.Stream:
-    """The current device's side stream for warm-ups and graph captures (made once)."""
-    index = torch.cuda.current_device()
-    stream = _streams.get(index)
-    if stream is None:
-        stream = _streams[index] = torch.cuda.Stream()
-    return stream
-
-
 def _captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
-    """`calls_per_graph` back-to-back calls of fn captured in a CUDA graph, warmed up."""
-    stream = timing_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up: compile and allocate outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    """`calls_per_graph` back-to-back calls of fn captured in a CUDA graph, warmed up.
+
+    The warm-up runs on the caller's stream and the capture on torch.cuda.graph's one capture stream, so
+    that measurements leave no cuBLAS workspace behind beyond that stream's one: cuBLAS keeps a workspace
+    per (handle, stream) for the life of the process, and a new side stream per measurement (each
+    torch.cuda.Stream() is another pool stream) had kept one per pool stream (RESULTS.md, fifth session).
+    A fixed side stream for warm-up and capture alike was tried too: two M=48 checks in that run timed
+    cuBLAS at twice its cost in place, not isolated, so the capture stays on torch's capture stream."""
+    for _ in range(3):  # warm up: compile and allocate outside the capture
+        fn()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph):
         for _ in range(calls_per_graph):
             fn()
     for _ in range(5):

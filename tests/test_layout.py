@@ -109,6 +109,46 @@ def test_tuning_keys_use_the_width_that_runs():
     assert ops.get("mlp").dims(shape)[0] == 1024
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "plain"])
+@pytest.mark.parametrize("d_ff", [48, 45])
+def test_odd_d_model_runs_on_padded_rows_and_correct(dtype, interleaved, d_ff, device):
+    """A d_model that is not a multiple of 8: the gate and up weights get zero columns up to run_width(d_model)
+    and x's rows are padded to match per call; the output keeps d_model columns."""
+    module = autofuse.get_mlp(37, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
+                              interleaved=interleaved)
+    assert module.d_in_run == 64 and module.d_ff_run == run_width(d_ff)
+    wg = module.gate_proj.weight
+    assert wg.shape == (d_ff, 37) and wg.stride() == ((2 if interleaved else 1) * 64, 1)
+    x = torch.randn(3, 7, 37, dtype=dtype, device=device)
+    check_mlp(module, x)
+    check_mlp(module, x[0, :1])
+    rows = wg.as_strided((d_ff, 64), wg.stride())
+    assert rows[:, 37:].abs().max() == 0  # the padded columns stay zero
+    with torch.no_grad():
+        module.up_proj.weight.mul_(-1)  # an edit of the view is seen
+    check_mlp(module, x)
+    state = module.state_dict()
+    assert all(t.is_contiguous() for t in state.values()) and state["up_proj.weight"].shape == (d_ff, 37)
+    module = module.to(torch.float32)
+    assert module.d_in_run == 64
+    check_mlp(module, x.float())
+
+
+def test_training_and_tuning_keys_with_an_odd_d_model(device):
+    module = autofuse.get_mlp(37, 48, activation="silu", dtype=torch.float32, device=device)
+    x = torch.randn(5, 37, device=device, requires_grad=True)
+    module(x).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    params = [p.detach().clone().requires_grad_() for p in module.parameters()]
+    eager_mlp(x_ref, *params, activation="silu").square().sum().backward()
+    for got, want in zip([p.grad for p in module.parameters()] + [x.grad], [p.grad for p in params] + [x_ref.grad]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    shape = MLPShape("odd", 1001, 512, "silu")
+    assert ops.get("gated_up").dims(shape)[1] == ops.get("gated_pairs").dims(shape)[1] == 1024
+    assert ops.get("down").dims(shape)[0] == 1001  # the output keeps d_model columns
+
+
 def _is_interleaved(module) -> bool:
     wg, wu = module.gate_proj.weight, module.up_proj.weight
     d = module.d_model

@@ -121,6 +121,7 @@ GATED_PAIRS = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what an interleaved FusedMLP runs (layout.py)
+    # What an interleaved FusedMLP runs (layout.py).
+    dims=lambda s: (run_width(s.d_ff), run_width(s.d_model), s.activation),
     template_files=("gated_pairs.py.jinja", "gated_pairs_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )

@@ -99,5 +99,5 @@ GATED_UP = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (layout.py)
+    dims=lambda s: (run_width(s.d_ff), run_width(s.d_model), s.activation),  # what FusedMLP runs (layout.py)
 )
