@@ -222,3 +222,35 @@ def test_the_faster_of_two_ops_goes_by_their_records_where_nothing_can_time(time
     pairs, up = (resolve.Choice(Library("eager"), "checked", t) for t in times)
     assert checked.faster_of(("gated_pairs", pairs), ("gated_up", up), 16, 72, 40, torch.float32,
                              torch.device("cpu"), activation="silu", bias=False) == expected
+
+
+def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
+    """Checks time the kernel and each library path on its own; where the fastest of them are within NEAR_TIE,
+    the kernel and every library path that near are timed again in turn, and those times decide."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Record:
+        config: object
+        time_ms: float
+
+    class Evaluator:
+        asked: list = []
+
+        def runner(self, config):
+            return config
+
+        def side_by_side_ms(self, fns):
+            self.asked.append(sorted(fns))
+            return {name: 0.5 if name == "library:cublas_gated_act" else 0.9 for name in fns}
+
+    kernel = Record(KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=3), 1.0)
+    evaluator = Evaluator()
+    record, library = checked._side_by_side_if_near(evaluator, kernel, {"eager": 0.95, "cublas_gated_act": 1.03,
+                                                                        "far": 2.0})
+    assert evaluator.asked == [["kernel", "library:cublas_gated_act", "library:eager"]]
+    assert record.time_ms == 0.9 and library == {"eager": 0.9, "cublas_gated_act": 0.5, "far": 2.0}
+    assert isinstance(evaluator.runner(Library("eager")), Library)
+    # No near tie: nothing is timed again.
+    record, library = checked._side_by_side_if_near(evaluator, kernel, {"eager": 3.0})
+    assert len(evaluator.asked) == 1 and record is kernel and library == {"eager": 3.0}
