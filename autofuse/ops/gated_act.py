@@ -23,14 +23,20 @@ PAIRS_OPERANDS = (
     Operand("h", "[M, N]", "mn"),
 )
 
+
 def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """H = act(G) * U from gu = [G | U] ([M, 2F]); written into `out` ([M, F]) when given."""
-    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"gated_activation: gu must be [M, 2F], got {tuple(gu.shape)}")
+    return _gated_pass(GATED_ACT, gu, activation, out)
+
+
+def _gated_pass(spec: OpSpec, gu: torch.Tensor, activation: str, out: torch.Tensor | None) -> torch.Tensor:
+    """H ([M, F]) from pre-activations gu ([M, 2F]) through op `spec` (gated_act or pairs_act)."""
+    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"{spec.name}: gu must be [M, 2F], got {tuple(gu.shape)}")
     M, F = gu.shape[0], gu.shape[1] // 2
     h = L.output(out, (M, F), gu)
     if M == 0 or F == 0:
         return h
-    L.pointwise_launch(GATED_ACT, activation, gu.dtype, M, F, {"gu": gu, "h": h})
+    L.pointwise_launch(spec, activation, gu.dtype, M, F, {"gu": gu, "h": h})
     return h
 
 
@@ -59,13 +65,7 @@ GATED_ACT = OpSpec(
 def pairs_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """H = act(G) * U from gu with G_j in column 2j and U_j in 2j + 1 ([M, 2F]); written into `out`
     ([M, F]) when given."""
-    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"pairs_activation: gu must be [M, 2F], got {tuple(gu.shape)}")
-    M, F = gu.shape[0], gu.shape[1] // 2
-    h = L.output(out, (M, F), gu)
-    if M == 0 or F == 0:
-        return h
-    L.pointwise_launch(PAIRS_ACT, activation, gu.dtype, M, F, {"gu": gu, "h": h})
-    return h
+    return _gated_pass(PAIRS_ACT, gu, activation, out)
 
 
 def _pairs_run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
