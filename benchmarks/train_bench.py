@@ -9,7 +9,7 @@ gemm-only: the nine GEMM-units of work a gated MLP's forward+backward needs (cuB
 fewest buffers any implementation must hold (the [M, 2F] pre-activations, reused for their
 gradient, and dH) and no pointwise work at all: the floor the issue's "GEMMs alone" names.
 Time: do_bench median of one forward+backward (gradients accumulate; L2 flushed), and of the
-forward alone, the providers timed in turn for three rounds (the median round reported). Peak
+forward alone, the providers timed in turn for --rounds rounds (default 3; the median round reported). Peak
 memory: torch.cuda.max_memory_allocated during one forward+backward, absolute (parameters, their
 .grad, the input and dY included, the same for every provider) and above what was allocated before
 it; autofuse is measured last, so its first-use checks' leftovers would count against it alone.
@@ -121,10 +121,15 @@ def _grads(fn, params, x, dy):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of timing, the providers in turn in each")
+    parser.add_argument("--no-training-run", action="store_true", help="skip the 300-step loss comparison")
     args = parser.parse_args()
     rows = []
     torch.manual_seed(0)
     for name, d, f, activation, M in SHAPES:
+        # A fresh torch.compile per shape: Dynamo's recompile limit counts over the whole process, and past it
+        # the compiled provider silently runs eager.
+        torch._dynamo.reset()
         module = autofuse.get_mlp(d, f, activation=activation, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
             for p in module.parameters():
@@ -182,13 +187,14 @@ def main() -> None:
             for p in params:
                 p.grad = None
             x.grad = None
-        times = _times(timed, params, x, dy)
+        times = _times(timed, params, x, dy, rounds=args.rounds)
         for row in shape_rows:
             row.update(times.get(row["provider"], {}))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    rows.append(training_run())
-    print(json.dumps(rows[-1]), flush=True)
+    if not args.no_training_run:
+        rows.append(training_run())
+        print(json.dumps(rows[-1]), flush=True)
     Path(args.out, "train_bench.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                               "torch": torch.__version__,
                                                               "triton": triton.__version__, "rows": rows}))

@@ -248,7 +248,7 @@ def test_gated_activation_kernel(dtype, activation, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 @pytest.mark.parametrize("in_place", [False, True], ids=["new", "in_place"])
-def test_gated_gradient_pass(dtype, activation, in_place, device):
+def test_gated_gradient_pass(dtype, activation, in_place, device, monkeypatch):
     # The backward's library path: cuBLAS dH, then this one pointwise pass for dG | dU and H, over ragged
     # edges and, as the training backward runs it, writing dG | dU over the saved [G | U].
     M, F_, D = 37, 72, 40
@@ -257,10 +257,16 @@ def test_gated_gradient_pass(dtype, activation, in_place, device):
     w_down = torch.randn(D, F_, dtype=dtype, device=device) / D**0.5
     dgu_ref, h_ref = gated_backward_eager(dy.double(), gu.double(), w_down.double(), activation)
     dgu_eager, h_eager = gated_backward_eager(dy, gu, w_down, activation)
+    passes = []
+    real_pass = gated_bwd.gated_gradient
+    monkeypatch.setattr(gated_bwd, "gated_gradient",
+                        lambda dh, *a, **k: passes.append((dh.data_ptr(), k["out"])) or real_pass(dh, *a, **k))
     dgu, h = gated_backward_cublas(dy, gu.clone() if not in_place else gu, w_down, activation,
                                    out=(gu, None) if in_place else None)
     if in_place:
         assert dgu.data_ptr() == gu.data_ptr()
+    # H is written over dH where no H buffer is given: one [M, F] buffer at the step's peak, not two.
+    assert len(passes) == 1 and h.data_ptr() == passes[0][0]
     # One rounding of each float32 result (dH is rounded once more by the GEMM, as in eager).
     for got, eager, ref in ((dgu, dgu_eager, dgu_ref), (h, h_eager, h_ref)):
         assert relative_error(got, ref) <= 1.25 * relative_error(eager, ref) + 1e-6

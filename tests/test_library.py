@@ -38,6 +38,26 @@ def test_every_library_candidate_is_correct(device, dtype, activation, bias):
     assert list(ops.get("gated_pairs").library) == ["eager", "cublas_pairs"]
 
 
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+def test_the_cublas_backward_candidate_writes_its_results_in_place_as_it_runs_in_training(device, monkeypatch,
+                                                                                          activation):
+    """The tuner times op gated_bwd's candidates on one [M, 3F] result; cublas_gated_grad must fill it through
+    its outputs, as the training step runs it, not through a concatenation copy that would make it look slower
+    than it is there (it lost to the fused kernel in tuning by that copy's time)."""
+    spec = ops.get("gated_bwd")
+    operands = _operands(spec, 72, 40, 5, False, torch.float32, device)
+    ref = spec.reference(operands, activation, torch.float32)
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a concatenation or copy of the results")
+
+    monkeypatch.setattr(torch, "cat", no_copy)
+    monkeypatch.setattr(torch.Tensor, "copy_", no_copy)
+    with torch.no_grad():
+        out = spec.library["cublas_gated_grad"](operands, activation)
+    assert relative_error(out, ref) <= ERROR_BOUNDS[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 def test_the_pairs_pass_reads_interleaved_gate_and_up_columns(dtype, activation, device):

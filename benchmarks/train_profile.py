@@ -1,0 +1,83 @@
+"""Which kernels one training step (forward + backward) of a gated MLP runs, and for how long, per provider:
+torch.profiler's CUDA time per kernel, mean over STEPS steps after warm-up (autofuse's shipped or tuned
+configs, else its first-use checks, run during warm-up). Where train_bench.py says a step is slower, this
+says in which kernel.
+
+  python benchmarks/train_profile.py --out DIR [--point gemma-7b,16384 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_bench  # noqa: E402 - the providers and shapes of the step benchmark
+
+import autofuse  # noqa: E402
+
+STEPS = 10
+
+
+def _kernels(step) -> dict:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us > 0 and event.count >= STEPS:
+            rows[f"{event.key[:80]} x{event.count // STEPS}"] = round(us / STEPS, 1)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
+    args = parser.parse_args()
+    wanted = {tuple(p.split(",")) for p in args.point} if args.point else None
+    results = []
+    for name, d, f, activation, M in train_bench.SHAPES:
+        if wanted is not None and (name, str(M)) not in wanted:
+            continue
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        module = autofuse.get_mlp(d, f, activation=activation, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+        module(x).backward(dy)  # the training layout (plain parameters) before any provider sees them
+        params = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
+        providers = {
+            "gemm-only": train_bench._gemm_only,
+            "torch.compile": torch.compile(lambda x, wg, wu, wd, a=activation: train_bench._eager(x, wg, wu, wd, a)),
+            "liger": lambda x, wg, wu, wd, a=activation: train_bench._liger(x, wg, wu, wd, a),
+            "autofuse": lambda x, wg, wu, wd, m=module: m(x),
+        }
+        for provider, fn in providers.items():
+            def step(fn=fn):
+                fn(x, *params).backward(dy)
+                for p in params:
+                    p.grad = None
+                x.grad = None
+
+            kernels = _kernels(step)
+            row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1), kernels=kernels)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    Path(args.out, "train_profile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                                                "torch": torch.__version__, "rows": results}))
+
+
+if __name__ == "__main__":
+    main()
