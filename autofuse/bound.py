@@ -94,13 +94,15 @@ class BoundLaunch:
         self.knobs = _hook_chains()
         if self.knobs is None:  # a Triton whose launch hooks are not chains: its JIT passes them itself
             return None
-        self.args = [_pointer(a) for a in full]
         # Bound tensors (weights, workspace) stay alive while their addresses are bound; of the
-        # per-call operands only their descriptors' layout is kept, not the tensors.
-        self.keep = full
+        # per-call operands only their descriptors' layout is kept, not the tensors: a descriptor made
+        # for the first call holds that call's input and output (at prefill, hundreds of MiB per module).
         for i, _, is_descriptor in self.slots:
             d = full[i]
             full[i] = _tensor_descriptor(d.base.data_ptr(), d.base.dtype, d) if is_descriptor else None
+        self.keep = full
+        # Per-call positions are filled in on every call (None here, so nothing of the first call's stays).
+        self.args = [_pointer(a) for a in full]
         self.raw = _RawLaunch.make(compiled, grid_, self)
         return self
 

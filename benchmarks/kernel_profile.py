@@ -24,19 +24,22 @@ ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu, "ge
 CALLS = 20
 
 
-def _kernels(fn) -> dict:
+def _kernels(fn, calls: int = CALLS, counts: bool = False) -> dict:
+    """Kernel name -> mean CUDA µs per call of `fn` over `calls` calls after warm-up (with `counts`, each
+    name ends in " xN": how many times one call launches it)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     rows = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if us > 0 and event.count >= CALLS:
-            rows[event.key[:90]] = round(us / CALLS, 2)
+        if us > 0 and event.count >= calls:
+            name = f"{event.key[:80]} x{event.count // calls}" if counts else event.key[:90]
+            rows[name] = round(us / calls, 2)
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
 
 

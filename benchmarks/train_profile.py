@@ -15,30 +15,14 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_bench  # noqa: E402 - the providers and shapes of the step benchmark
+from kernel_profile import _kernels  # noqa: E402
 
 import autofuse  # noqa: E402
 
 STEPS = 10
-
-
-def _kernels(step) -> dict:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
-    rows = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if us > 0 and event.count >= STEPS:
-            rows[f"{event.key[:80]} x{event.count // STEPS}"] = round(us / STEPS, 1)
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -71,7 +55,7 @@ def main() -> None:
                     p.grad = None
                 x.grad = None
 
-            kernels = _kernels(step)
+            kernels = _kernels(step, calls=STEPS, counts=True)
             row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1), kernels=kernels)
             print(json.dumps(row), flush=True)
             results.append(row)

@@ -189,6 +189,26 @@ def test_on_triton_3_6_a_bound_launch_calls_the_c_launcher_directly():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [PLAIN, TMA], ids=lambda c: c.short())
+def test_a_bound_launch_keeps_nothing_of_its_first_calls_input_and_output(config):
+    """Only weights stay bound: the first call's x and y (through its TMA descriptors, too) must be freed
+    once the caller drops them, or every module would hold a prefill's activations for good."""
+    import gc
+    import weakref
+
+    w = torch.randn(N, K, device="cuda") / K**0.5
+    x, y = torch.randn(M, K, device="cuda"), torch.empty(M, N, device="cuda")
+    _, bound = _bound(lambda: linear(x, w, None, None, "none", config, out=y))
+    alive = [weakref.ref(x), weakref.ref(y)]
+    del x, y
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True]
+    x2, y2 = torch.randn(M, K, device="cuda"), torch.empty(M, N, device="cuda")
+    assert bound({"x": x2, "y": y2})  # and the launch still runs at new addresses
+    torch.testing.assert_close(y2, linear(x2, w, None, None, "none", config), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_launches_bound_on_a_side_stream_replay_on_another(monkeypatch):
     """CUDA-graph recipes warm a model up on a side stream: its launches are bound there, and later
     calls on the default stream must still replay them (not decline into the JIT every call), with
