@@ -1,7 +1,7 @@
 """The "never slower" sweep (issue 16): autofuse on shapes nobody tuned, against the best peer.
 
   python benchmarks/never_slower.py --out DIR [--mlps 12] [--linears 4] [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000]
-      [--public]
+      [--public] [--write-shapes FILE]
 
 --public adds public model shapes (PUBLIC_MLPS, PUBLIC_LINEARS) after the drawn ones: issue 17's prefill
 check runs `--public --tokens 1024,2048,4096,8192,16384`.
@@ -72,6 +72,17 @@ def draw_shapes(seed: int, mlps: int, linears: int) -> tuple[list[dict], list[di
     return gated, linear
 
 
+def write_shapes(path: str, gated: list[dict], linear: list[dict], tokens: list[int]) -> None:
+    """The drawn shapes as an `autofuse tune --shapes` file (names drawn-mlp-i / drawn-linear-i)."""
+    shapes = {
+        "dtype": "bfloat16",
+        "tokens": tokens,
+        "mlps": [dict(name=f"drawn-mlp-{i}", bias=False, **shape) for i, shape in enumerate(gated)],
+        "linears": [dict(name=f"drawn-linear-{i}", bias=True, **shape) for i, shape in enumerate(linear)],
+    }
+    Path(path).write_text(json.dumps(shapes, indent=1) + "\n")
+
+
 def _liger_gate():
     try:
         from liger_kernel.ops.geglu import LigerGELUMulFunction
@@ -138,7 +149,14 @@ def main() -> None:
     parser.add_argument("--linears", type=int, default=4)
     parser.add_argument("--tokens", default="1,2,5,16,48,77,128,300,1000,2048,5000")
     parser.add_argument("--public", action="store_true", help="add the public model shapes after the drawn ones")
+    parser.add_argument("--write-shapes", metavar="FILE", default=None,
+                        help="write the drawn shapes and --tokens as a shapes file for `autofuse tune`, then stop "
+                             "(issue 16's tuned rerun: tune them, then run this sweep again on that cache)")
     args = parser.parse_args()
+    if args.write_shapes:
+        write_shapes(args.write_shapes, *draw_shapes(args.seed, args.mlps, args.linears),
+                     [int(t) for t in args.tokens.split(",")])
+        return
     # The first-use checks' decisions, with the times they compared (autofuse/checked.py).
     handler = logging.FileHandler(Path(args.out, "checks.log"))
     handler.setFormatter(logging.Formatter("%(message)s"))
