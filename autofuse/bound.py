@@ -52,6 +52,19 @@ def _tensor_descriptor(address: int, dtype: torch.dtype, bound):
     return TensorDescriptor(_Address(address, dtype), bound.shape, bound.strides, bound.block_shape)
 
 
+def _without_per_call(args: list, slots: list) -> list:
+    """A launch's arguments as a bound launch keeps them: bound tensors (weights, workspace) stay, alive
+    while their addresses are bound; of each per-call operand (slots: (position, operand, whether a TMA
+    descriptor)) only a descriptor's layout, over an address, and nothing for a pointer. The JIT's
+    descriptor holds its tensor: kept, it would hold the binding call's input and output for as long as
+    the launch stays bound (at prefill, hundreds of MiB per module and M)."""
+    kept = list(args)
+    for i, _, is_descriptor in slots:
+        d = kept[i]
+        kept[i] = _tensor_descriptor(d.base.data_ptr(), d.base.dtype, d) if is_descriptor else None
+    return kept
+
+
 class BoundLaunch:
     """One kernel launch with everything bound but the per-call tensors (Kernel.per_call, by operand
     name). Calling it launches and returns True, or declines (returns False; the caller takes the JIT
@@ -94,15 +107,8 @@ class BoundLaunch:
         self.knobs = _hook_chains()
         if self.knobs is None:  # a Triton whose launch hooks are not chains: its JIT passes them itself
             return None
-        # Bound tensors (weights, workspace) stay alive while their addresses are bound; of the
-        # per-call operands only their descriptors' layout is kept, not the tensors: a descriptor made
-        # for the first call holds that call's input and output (at prefill, hundreds of MiB per module).
-        for i, _, is_descriptor in self.slots:
-            d = full[i]
-            full[i] = _tensor_descriptor(d.base.data_ptr(), d.base.dtype, d) if is_descriptor else None
-        self.keep = full
-        # Per-call positions are filled in on every call (None here, so nothing of the first call's stays).
-        self.args = [_pointer(a) for a in full]
+        self.keep = _without_per_call(full, self.slots)
+        self.args = [_pointer(a) for a in self.keep]  # per-call positions are filled in on every call
         self.raw = _RawLaunch.make(compiled, grid_, self)
         return self
 

@@ -198,7 +198,10 @@ def test_a_bound_launch_keeps_nothing_of_its_first_calls_input_and_output(config
 
     w = torch.randn(N, K, device="cuda") / K**0.5
     x, y = torch.randn(M, K, device="cuda"), torch.empty(M, N, device="cuda")
-    _, bound = _bound(lambda: linear(x, w, None, None, "none", config, out=y))
+    with launch.binding() as recorded:  # no closure over x and y, which would keep them alive itself
+        linear(x, w, None, None, "none", config, out=y)
+    bound = recorded[0]
+    assert bound is not None
     alive = [weakref.ref(x), weakref.ref(y)]
     del x, y
     gc.collect()
@@ -294,6 +297,28 @@ def test_memos_of_an_older_generation_are_dropped(device):
         torch.ops.autofuse.mlp(x, *w, "silu", False)
     assert len(mlp._bound) == 1 and len(mlp._configs) == 1
     assert len(custom_ops._entries) == 1
+
+
+def test_a_bound_launch_keeps_weights_but_nothing_of_the_binding_calls_operands():
+    """What BoundLaunch.bind keeps of a launch's arguments (bound._without_per_call): the weight, and of the
+    per-call x (a TMA descriptor) and y (a pointer) neither tensor, x's descriptor layout over its address."""
+    import gc
+    import weakref
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from autofuse.bound import _without_per_call
+
+    x, y, w = torch.randn(M, K), torch.empty(M, N), torch.randn(N, K)
+    address = x.data_ptr()
+    args = [TensorDescriptor(x, [M, K], [K, 1], [16, 16]), y, w, 7]
+    kept = _without_per_call(args, [(0, "x", True), (1, "y", False)])
+    alive = {"x": weakref.ref(x), "y": weakref.ref(y), "w": weakref.ref(w)}
+    del args, x, y
+    gc.collect()
+    assert {name: ref() is not None for name, ref in alive.items()} == {"x": False, "y": False, "w": True}
+    assert kept[0].base.data_ptr() == address and list(kept[0].block_shape) == [16, 16]
+    assert kept[1] is None and kept[2] is w and kept[3] == 7
 
 
 def test_the_per_address_descriptor_cache_starts_over_when_full():
