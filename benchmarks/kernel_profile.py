@@ -43,6 +43,25 @@ def _kernels(fn, calls: int = CALLS, counts: bool = False) -> dict:
     return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
 
 
+def _ops(fn, calls: int = CALLS) -> dict:
+    """"aten op [input shapes]" -> mean device µs per call of `fn`: the same time as _kernels', attributed to
+    the PyTorch ops that launched it (with their shapes), so that of several cuBLAS GEMMs of one name one can
+    tell which is which. Ops that launch nothing (device time 0) are left out."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us > 0 and event.key.startswith("aten::") and event.count >= calls:
+            rows[f"{event.key} {event.input_shapes} x{event.count // calls}"[:160]] = round(us / calls, 1)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))

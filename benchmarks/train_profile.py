@@ -1,7 +1,8 @@
 """Which kernels one training step (forward + backward) of a gated MLP runs, and for how long, per provider:
 torch.profiler's CUDA time per kernel, mean over STEPS steps after warm-up (autofuse's shipped or tuned
 configs, else its first-use checks, run during warm-up). Where train_bench.py says a step is slower, this
-says in which kernel.
+says in which kernel (`kernels`), and through which PyTorch op at which shapes (`ops`: tells apart
+the cuBLAS GEMMs that share a kernel name).
 
   python benchmarks/train_profile.py --out DIR [--point gemma-7b,16384 ...]
 """
@@ -18,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_bench  # noqa: E402 - the providers and shapes of the step benchmark
-from kernel_profile import _kernels  # noqa: E402
+from kernel_profile import _kernels, _ops  # noqa: E402
 
 import autofuse  # noqa: E402
 
@@ -56,7 +57,8 @@ def main() -> None:
                 x.grad = None
 
             kernels = _kernels(step, calls=STEPS, counts=True)
-            row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1), kernels=kernels)
+            row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1), kernels=kernels,
+                       ops=_ops(step, calls=STEPS))
             print(json.dumps(row), flush=True)
             results.append(row)
     Path(args.out, "train_profile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),

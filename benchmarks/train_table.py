@@ -19,6 +19,8 @@ def main() -> None:
             print("==", row["shape"], row["M"], row["provider"], "total us", row["total_us"])
             for name, us in row["kernels"].items():
                 print("   ", us, name)
+            for name, us in row.get("ops", {}).items():
+                print("    op", us, name)
         elif "shape" in row:
             rounds = [round(v, 2) for v in row.get("step_ms_rounds", [])]
             print(row["shape"], row["M"], row["provider"], "step ms", round(row.get("ms", 0), 3), "fwd ms",
