@@ -14,8 +14,8 @@
 # Carry .whl.
 set -euo pipefail
 tokens=$1 trials=${2:-12} seconds=${3:-4}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl
-PYTHONPATH=$PWD/.site:$PWD python3 benchmarks/never_slower.py --write-shapes /tmp/sweep-shapes.json
+# `import autofuse` needs neither optuna nor diskcache: device_tune.sh installs them (once) below.
+PYTHONPATH=$PWD python3 benchmarks/never_slower.py --write-shapes /tmp/sweep-shapes.json
 cp /tmp/sweep-shapes.json "$OUT/sweep-shapes.json"
 OPS=gated_pairs,down,linear,mlp TOKENS=$tokens bash benchmarks/device_tune.sh /tmp/sweep-shapes.json "$trials" \
     "$seconds" "sweep-${tokens//,/-}" 560

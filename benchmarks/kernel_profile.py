@@ -24,18 +24,24 @@ ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu, "ge
 CALLS = 20
 
 
-def _kernels(fn, calls: int = CALLS, counts: bool = False) -> dict:
-    """Kernel name -> mean CUDA µs per call of `fn` over `calls` calls after warm-up (with `counts`, each
-    name ends in " xN": how many times one call launches it)."""
+def _profiled(fn, calls: int, activities: list, **options):
+    """torch.profiler's record of `calls` calls of `fn`, after three unrecorded ones (compiles, first-use
+    checks and allocations stay out of it)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities, **options) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def _kernels(fn, calls: int = CALLS, counts: bool = False) -> dict:
+    """Kernel name -> mean CUDA µs per call of `fn` over `calls` calls after warm-up (with `counts`, each
+    name ends in " xN": how many times one call launches it)."""
     rows = {}
-    for event in prof.key_averages():
+    for event in _profiled(fn, calls, [ProfilerActivity.CUDA]).key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if us > 0 and event.count >= calls:
             name = f"{event.key[:80]} x{event.count // calls}" if counts else event.key[:90]
@@ -47,14 +53,8 @@ def _ops(fn, calls: int = CALLS) -> dict:
     """"aten op [input shapes]" -> mean device µs per call of `fn`: the same time as _kernels', attributed to
     the PyTorch ops that launched it (with their shapes), so that of several cuBLAS GEMMs of one name one can
     tell which is which. Ops that launch nothing (device time 0) are left out."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     rows = {}
+    prof = _profiled(fn, calls, [ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
     for event in prof.key_averages(group_by_input_shape=True):
         us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         if us > 0 and event.key.startswith("aten::") and event.count >= calls:

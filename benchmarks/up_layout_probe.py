@@ -142,6 +142,16 @@ def memory(out_dir):
     return result
 
 
+def _each(points, probe) -> list[dict]:
+    """`probe` at each point, a row each, printed as it comes (the cache emptied between points)."""
+    rows = []
+    for point in points:
+        rows.append({"point": point, **probe(*point)})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -154,19 +164,9 @@ def main() -> None:
         result["memory"] = memory(args.out)
         print(json.dumps(result["memory"], indent=1), flush=True)
     if args.layouts:
-        result["layouts"] = []
-        for point in LAYOUT_POINTS:
-            row = {"point": point, **layouts(*point)}
-            result["layouts"].append(row)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
+        result["layouts"] = _each(LAYOUT_POINTS, layouts)
     if args.training:
-        result["training_forward_ms"] = []
-        for point in TRAIN_POINTS:
-            row = {"point": point, **training(*point)}
-            result["training_forward_ms"].append(row)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
+        result["training_forward_ms"] = _each(TRAIN_POINTS, training)
     Path(args.out, "up_layout_probe.json").write_text(json.dumps(result, indent=1))
 
 
