@@ -16,7 +16,7 @@ from ..opspec import Operand, OpSpec
 from ..render import KernelSpec, render
 from .gated_act import GATED_ACT, PAIRS_ACT
 from .gated_bwd import GATED_BWD
-from .gated_grad import GATED_GRAD
+from .gated_grad import GATED_DGU, GATED_GRAD
 from .gated_pairs import GATED_PAIRS
 from .gated_up import GATED_UP
 from .linear import DOWN, LINEAR
@@ -57,7 +57,8 @@ def specs() -> tuple[OpSpec, ...]:
     return tuple(_REGISTRY.values())
 
 
-for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_PAIRS, PAIRS_ACT):
+for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_DGU, GATED_PAIRS,
+              PAIRS_ACT):
     register(_spec)
 
 

@@ -1,7 +1,10 @@
 """The gated MLP backward's pointwise pass, op `gated_grad` (templates/gated_grad.py.jinja): from dH, which
 cuBLAS computed as dY Wd, and the forward's saved [G | U], dG | dU and H in one pass over memory — the
 library path `cublas_gated_grad` of op gated_bwd, what Inductor would generate beside a cuBLAS GEMM.
-One fixed tile shape serves every size, so nothing is tuned."""
+One fixed tile shape serves every size, so nothing is tuned.
+
+Op `gated_dgu` is the same pass without H, for a training forward that kept H (training.py): it moves five
+[M, F] tensors' worth of memory instead of six."""
 
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ from ..activations import GATED_ACTIVATIONS, TORCH_ACTIVATIONS, activation_backw
 from ..configs import KernelConfig
 from ..opspec import POINTWISE, Operand, OpSpec
 
-OPERANDS = (
+DGU_OPERANDS = (
     Operand("dh", "[M, N]: dH = dY Wd", "mn"),
     Operand("gu", "[M, 2 N]: the forward's G in columns [0, N), U in [N, 2 N)", "mn"),
     Operand("dgu", "[M, 2 N]: dG in columns [0, N), dU in [N, 2 N); may be gu_ptr", "mn"),
-    Operand("h", "[M, N]", "mn"),
 )
+OPERANDS = (*DGU_OPERANDS, Operand("h", "[M, N]", "mn"))
+
 
 def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
                    out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +36,20 @@ def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
         return dgu, h
     L.pointwise_launch(GATED_GRAD, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu, "h": h})
     return dgu, h
+
+
+def gated_gradient_kept(dh: torch.Tensor, gu: torch.Tensor, activation: str,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """dGU = [dG | dU] ([M, 2F]) from dH ([M, F]) and gu = [G | U], where the forward kept H: written into
+    `out` where given, which may be gu itself."""
+    L.require(dh.dim() == 2 and tuple(gu.shape) == (dh.shape[0], 2 * dh.shape[1]),
+              f"gated_gradient_kept: gu must be [M, 2F] beside dH [M, F], got {tuple(gu.shape)} and {tuple(dh.shape)}")
+    M, F = dh.shape
+    dgu = L.output(out, (M, 2 * F), gu)
+    if M == 0 or F == 0:
+        return dgu
+    L.pointwise_launch(GATED_DGU, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu})
+    return dgu
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,4 +84,25 @@ GATED_GRAD = OpSpec(
     **POINTWISE,
     library={"eager": _eager},
     template_files=("gated_grad.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
+)
+
+
+def _run_dgu(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return gated_gradient_kept(ops["dh"], ops["gu"], activation, out=out)
+
+
+def _eager_dgu(ops: dict, activation: str) -> torch.Tensor:
+    return gated_from_dh(ops["dh"], ops["gu"], activation)[0]
+
+
+GATED_DGU = OpSpec(
+    name="gated_dgu",
+    template="gated_dgu",
+    doc="the gated backward's pointwise dG | dU from dH, where the forward kept H (nothing to tune)",
+    operands=DGU_OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run_dgu,
+    **POINTWISE,
+    library={"eager": _eager_dgu},
+    template_files=("gated_dgu.py.jinja", "gated_grad.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )

@@ -1,0 +1,118 @@
+"""The training step's two pointwise passes against Inductor's, per tile shape (issue 16's training lead).
+
+  python benchmarks/pointwise_probe.py --out DIR
+
+At the training benchmark's shapes (gemma-7b GeGLU, Llama-3-8B SwiGLU; M = 4096, 16384; bf16) times, as
+do_bench medians of CUDA-graph replays (L2 flushed by do_bench between replays is not done: every pass
+moves several hundred MB, far past L2):
+- gated_act (forward: H = act(G) * U from [G | U]) and gated_grad (backward: dG | dU over G | U, and H,
+  from dH) through autofuse's launcher at several (BLOCK_M, BLOCK_N, num_warps), the shipped one first;
+- op gated_dgu where this build has it (the backward pass without H, for a forward that kept H);
+- torch.compile's kernels for the same work, from the same [G | U] layout: act * mul; the gradient pass
+  with and without H.
+Each row: µs, and GB/s counted from the bytes the pass must move (reads + writes, 2 bytes an element).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from autofuse import launch as L
+from autofuse import ops
+
+SHAPES = [("gemma-7b", 24576, "gelu_tanh"), ("llama-3-8b", 14336, "silu")]
+TOKENS = (4096, 16384)
+TILES = [(4, 512, 4), (8, 512, 4), (8, 512, 8), (2, 1024, 4), (4, 1024, 8), (8, 1024, 8), (16, 256, 4),
+         (16, 512, 8), (32, 256, 8), (1, 2048, 8), (64, 64, 4), (32, 128, 4)]
+ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
+
+
+def _graph_time(fn) -> float:
+    """µs per call, the median of do_bench over CUDA-graph replays of one call."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+
+
+def _act_grad(activation, dh, g, u):
+    a = ACT[activation](g.float())
+    if activation == "gelu_tanh":
+        dg = torch.ops.aten.gelu_backward(dh.float() * u.float(), g.float(), approximate="tanh")
+    else:
+        s = torch.sigmoid(g.float())
+        dg = dh.float() * u.float() * (s + g.float() * s * (1 - s))
+    return dg.to(dh.dtype), (a * dh.float()).to(dh.dtype), a
+
+
+def _ours(op_name, activation, tensors, M, N, tile):
+    op = ops.get(op_name)
+    block_m, block_n, warps = tile
+    kernel = L.kernel_for(op, activation, L._POINTWISE.block_k, torch.bfloat16, L._POINTWISE, False)
+    grid = (-(-M // block_m), -(-N // block_n))
+    return lambda: L.launch(kernel, grid, tensors, (M, N), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    rows = []
+    for name, N, activation in SHAPES:
+        for M in TOKENS:
+            torch.manual_seed(0)
+            gu = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16)
+            dh = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            h = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            dgu = torch.empty_like(gu)
+            mib = M * N * 2 / 1e9  # GB per [M, N] tensor
+            act = ACT[activation]
+
+            def row(kind, provider, us, tensors_moved, **extra):
+                r = dict(shape=name, M=M, N=N, kind=kind, provider=provider, us=round(us, 1),
+                         gbps=round(tensors_moved * mib / (us * 1e-6), 1), **extra)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+
+            for tile in TILES:
+                row("act", "autofuse", _graph_time(_ours("gated_act", activation, {"gu": gu, "h": h}, M, N, tile)), 3,
+                    tile=tile)
+                row("grad+h", "autofuse", _graph_time(_ours("gated_grad", activation,
+                                                            {"dh": dh, "gu": gu, "dgu": dgu, "h": h}, M, N, tile)),
+                    6, tile=tile)
+                if "gated_dgu" in ops.names():
+                    row("grad", "autofuse", _graph_time(_ours("gated_dgu", activation,
+                                                              {"dh": dh, "gu": gu, "dgu": dgu}, M, N, tile)),
+                        5, tile=tile)
+            torch._dynamo.reset()
+            c_act = torch.compile(lambda gu: act(gu[:, :N]) * gu[:, N:])
+            row("act", "torch.compile", _graph_time(lambda: c_act(gu)), 3)
+
+            def grad_h(dh, gu):
+                dg, du, a = _act_grad(activation, dh, gu[:, :N], gu[:, N:])
+                return dg, du, (a * gu[:, N:].float()).to(dh.dtype)
+
+            def grad(dh, gu):
+                return _act_grad(activation, dh, gu[:, :N], gu[:, N:])[:2]
+
+            c_grad_h, c_grad = torch.compile(grad_h), torch.compile(grad)
+            row("grad+h", "torch.compile", _graph_time(lambda: c_grad_h(dh, gu)), 6)
+            row("grad", "torch.compile", _graph_time(lambda: c_grad(dh, gu)), 5)
+            del gu, dh, h, dgu
+    Path(args.out, "pointwise_probe.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                                                  "torch": torch.__version__,
+                                                                  "triton": triton.__version__, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
