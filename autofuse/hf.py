@@ -100,7 +100,7 @@ class FusedHFMLP(nn.Module):
     TRITON_INTERPRET=1."""
 
     def __init__(self, original: nn.Module, names: tuple[str, str, str], activation: str,
-                 interleaved: bool = True) -> None:
+                 interleaved: bool = True, save_hidden: bool = True) -> None:
         super().__init__()
         gate, up, down = (getattr(original, n) for n in names)
         self._names = names
@@ -108,7 +108,8 @@ class FusedHFMLP(nn.Module):
             self.add_module(name, linear)  # shared with the original module, registered here for state_dict
         self.dropout = getattr(original, "dropout", None)
         fused = FusedMLP(gate.in_features, gate.out_features, bias=gate.bias is not None, activation=activation,
-                         dtype=gate.weight.dtype, device=torch.device("meta"), interleaved=interleaved)
+                         dtype=gate.weight.dtype, device=torch.device("meta"), interleaved=interleaved,
+                         save_hidden=save_hidden)
         fused.gate_proj, fused.up_proj, fused.down_proj = gate, up, down  # the meta placeholders are dropped
         fused._lay_out()  # interleaved, and padded where d_ff needs it (layout.py)
         # Not registered as submodules: their parameters are already registered above, once.
@@ -151,10 +152,11 @@ class FusedHFMLP(nn.Module):
         return f"d_model={g.in_features}, d_ff={g.out_features}, activation={self.activation}, autofuse"
 
 
-def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True) -> FuseReport:
+def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, save_hidden: bool = True) -> FuseReport:
     """Replace every gated MLP block of `model` that autofuse can run by a FusedHFMLP (in place) and
     return the report (logged; also printed when `verbose`). `interleaved`: as for get_mlp (the gate and
-    up weights re-laid in one buffer, the parameter objects kept, so tied or shared ones stay so).
+    up weights re-laid in one buffer, the parameter objects kept, so tied or shared ones stay so);
+    `save_hidden`: as for get_mlp (training keeps each block's H from forward to backward).
     `autofuse.tune_model(model)` then tunes the replaced shapes on the model's GPU, as `autofuse tune
     --model` would."""
     report = FuseReport()
@@ -176,7 +178,7 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True) ->
         if not path:
             raise AutofuseError("fuse() replaces the MLP blocks inside a model; call it on the model, not on an "
                                 "MLP itself (for a lone MLP use autofuse.get_mlp)")
-        replacement = FusedHFMLP(module, names, activation, interleaved=interleaved)
+        replacement = FusedHFMLP(module, names, activation, interleaved=interleaved, save_hidden=save_hidden)
         replacement.train(module.training)  # a new module starts in training mode; keep the model's
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path), child, replacement)

@@ -55,7 +55,7 @@ def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N:
     kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, False)
     # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
     block_m, block_n = (16, 64) if interpreting() else (4, 512)
-    launch(kernel, (-(-M // block_m), -(-N // block_n)), tensors, (M, N),
+    launch(kernel, (-(-M // block_m) * -(-N // block_n),), tensors, (M, N),
            dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
 
 

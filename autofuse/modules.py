@@ -96,12 +96,17 @@ class FusedMLP(FusedModule):
     MLP in one launch (config_for then names the single op "mlp")."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
-                 dtype: torch.dtype, device: torch.device, tuned: bool = True, interleaved: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device, tuned: bool = True, interleaved: bool = True,
+                 save_hidden: bool = True) -> None:
         super().__init__(tuned)
         self.in_features = d_model
         self.d_model = d_model
         self.d_ff = d_ff
         self.interleaved = interleaved
+        # Training: keep H from the forward for the backward (faster; one more [M, d_ff] activation held
+        # per module until its backward), or recompute it there (training.py). A plain attribute: may be
+        # changed between steps.
+        self.save_hidden = save_hidden
         self.activation = activation
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
@@ -181,9 +186,10 @@ class FusedMLP(FusedModule):
             if self._layout is not None and not capturing(wg.device):
                 params = self._lay_out_plain()
                 wg = params[0]
-            down_config, backward_config, launches = self._training_configs(M, wg)
+            save_hidden = bool(self.save_hidden)
+            down_config, backward_config, launches = self._training_configs(M, wg, save_hidden)
             return MLPFunction.apply(x.reshape(-1, self.d_model), *params, activation, down_config,
-                                     backward_config, launches).reshape(out_shape)
+                                     backward_config, launches, save_hidden).reshape(out_shape)
         if self._plain_for_training and not capturing(wg.device):
             self._plain_for_training = False
             self._lay_out()
@@ -230,22 +236,23 @@ class FusedMLP(FusedModule):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
 
-    def _training_configs(self, M: int, weight: torch.Tensor) -> tuple:
+    def _training_configs(self, M: int, weight: torch.Tensor, save_hidden: bool = False) -> tuple:
         """For a forward that builds a graph (see training.MLPFunction): the down projection's config and
         the gated backward's (tuned with `autofuse tune --train`: a KernelConfig, or the Library path that
-        tuning or a check chose), and the entry's bound launches (training.TrainingLaunches, None while a choice
-        waits for its check). Resolved once per table key, like the forward's."""
+        tuning or a check chose; None where the forward saves H, whose backward is cuBLAS and one pass),
+        and the entry's bound launches (training.TrainingLaunches, None while a choice waits for its check).
+        Resolved once per table key, like the forward's."""
         self._drop_stale()
-        key = self._table_key(M, weight)
+        key = (*self._table_key(M, weight), save_hidden)
         if key not in self._training_table:
             bias = self.gate_proj.bias is not None
             common = dict(dtype=weight.dtype, device=weight.device, bias=bias, tuned=self.tuned)
-            choices = (
-                resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common),
-                resolve_checked("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation, **common),
-            )
+            choices = [resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common)]
+            if not save_hidden:
+                choices.append(resolve_checked("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation,
+                                               **common))
             # The down projection's kernel (None: its library path); the backward's kernel or library path.
-            configs = (choices[0].kernel, choices[1].config)
+            configs = (choices[0].kernel, choices[1].config if len(choices) > 1 else None)
             if pending(dict(enumerate(choices))):
                 return (*configs, None)
             self._training_table[key] = (*configs, TrainingLaunches(max(M, 1)))
@@ -277,12 +284,15 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
 
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
             dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True,
-            interleaved: bool = True) -> FusedMLP:
+            interleaved: bool = True, save_hidden: bool = True) -> FusedMLP:
     """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names.
     `tuned=False` ignores tuned configs and uses the built-in heuristic. `interleaved` (the default)
     keeps the gate and up weights interleaved in one buffer (each parameter a strided view of it), so
     that the gated up-projection may run as one GEMM (op gated_pairs) where that was checked or tuned
-    faster; `interleaved=False` keeps them as two plain tensors (and never runs gated_pairs)."""
+    faster; `interleaved=False` keeps them as two plain tensors (and never runs gated_pairs).
+    `save_hidden` (training only): the forward keeps H = act(gate) * up for the backward, as torch.compile
+    does (faster); False recomputes it in the backward and holds one [tokens, d_ff] activation less per
+    module (the attribute of that name may be changed later)."""
     return FusedMLP(
         check_size("d_model", d_model),
         check_size("d_ff", d_ff),
@@ -292,4 +302,5 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
         device=parse_device(device),
         tuned=bool(tuned),
         interleaved=bool(interleaved),
+        save_hidden=bool(save_hidden),
     )

@@ -2,12 +2,17 @@
 
 Gated MLP. The forward computes the gate and up pre-activations G | U with cuBLAS into one [M, 2F]
 buffer and keeps it (it is what the backward needs; recomputing it costs two of the backward's
-six GEMMs), forms H = act(G) * U with a pointwise kernel and runs the tuned down projection. The
-backward's fused kernel (op gated_bwd, autofuse/ops/gated_bwd.py) computes dH = dY Wd and in its epilogue
-reads G, U and writes dG | dU over them, plus H, so dH never reaches memory and no gradient buffer
-of the hidden size is allocated; the input and weight gradients are then GEMMs over those.
-Because the saved buffer is overwritten, a graph's backward runs once (retain_graph=True and a
-second backward is refused with a clear error).
+six GEMMs), forms H = act(G) * U with a pointwise kernel and runs the tuned down projection.
+Two backwards, by the module's `save_hidden`:
+- True (the default): the forward keeps H as well (torch.compile's trade: one more [M, F] activation
+  held from forward to backward); the backward forms dWd = dY^T H first and frees H, then runs cuBLAS
+  dH = dY Wd and ONE pointwise pass (op gated_dgu) that writes dG | dU over G | U, reading three [M, F]
+  tensors and writing two. Its peak inside the backward is the lean path's.
+- False (one [M, F] activation less per layer): the backward's tuned choice of op gated_bwd, the fused
+  kernel (dH = dY Wd with dG | dU written over G, U, and H, in its epilogue) or cuBLAS dH and one pass
+  that also recomputes H (writing it over dH): one [M, F] tensor more of memory traffic.
+The input and weight gradients are then GEMMs over dG | dU. Because the saved buffer is overwritten,
+a graph's backward runs once (retain_graph=True and a second backward is refused with a clear error).
 
 Linear. The forward keeps its pre-activation Z when there is an activation (as eager does) and
 the backward applies PyTorch's own derivative (aten's gelu_backward / silu_backward).
@@ -27,6 +32,7 @@ from .activations import TORCH_ACTIVATIONS, activation_backward
 from .configs import KernelConfig
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
+from .ops.gated_grad import gated_gradient_kept
 from .ops.gated_up import pre_activations
 from .ops.linear import linear
 
@@ -102,20 +108,34 @@ class TrainingLaunches:
 
 
 def _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
-                      launches: TrainingLaunches | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G | U, Y): cuBLAS for G | U, then the pointwise H and the down projection (bound where possible)."""
+                      launches: TrainingLaunches | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(G | U, H, Y): cuBLAS for G | U, then the pointwise H and the down projection (bound where possible)."""
     gu = pre_activations(x, w_gate, b_gate, w_up, b_up)
     M = x.shape[0]
     if launches is None or launches.M != M:
-        return gu, _project(gated_activation(gu, activation), w_down, b_down, None, down_config)
+        h = gated_activation(gu, activation)
+        return gu, h, _project(h, w_down, b_down, None, down_config)
     h = gu.new_empty((M, w_gate.shape[0]))
     launches.run("gated_act", {"gu": gu, "h": h}, [], lambda: gated_activation(gu, activation, out=h))
     if down_config is None:  # a library path: nothing to bind
-        return gu, _project(h, w_down, b_down, None, None)
+        return gu, h, _project(h, w_down, b_down, None, None)
     y = h.new_empty((M, w_down.shape[0]))
     launches.run("down", {"x": h, "y": y}, launch.addresses((w_down, b_down)),
                  lambda: linear(h, w_down, b_down, None, "none", down_config, out=y))
-    return gu, y
+    return gu, h, y
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor default hooks (torch.autograd.graph.saved_tensors_hooks: non-reentrant
+    checkpointing, CPU offloading) are active. A private PyTorch query; where it is missing, assume they are
+    (the answer that is always correct, at one [M, F] activation's cost)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except (TypeError, RuntimeError):
+        return True
 
 
 class MLPFunction(torch.autograd.Function):
@@ -123,12 +143,24 @@ class MLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config, backward_config,
-                launches=None):
-        gu, y = _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config, launches)
+                launches=None, save_hidden=False):
+        """backward_config: op gated_bwd's choice, used where H is not saved (`save_hidden` False)."""
+        gu, h, y = _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
+                                     launches)
         ctx.activation, ctx.backward_config = activation, backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
-        ctx.save_for_backward(x, gu, w_gate, w_up, w_down)
+        # H kept on ctx (an intermediate, neither input nor output: no reference cycle) is freed by the
+        # backward as soon as dWd is formed, so the backward's peak is the lean path's; saved through
+        # save_for_backward it would live until the backward returns. Where saved-tensor hooks are active
+        # (activation checkpointing, offloading), it goes through save_for_backward so that they see it.
+        ctx.hidden = None
+        saved = (x, gu, w_gate, w_up, w_down)
+        if save_hidden and _saved_tensor_hooks_active():
+            saved += (h,)
+        elif save_hidden:
+            ctx.hidden = h
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
@@ -139,18 +171,27 @@ class MLPFunction(torch.autograd.Function):
                                "saved, so each forward's graph can be backpropagated once: run the forward "
                                "again instead of backward(retain_graph=True) twice")
         ctx.spent = True
-        x, gu, w_gate, w_up, w_down = ctx.saved_tensors
+        x, gu, w_gate, w_up, w_down, *kept = ctx.saved_tensors
+        h, ctx.hidden = ctx.hidden if ctx.hidden is not None else (kept[0] if kept else None), None
+        kept.clear()
         dy = dy.contiguous()
         F_ = w_gate.shape[0]
         config = ctx.backward_config
-        if isinstance(config, KernelConfig):
-            dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
-        else:  # a library path (None: eager), where tuning or a check chose one for this shape
-            library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
-            dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
-        dw_down = dy.t() @ h if need[5] else None
-        del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
+        if h is not None:  # the forward's H: dWd first, then cuBLAS dH and one pass writing dG | dU over G | U
+            dw_down = dy.t() @ h if need[5] else None
+            del h  # freed here where it was kept on ctx: dH below takes its place
+            dh = dy @ w_down
+            dgu = gated_gradient_kept(dh, gu, ctx.activation, out=gu)
+            del dh  # before the GEMMs below allocate
+        else:
+            if isinstance(config, KernelConfig):
+                dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
+            else:  # a library path (None: eager), where tuning or a check chose one for this shape
+                library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
+                dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
+            dw_down = dy.t() @ h if need[5] else None
+            del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
         dg, du = dgu[:, :F_], dgu[:, F_:]
         dx = None
         if need[0]:
@@ -165,4 +206,4 @@ class MLPFunction(torch.autograd.Function):
             db = sum_rows(dgu)
             db_gate, db_up = db[:F_], db[F_:]
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
-        return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None, None, None
+        return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None, None, None, None

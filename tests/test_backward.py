@@ -276,11 +276,12 @@ def test_gated_gradient_pass(dtype, activation, in_place, device, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_mlp_gradients_through_each_library_backward(library, dtype, device, monkeypatch):
     # Where tuning or a check chose a library path for the backward, training.MLPFunction runs that one.
-    module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
+    module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
+                              save_hidden=False)
     real = module._training_configs
 
-    def with_library(M, weight):
-        down, _, launches = real(M, weight)
+    def with_library(M, weight, save_hidden):
+        down, _, launches = real(M, weight, save_hidden)
         return down, Library(library), launches
     monkeypatch.setattr(module, "_training_configs", with_library)
     ran = []
@@ -294,6 +295,74 @@ def test_mlp_gradients_through_each_library_backward(library, dtype, device, mon
     assert ran == [1]
     ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
     _check_grads(got, ref, _grads(params, x, _mlp_fn("gelu_tanh"), dy), dtype)
+
+
+def _mlp_node(out):
+    node = out.grad_fn
+    while "MLPFunction" not in type(node).__name__:  # under the reshape back to x's shape
+        node = node.next_functions[0][0]
+    return node
+
+
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree(activation, dtype, device,
+                                                                                  monkeypatch):
+    """save_hidden (the default): the forward keeps H too and the backward runs op gated_dgu once, never
+    gated_bwd's choice (which is not even resolved); save_hidden=False keeps no H and runs that choice.
+    Both give the reference's gradients, and each other's up to a few roundings."""
+    from autofuse import training
+
+    module = autofuse.get_mlp(40, 72, activation=activation, bias=True, dtype=dtype, device=device)
+    passes, resolved = [], []
+    real_pass = training.gated_gradient_kept
+    monkeypatch.setattr(training, "gated_gradient_kept", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
+    real_resolve = autofuse.modules.resolve_checked
+    monkeypatch.setattr(autofuse.modules, "resolve_checked",
+                        lambda op, *a, **k: resolved.append(op) or real_resolve(op, *a, **k))
+    x = torch.randn(39, 40, dtype=dtype, device=device)
+    dy = torch.randn(39, 40, dtype=dtype, device=device)
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    params = _mlp_params(module)
+    node = _mlp_node(module(x.clone().requires_grad_()))
+    assert tuple(node.hidden.shape) == (39, 72)  # kept on ctx, outside saved_tensors: freed mid-backward
+    kept = _module_grads(module, x, dy, names)
+    assert passes == [1] and "gated_bwd" not in resolved
+    module.save_hidden = False
+    assert _mlp_node(module(x.clone().requires_grad_())).hidden is None
+    lean = _module_grads(module, x, dy, names)
+    assert passes == [1] and "gated_bwd" in resolved
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
+    eager = _grads(params, x, _mlp_fn(activation), dy)
+    _check_grads(kept, ref, eager, dtype)
+    _check_grads(lean, ref, eager, dtype)
+    for name in kept:
+        # The same formulas either way; where the lean path's choice is the fused kernel, its dH is not
+        # rounded to the dtype before the epilogue, hence a norm-wise bound of a few roundings, not equality.
+        bound = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+        assert relative_error(kept[name], lean[name].double()) <= bound, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_gradients(dtype, device):
+    """Under saved-tensor hooks (what non-reentrant activation checkpointing and CPU offloading install), the
+    kept H goes through save_for_backward, so the hooks pack it like every other activation; gradients through
+    torch.utils.checkpoint equal the plain step's."""
+    module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
+    x = torch.randn(39, 40, dtype=dtype, device=device)
+    dy = torch.randn(39, 40, dtype=dtype, device=device)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
+        node = _mlp_node(module(x.clone().requires_grad_()))
+    assert node.hidden is None and (39, 72) in packed and (39, 144) in packed  # H and G | U
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    plain = _module_grads(module, x, dy, names)
+    xc = x.clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    torch.utils.checkpoint.checkpoint(module, xc, use_reentrant=False).backward(dy)
+    checkpointed = {"x": xc.grad, **{n: p.grad for n, p in zip(names, _param_tensors(module))}}
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0)
 
 
 def test_a_second_backward_through_one_forward_is_refused_clearly(device):
