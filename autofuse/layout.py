@@ -136,8 +136,11 @@ def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool =
 
 
 def contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A state_dict hook of a module holding such a layout: its entries are saved as plain tensors
-    (views with gaps, which safetensors refuses and torch.save would write with their padding)."""
+    """A state_dict hook of a module holding such a layout: its entries are saved as plain tensors of their
+    own (views with gaps, or the halves of the training layout's one gate-and-up buffer: safetensors refuses
+    tensors that share storage, and torch.save would write the padding or the whole buffer)."""
     for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, torch.Tensor) and not value.is_contiguous():
-            state_dict[key] = value.contiguous()
+        if key.startswith(prefix) and isinstance(value, torch.Tensor) and (
+                not value.is_contiguous()
+                or value.untyped_storage().nbytes() != value.numel() * value.element_size()):
+            state_dict[key] = value.clone(memory_format=torch.contiguous_format)

@@ -22,6 +22,7 @@ from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
+from .ops.gated_up import stacked
 from .training import LinearFunction, MLPFunction, TrainingLaunches
 
 
@@ -208,10 +209,17 @@ class FusedMLP(FusedModule):
     def _lay_out_plain(self) -> tuple:
         """Before a training forward: the parameters as plain dense tensors again, as optimizers expect
         them (CUDA's fused AdamW requires a parameter's strides to match its gradient's and its state's,
-        which are dense; a view with gaps has no dense twin). The same parameter objects keep their
-        values; the inference layout is made again at the next inference forward."""
+        which are dense; a view with gaps has no dense twin). The gate and up weights (and biases) become
+        the two halves of one [2 d_ff, ...] buffer, each half dense, so that the training step's up
+        projection and input gradient run as one GEMM each (ops.gated_up.stacked). The same parameter
+        objects keep their values; the inference layout is made again at the next inference forward."""
+        wg, bg, wu, bu, wd, bd = self._params()
         with torch.no_grad(), torch.inference_mode(False):
-            for p in self._params():
+            for gate, up in ((wg, wu), (bg, bu)):
+                if gate is not None and up is not None and gate is not up and stacked(gate, up) is None:
+                    buffer = torch.cat([gate.data.reshape(1, *gate.shape), up.data.reshape(1, *up.shape)])
+                    gate.data, up.data = buffer[0], buffer[1]
+            for p in (wd, bd):
                 if p is not None and not p.is_contiguous():
                     p.data = p.data.contiguous()
         self._layout = None

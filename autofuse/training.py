@@ -33,7 +33,7 @@ from .configs import KernelConfig
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_grad import gated_gradient_kept
-from .ops.gated_up import pre_activations
+from .ops.gated_up import pre_activations, stacked
 from .ops.linear import linear
 
 
@@ -195,8 +195,12 @@ class MLPFunction(torch.autograd.Function):
         dg, du = dgu[:, :F_], dgu[:, F_:]
         dx = None
         if need[0]:
-            dx = dg @ w_gate
-            dx.addmm_(du, w_up)
+            w_gu = stacked(w_gate, w_up)
+            if w_gu is not None:  # the training layout: one GEMM over d_ff twice
+                dx = dgu @ w_gu
+            else:
+                dx = dg @ w_gate
+                dx.addmm_(du, w_up)
         dw_gate = dw_up = None
         if need[1] or need[3]:
             dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]

@@ -372,3 +372,49 @@ def test_a_second_backward_through_one_forward_is_refused_clearly(device):
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backpropagated once"):
         out.backward()
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_training_stacks_gate_and_up_into_one_buffer_and_both_layouts_give_the_gradients(interleaved, device):
+    """A training forward lays the gate and up weights (and biases) out as the halves of one buffer
+    (ops.gated_up.stacked: one GEMM for G | U and one for dX), the same parameter objects with the same
+    values, each dense; a module that starts with two plain tensors (interleaved=False, no padding) keeps
+    them and runs two GEMMs each. Both give the reference's gradients, and inference afterwards its output."""
+    from autofuse.ops.gated_up import stacked
+
+    dtype = torch.float32
+    module = autofuse.get_mlp(40, 72, activation="silu", bias=True, dtype=dtype, device=device,
+                              interleaved=interleaved)
+    params = _mlp_params(module)
+    before = {k: v.detach().clone() for k, v in params.items()}
+    objects = [module.gate_proj.weight, module.up_proj.weight]
+    x = torch.randn(13, 40, dtype=dtype, device=device)
+    dy = torch.randn(13, 40, dtype=dtype, device=device)
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    got = _module_grads(module, x, dy, names)
+    assert [module.gate_proj.weight, module.up_proj.weight] == objects
+    for name, value in _mlp_params(module).items():
+        assert value.is_contiguous() and torch.equal(value, before[name]), name
+    w_gu = stacked(module.gate_proj.weight, module.up_proj.weight)
+    assert (w_gu is not None) == interleaved
+    if interleaved:
+        assert torch.equal(w_gu, torch.cat([before["gate_w"], before["up_w"]]))
+        assert stacked(module.gate_proj.bias, module.up_proj.bias) is not None
+    ref = _grads({k: v.double() for k, v in before.items()}, x.double(), _mlp_fn("silu"), dy.double())
+    _check_grads(got, ref, _grads(before, x, _mlp_fn("silu"), dy), dtype)
+    for name, value in module.state_dict().items():  # each entry its own storage (safetensors refuses shared)
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), name
+    with torch.no_grad():
+        y = module(x)
+    expected = _mlp_fn("silu")(x, **before)
+    assert relative_error(y, expected.double()) <= 1e-5
+
+
+def test_stacked_refuses_tensors_that_are_not_the_halves_of_one_buffer():
+    from autofuse.ops.gated_up import stacked
+
+    buffer = torch.randn(2, 6, 4)
+    assert torch.equal(stacked(buffer[0], buffer[1]), buffer.reshape(12, 4))
+    assert stacked(buffer[1], buffer[0]) is None  # up before gate
+    assert stacked(torch.randn(6, 4), torch.randn(6, 4)) is None  # two allocations
+    assert stacked(buffer[0, :, :2], buffer[1, :, :2]) is None  # not dense

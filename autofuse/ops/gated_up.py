@@ -46,11 +46,26 @@ def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: 
     return h
 
 
+def stacked(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """[gate; up] as one dense tensor of twice gate's rows, where the two are the halves of one buffer
+    (up right after gate, both dense: the training layout, FusedMLP._lay_out_plain); else None."""
+    if (gate.shape != up.shape or gate.dtype != up.dtype or not gate.is_contiguous() or not up.is_contiguous()
+            or gate.device != up.device or gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+            or up.storage_offset() != gate.storage_offset() + gate.numel()):
+        return None
+    return gate.as_strided((2 * gate.shape[0], *gate.shape[1:]), (gate.stride(0), *gate.stride()[1:]))
+
+
 def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
                     b_up: torch.Tensor | None) -> torch.Tensor:
-    """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): two cuBLAS GEMMs writing the two
-    halves of one buffer (no concatenated weight copy)."""
+    """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): one cuBLAS GEMM where the weights (and
+    biases) are the halves of one buffer (`stacked`), else two writing the halves of one result (no
+    concatenated weight copy)."""
     F_ = w_gate.shape[0]
+    w_gu = stacked(w_gate, w_up)
+    b_gu = None if b_gate is None or b_up is None else stacked(b_gate, b_up)
+    if w_gu is not None and (b_gate is None) == (b_up is None) and (b_gate is None or b_gu is not None):
+        return x @ w_gu.t() if b_gu is None else torch.addmm(b_gu, x, w_gu.t())
     gu = torch.empty(x.shape[0], 2 * F_, dtype=x.dtype, device=x.device)
     for w, b, half in ((w_gate, b_gate, gu[:, :F_]), (w_up, b_up, gu[:, F_:])):
         if b is None:
