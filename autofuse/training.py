@@ -172,8 +172,9 @@ class MLPFunction(torch.autograd.Function):
                                "again instead of backward(retain_graph=True) twice")
         ctx.spent = True
         x, gu, w_gate, w_up, w_down, *kept = ctx.saved_tensors
-        h, ctx.hidden = ctx.hidden if ctx.hidden is not None else (kept[0] if kept else None), None
-        kept.clear()
+        h = ctx.hidden if ctx.hidden is not None else (kept[0] if kept else None)  # None: H not kept
+        ctx.hidden = None
+        kept.clear()  # so that `del h` below leaves no reference here
         dy = dy.contiguous()
         F_ = w_gate.shape[0]
         config = ctx.backward_config
