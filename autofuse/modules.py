@@ -255,13 +255,12 @@ class FusedMLP(FusedModule):
         if key not in self._training_table:
             bias = self.gate_proj.bias is not None
             common = dict(dtype=weight.dtype, device=weight.device, bias=bias, tuned=self.tuned)
-            choices = [resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common)]
-            if not save_hidden:
-                choices.append(resolve_checked("gated_bwd", M, self.d_ff, self.d_model, activation=self.activation,
-                                               **common))
+            down = resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common)
+            backward = None if save_hidden else resolve_checked("gated_bwd", M, self.d_ff, self.d_model,
+                                                                activation=self.activation, **common)
             # The down projection's kernel (None: its library path); the backward's kernel or library path.
-            configs = (choices[0].kernel, choices[1].config if len(choices) > 1 else None)
-            if pending(dict(enumerate(choices))):
+            configs = (down.kernel, None if backward is None else backward.config)
+            if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
                 return (*configs, None)
             self._training_table[key] = (*configs, TrainingLaunches(max(M, 1)))
         return self._training_table[key]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import autofuse
-from benchmarks.train_bench import SHAPES, _eager, _gemm_only
+from benchmarks.train_bench import SHAPES, _eager, _gemm_only, autofuse_provider
 
 _OURS = ("autofuse/", "benchmarks/")
 
@@ -70,14 +70,8 @@ def main() -> None:
     dy = torch.randn(int(M), d, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(lambda x, wg, wu, wd: _eager(x, wg, wu, wd, activation))
 
-    def autofuse_with(save_hidden):
-        def run(x, wg, wu, wd):
-            module.save_hidden = save_hidden
-            return module(x)
-        return run
-
-    providers = {"gemm-only": _gemm_only, "torch.compile": compiled, "autofuse": autofuse_with(True),
-                 "autofuse save_hidden=False": autofuse_with(False)}
+    providers = {"gemm-only": _gemm_only, "torch.compile": compiled, "autofuse": autofuse_provider(module, True),
+                 "autofuse save_hidden=False": autofuse_provider(module, False)}
     rows = []
     for provider, fn in providers.items():
         for p in params:

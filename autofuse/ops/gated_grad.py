@@ -23,18 +23,22 @@ DGU_OPERANDS = (
 OPERANDS = (*DGU_OPERANDS, Operand("h", "[M, N]", "mn"))
 
 
+def _sizes(caller: str, dh: torch.Tensor, gu: torch.Tensor) -> tuple[int, int]:
+    """(M, F) of the two passes' operands, dH [M, F] beside gu = [G | U] [M, 2F]."""
+    L.require(dh.dim() == 2 and tuple(gu.shape) == (dh.shape[0], 2 * dh.shape[1]),
+              f"{caller}: gu must be [M, 2F] beside dH [M, F], got {tuple(gu.shape)} and {tuple(dh.shape)}")
+    return dh.shape
+
+
 def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
                    out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dGU, H) from dH ([M, F]) and gu = [G | U] ([M, 2F]), written into `out` = (dGU, H) where given;
     dGU may be gu itself (each element is read before the same program writes it)."""
-    L.require(dh.dim() == 2 and tuple(gu.shape) == (dh.shape[0], 2 * dh.shape[1]),
-              f"gated_gradient: gu must be [M, 2F] beside dH [M, F], got {tuple(gu.shape)} and {tuple(dh.shape)}")
-    M, F = dh.shape
+    M, F = _sizes("gated_gradient", dh, gu)
     dgu_out, h_out = out if out is not None else (None, None)
     dgu, h = L.output(dgu_out, (M, 2 * F), gu), L.output(h_out, (M, F), gu)
-    if M == 0 or F == 0:
-        return dgu, h
-    L.pointwise_launch(GATED_GRAD, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu, "h": h})
+    if M and F:
+        L.pointwise_launch(GATED_GRAD, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu, "h": h})
     return dgu, h
 
 
@@ -42,13 +46,10 @@ def gated_gradient_kept(dh: torch.Tensor, gu: torch.Tensor, activation: str,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """dGU = [dG | dU] ([M, 2F]) from dH ([M, F]) and gu = [G | U], where the forward kept H: written into
     `out` where given, which may be gu itself."""
-    L.require(dh.dim() == 2 and tuple(gu.shape) == (dh.shape[0], 2 * dh.shape[1]),
-              f"gated_gradient_kept: gu must be [M, 2F] beside dH [M, F], got {tuple(gu.shape)} and {tuple(dh.shape)}")
-    M, F = dh.shape
+    M, F = _sizes("gated_gradient_kept", dh, gu)
     dgu = L.output(out, (M, 2 * F), gu)
-    if M == 0 or F == 0:
-        return dgu
-    L.pointwise_launch(GATED_DGU, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu})
+    if M and F:
+        L.pointwise_launch(GATED_DGU, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu})
     return dgu
 
 

@@ -63,9 +63,12 @@ def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor 
     concatenated weight copy)."""
     F_ = w_gate.shape[0]
     w_gu = stacked(w_gate, w_up)
-    b_gu = None if b_gate is None or b_up is None else stacked(b_gate, b_up)
-    if w_gu is not None and (b_gate is None) == (b_up is None) and (b_gate is None or b_gu is not None):
-        return x @ w_gu.t() if b_gu is None else torch.addmm(b_gu, x, w_gu.t())
+    if w_gu is not None:
+        if b_gate is None and b_up is None:
+            return x @ w_gu.t()
+        b_gu = None if b_gate is None or b_up is None else stacked(b_gate, b_up)
+        if b_gu is not None:
+            return torch.addmm(b_gu, x, w_gu.t())
     gu = torch.empty(x.shape[0], 2 * F_, dtype=x.dtype, device=x.device)
     for w, b, half in ((w_gate, b_gate, gu[:, :F_]), (w_up, b_up, gu[:, F_:])):
         if b is None:
