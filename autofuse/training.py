@@ -1,18 +1,20 @@
 """Training: torch.autograd.Functions of the fused modules, with a training forward of their own.
 
-Gated MLP. The forward computes the gate and up pre-activations G | U with cuBLAS into one [M, 2F]
-buffer and keeps it (it is what the backward needs; recomputing it costs two of the backward's
-six GEMMs), forms H = act(G) * U with a pointwise kernel and runs the tuned down projection.
-Two backwards, by the module's `save_hidden`:
-- True (the default): the forward keeps H as well (torch.compile's trade: one more [M, F] activation
-  held from forward to backward); the backward forms dWd = dY^T H first and frees H, then runs cuBLAS
-  dH = dY Wd and ONE pointwise pass (op gated_dgu) that writes dG | dU over G | U, reading three [M, F]
-  tensors and writing two. Its peak inside the backward is the lean path's.
-- False (one [M, F] activation less per layer): the backward's tuned choice of op gated_bwd, the fused
-  kernel (dH = dY Wd with dG | dU written over G, U, and H, in its epilogue) or cuBLAS dH and one pass
-  that also recomputes H (writing it over dH): one [M, F] tensor more of memory traffic.
-The input and weight gradients are then GEMMs over dG | dU. Because the saved buffer is overwritten,
-a graph's backward runs once (retain_graph=True and a second backward is refused with a clear error).
+Gated MLP. The forward computes the gate and up pre-activations G and U with cuBLAS and keeps them (they
+are what the backward needs; recomputing them costs two of the backward's six GEMMs), forms H = act(G) * U
+with a pointwise kernel and runs the tuned down projection. Two backwards, by the module's `save_hidden`:
+- True (the default): G and U are two buffers and the forward keeps H as well (torch.compile's trade: one
+  more [M, F] activation held from forward to backward). The backward forms dWd = dY^T H first and frees
+  H, runs cuBLAS dH = dY Wd and ONE pointwise pass (op gated_dgu) that writes dG, dU over G, U (reading
+  three [M, F] tensors, writing two), then dX = dG Wg + dU Wu, dWg = dG^T x, frees dG, and dWu = dU^T x:
+  its last GEMM holds dU alone beside the gradients, where one [M, 2F] buffer would be held whole.
+- False (one [M, F] activation less per layer): G | U is one [M, 2F] buffer (one GEMM where the weights
+  are stacked) and the backward runs its tuned choice of op gated_bwd, the fused kernel (dH = dY Wd with
+  dG | dU written over G | U, and H, in its epilogue) or cuBLAS dH and one pass that also recomputes H
+  (writing it over dH): one [M, F] tensor more of memory traffic. Then dX and [dWg; dWu], one GEMM each
+  where the weights are stacked.
+Because the saved pre-activations are overwritten, a graph's backward runs once (retain_graph=True and a
+second backward is refused with a clear error).
 
 Linear. The forward keeps its pre-activation Z when there is an activation (as eager does) and
 the backward applies PyTorch's own derivative (aten's gelu_backward / silu_backward).
@@ -108,21 +110,28 @@ class TrainingLaunches:
 
 
 def _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
-                      launches: TrainingLaunches | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(G | U, H, Y): cuBLAS for G | U, then the pointwise H and the down projection (bound where possible)."""
-    gu = pre_activations(x, w_gate, b_gate, w_up, b_up)
-    M = x.shape[0]
+                      launches: TrainingLaunches | None, separate: bool):
+    """(pre-activations, H, Y): cuBLAS for the pre-activations, then the pointwise H and the down projection
+    (bound where possible). The pre-activations are (G, U), two buffers, where `separate` (the backward then
+    frees dG before its last GEMM); else [G | U], one [M, 2F] buffer (what op gated_bwd's kernels read)."""
+    M, F_ = x.shape[0], w_gate.shape[0]
+    if separate:
+        pre = (F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up))
+        g, u = pre
+    else:
+        pre = pre_activations(x, w_gate, b_gate, w_up, b_up)
+        g, u = pre[:, :F_], pre[:, F_:]
     if launches is None or launches.M != M:
-        h = gated_activation(gu, activation)
-        return gu, h, _project(h, w_down, b_down, None, down_config)
-    h = gu.new_empty((M, w_gate.shape[0]))
-    launches.run("gated_act", {"gu": gu, "h": h}, [], lambda: gated_activation(gu, activation, out=h))
+        h = gated_activation(g, u, activation)
+        return pre, h, _project(h, w_down, b_down, None, down_config)
+    h = g.new_empty((M, F_))
+    launches.run("gated_act", {"g": g, "u": u, "h": h}, [], lambda: gated_activation(g, u, activation, out=h))
     if down_config is None:  # a library path: nothing to bind
-        return gu, h, _project(h, w_down, b_down, None, None)
+        return pre, h, _project(h, w_down, b_down, None, None)
     y = h.new_empty((M, w_down.shape[0]))
     launches.run("down", {"x": h, "y": y}, launch.addresses((w_down, b_down)),
                  lambda: linear(h, w_down, b_down, None, "none", down_config, out=y))
-    return gu, h, y
+    return pre, h, y
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -145,22 +154,24 @@ class MLPFunction(torch.autograd.Function):
     def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config, backward_config,
                 launches=None, save_hidden=False):
         """backward_config: op gated_bwd's choice, used where H is not saved (`save_hidden` False)."""
-        gu, h, y = _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
-                                     launches)
+        pre, h, y = _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
+                                      launches, separate=save_hidden)
         ctx.activation, ctx.backward_config = activation, backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
-        # H kept on ctx (an intermediate, neither input nor output: no reference cycle) is freed by the
-        # backward as soon as dWd is formed, so the backward's peak is the lean path's; saved through
-        # save_for_backward it would live until the backward returns. Where saved-tensor hooks are active
-        # (activation checkpointing, offloading), it goes through save_for_backward so that they see it.
-        ctx.hidden = None
-        saved = (x, gu, w_gate, w_up, w_down)
-        if save_hidden and _saved_tensor_hooks_active():
-            saved += (h,)
-        elif save_hidden:
-            ctx.hidden = h
-        ctx.save_for_backward(*saved)
+        saved = (x, w_gate, w_up, w_down)
+        ctx.kept = None
+        if not save_hidden:
+            ctx.save_for_backward(*saved, pre)  # [G | U], overwritten by the backward with [dG | dU]
+        elif _saved_tensor_hooks_active():
+            ctx.save_for_backward(*saved, *pre, h)
+        else:
+            # G, U and H kept on ctx (intermediates, neither input nor output: no reference cycle), so that
+            # the backward frees each once it is spent: saved through save_for_backward they would live
+            # until the backward returns. Where saved-tensor hooks are active (activation checkpointing,
+            # offloading) they go through save_for_backward so that the hooks see them.
+            ctx.save_for_backward(*saved)
+            ctx.kept = [*pre, h]
         return y
 
     @staticmethod
@@ -171,44 +182,72 @@ class MLPFunction(torch.autograd.Function):
                                "saved, so each forward's graph can be backpropagated once: run the forward "
                                "again instead of backward(retain_graph=True) twice")
         ctx.spent = True
-        x, gu, w_gate, w_up, w_down, *kept = ctx.saved_tensors
-        h = ctx.hidden if ctx.hidden is not None else (kept[0] if kept else None)  # None: H not kept
-        ctx.hidden = None
-        kept.clear()  # so that `del h` below leaves no reference here
+        x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
         dy = dy.contiguous()
-        F_ = w_gate.shape[0]
-        config = ctx.backward_config
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
-        if h is not None:  # the forward's H: dWd first, then cuBLAS dH and one pass writing dG | dU over G | U
-            dw_down = dy.t() @ h if need[5] else None
-            del h  # freed here where it was kept on ctx: dH below takes its place
-            dh = dy @ w_down
-            dgu = gated_gradient_kept(dh, gu, ctx.activation, out=gu)
-            del dh  # before the GEMMs below allocate
+        if len(saved) == 1:  # save_hidden False: one [G | U] buffer, H recomputed
+            grads = _backward_recomputing_h(ctx, dy, x, saved.pop(), w_gate, w_up, w_down, need)
         else:
-            if isinstance(config, KernelConfig):
-                dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
-            else:  # a library path (None: eager), where tuning or a check chose one for this shape
-                library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
-                dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-            dw_down = dy.t() @ h if need[5] else None
-            del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
-        dg, du = dgu[:, :F_], dgu[:, F_:]
-        dx = None
-        if need[0]:
-            w_gu = stacked(w_gate, w_up)
-            if w_gu is not None:  # the training layout: one GEMM over d_ff twice
-                dx = dgu @ w_gu
-            else:
-                dx = dg @ w_gate
-                dx.addmm_(du, w_up)
-        dw_gate = dw_up = None
-        if need[1] or need[3]:
-            dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]
-            dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
-        db_gate = db_up = None
-        if ctx.has_bias and (need[2] or need[4]):
-            db = sum_rows(dgu)
-            db_gate, db_up = db[:F_], db[F_:]
+            kept = list(saved) if ctx.kept is None else ctx.kept
+            ctx.kept = None
+            saved.clear()  # `kept` holds this function's only references, which the callee drops as it goes
+            grads = _backward_from_kept_h(ctx, dy, x, kept, w_gate, w_up, w_down, need)
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
-        return dx, dw_gate, db_gate, dw_up, db_up, dw_down, db_down, None, None, None, None, None
+        return (*grads, db_down, None, None, None, None, None)
+
+
+def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
+    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from the forward's G, U, H (`kept`: emptied here,
+    so that each buffer is freed once spent). dWd first, then H freed; cuBLAS dH and one pass writing dG, dU
+    over G, U; then dX, and each weight's gradient with its pre-activation gradient freed right after: the
+    last GEMM holds dU alone, not [dG | dU]."""
+    g, u, h = kept
+    kept.clear()
+    dw_down = dy.t() @ h if need[5] else None
+    del h  # dH below takes its place
+    dh = dy @ w_down
+    dg, du = gated_gradient_kept(dh, g, u, ctx.activation, out=(g, u))
+    del dh, g, u  # dg and du are now the only references to those two buffers
+    dx = None
+    if need[0]:
+        dx = dg @ w_gate
+        dx.addmm_(du, w_up)
+    db_gate = sum_rows(dg) if ctx.has_bias and need[2] else None
+    db_up = sum_rows(du) if ctx.has_bias and need[4] else None
+    dw_gate = dg.t() @ x if need[1] else None
+    del dg
+    dw_up = du.t() @ x if need[3] else None
+    return dx, dw_gate, db_gate, dw_up, db_up, dw_down
+
+
+def _backward_recomputing_h(ctx, dy, x, gu, w_gate, w_up, w_down, need) -> tuple:
+    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from the forward's [G | U], whose H was not
+    kept: op gated_bwd's tuned choice writes dG | dU over G | U and recomputes H; dWd, H freed; then the
+    GEMMs over dG | dU (one each where the weights are stacked)."""
+    F_ = w_gate.shape[0]
+    config = ctx.backward_config
+    if isinstance(config, KernelConfig):
+        dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
+    else:  # a library path (None: eager), where tuning or a check chose one for this shape
+        library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
+        dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
+    dw_down = dy.t() @ h if need[5] else None
+    del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
+    dg, du = dgu[:, :F_], dgu[:, F_:]
+    dx = None
+    if need[0]:
+        w_gu = stacked(w_gate, w_up)
+        if w_gu is not None:  # the training layout: one GEMM over d_ff twice
+            dx = dgu @ w_gu
+        else:
+            dx = dg @ w_gate
+            dx.addmm_(du, w_up)
+    dw_gate = dw_up = None
+    if need[1] or need[3]:
+        dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]
+        dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
+    db_gate = db_up = None
+    if ctx.has_bias and (need[2] or need[4]):
+        db = sum_rows(dgu)
+        db_gate, db_up = db[:F_], db[F_:]
+    return dx, dw_gate, db_gate, dw_up, db_up, dw_down

@@ -5,10 +5,10 @@
 At the training benchmark's shapes (gemma-7b GeGLU, Llama-3-8B SwiGLU; M = 4096, 16384; bf16) times, as
 do_bench medians of CUDA-graph replays (L2 flushed by do_bench between replays is not done: every pass
 moves several hundred MB, far past L2):
-- gated_act (forward: H = act(G) * U from [G | U]) and gated_grad (backward: dG | dU over G | U, and H,
+- gated_act (forward: H = act(G) * U from G and U, two buffers) and gated_grad (backward: dG, dU, and H,
   from dH) through autofuse's launcher at several (BLOCK_M, BLOCK_N, num_warps), the shipped one first;
 - op gated_dgu where this build has it (the backward pass without H, for a forward that kept H);
-- torch.compile's kernels for the same work, from the same [G | U] layout: act * mul; the gradient pass
+- torch.compile's kernels for the same work, from the same two buffers: act * mul; the gradient pass
   with and without H.
 Each row: µs, and GB/s counted from the bytes the pass must move (reads + writes, 2 bytes an element).
 """
@@ -70,10 +70,11 @@ def main() -> None:
     for name, N, activation in SHAPES:
         for M in TOKENS:
             torch.manual_seed(0)
-            gu = torch.randn(M, 2 * N, device="cuda", dtype=torch.bfloat16)
+            # G and U as two buffers, as the training forward that keeps H writes them.
+            g, u = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             dh = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
             h = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            dgu = torch.empty_like(gu)
+            dg, du = torch.empty_like(g), torch.empty_like(u)
             mib = M * N * 2 / 1e9  # GB per [M, N] tensor
             act = ACT[activation]
 
@@ -83,31 +84,28 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
 
+            passes = {"act": ("gated_act", {"g": g, "u": u, "h": h}, 3),
+                      "grad+h": ("gated_grad", {"dh": dh, "g": g, "u": u, "dg": dg, "du": du, "h": h}, 6),
+                      "grad": ("gated_dgu", {"dh": dh, "g": g, "u": u, "dg": dg, "du": du}, 5)}
             for tile in TILES:
-                row("act", "autofuse", _graph_time(_ours("gated_act", activation, {"gu": gu, "h": h}, M, N, tile)), 3,
-                    tile=tile)
-                row("grad+h", "autofuse", _graph_time(_ours("gated_grad", activation,
-                                                            {"dh": dh, "gu": gu, "dgu": dgu, "h": h}, M, N, tile)),
-                    6, tile=tile)
-                if "gated_dgu" in ops.names():
-                    row("grad", "autofuse", _graph_time(_ours("gated_dgu", activation,
-                                                              {"dh": dh, "gu": gu, "dgu": dgu}, M, N, tile)),
-                        5, tile=tile)
+                for kind, (op_name, tensors, moved) in passes.items():
+                    row(kind, "autofuse", _graph_time(_ours(op_name, activation, tensors, M, N, tile)), moved,
+                        tile=tile)
             torch._dynamo.reset()
-            c_act = torch.compile(lambda gu: act(gu[:, :N]) * gu[:, N:])
-            row("act", "torch.compile", _graph_time(lambda gu=gu: c_act(gu)), 3)
+            c_act = torch.compile(lambda g, u: act(g) * u)
+            row("act", "torch.compile", _graph_time(lambda g=g, u=u: c_act(g, u)), 3)
 
-            def grad_h(dh, gu):
-                dg, du, a = _act_grad(activation, dh, gu[:, :N], gu[:, N:])
-                return dg, du, (a * gu[:, N:].float()).to(dh.dtype)
+            def grad_h(dh, g, u):
+                dg, du, a = _act_grad(activation, dh, g, u)
+                return dg, du, (a * u.float()).to(dh.dtype)
 
-            def grad(dh, gu):
-                return _act_grad(activation, dh, gu[:, :N], gu[:, N:])[:2]
+            def grad(dh, g, u):
+                return _act_grad(activation, dh, g, u)[:2]
 
             c_grad_h, c_grad = torch.compile(grad_h), torch.compile(grad)
-            row("grad+h", "torch.compile", _graph_time(lambda dh=dh, gu=gu: c_grad_h(dh, gu)), 6)
-            row("grad", "torch.compile", _graph_time(lambda dh=dh, gu=gu: c_grad(dh, gu)), 5)
-            del gu, dh, h, dgu
+            row("grad+h", "torch.compile", _graph_time(lambda dh=dh, g=g, u=u: c_grad_h(dh, g, u)), 6)
+            row("grad", "torch.compile", _graph_time(lambda dh=dh, g=g, u=u: c_grad(dh, g, u)), 5)
+            del g, u, dh, h, dg, du
     Path(args.out, "pointwise_probe.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                                   "torch": torch.__version__,
                                                                   "triton": triton.__version__, "rows": rows}))

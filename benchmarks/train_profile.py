@@ -1,7 +1,8 @@
 """Which kernels one training step (forward + backward) of a gated MLP runs, and for how long, per provider:
 torch.profiler's CUDA time per kernel, mean over STEPS steps after warm-up (autofuse's shipped or tuned
-configs, else its first-use checks, run during warm-up). Where train_bench.py says a step is slower, this
-says in which kernel (`kernels`), and through which PyTorch op at which shapes (`ops`: tells apart
+configs, else its first-use checks, run during warm-up), and the step's wall time (CUDA events, no
+profiler: `wall_us`; what exceeds the kernels' sum is time between kernels). Where train_bench.py says a
+step is slower, this says in which kernel (`kernels`), and through which PyTorch op at which shapes (`ops`: tells apart
 the cuBLAS GEMMs that share a kernel name).
 
   python benchmarks/train_profile.py --out DIR [--point gemma-7b,16384 ...]
@@ -24,6 +25,21 @@ from kernel_profile import _kernels, _ops  # noqa: E402
 import autofuse  # noqa: E402
 
 STEPS = 10
+
+
+def _wall_us(step, repeats: int = 5) -> float:
+    """µs per step from CUDA events around STEPS back-to-back steps (no profiler), the median of `repeats`:
+    beside the kernels' sum, the time the GPU spends between kernels."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(STEPS):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000 * start.elapsed_time(end) / STEPS)
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -57,8 +73,8 @@ def main() -> None:
                 x.grad = None
 
             kernels = _kernels(step, calls=STEPS, counts=True)
-            row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1), kernels=kernels,
-                       ops=_ops(step, calls=STEPS))
+            row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1),
+                       wall_us=round(_wall_us(step), 1), kernels=kernels, ops=_ops(step, calls=STEPS))
             print(json.dumps(row), flush=True)
             results.append(row)
     Path(args.out, "train_profile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),

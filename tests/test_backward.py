@@ -11,6 +11,7 @@ from autofuse.configs import KernelConfig, Library
 from autofuse.ops import gated_bwd
 from autofuse.ops.gated_act import gated_activation
 from autofuse.ops.gated_bwd import gated_backward, gated_backward_cublas, gated_backward_eager
+from autofuse.ops.gated_grad import gated_from_dh, gated_gradient_kept
 
 # Norm-relative error allowed for a gradient against float64. A gradient passes through several
 # roundings in the dtype (the upstream gradient, dH, dG/dU, the GEMM outputs), each up to one unit
@@ -230,19 +231,49 @@ def test_gated_backward_kernel_block_configs(dtype, config, D, device):
             assert err <= GRAD_BOUNDS[dtype] and err <= 1.25 * eager_err + 1e-6, (err, eager_err)
 
 
+def _pre_activations(M, F_, dtype, device, layout):
+    """G and U as the halves of one [M, 2F] buffer (the lean training path, the inference library path) or
+    as two buffers, U's rows padded so that its stride differs from G's (the training path that keeps H)."""
+    if layout == "halves":
+        gu = _saved_pre_activations(M, F_, dtype, device)
+        return gu[:, :F_], gu[:, F_:]
+    return (torch.randn(M, F_, dtype=dtype, device=device),
+            torch.randn(M, F_ + 8, dtype=dtype, device=device)[:, :F_])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
-def test_gated_activation_kernel(dtype, activation, device):
+@pytest.mark.parametrize("layout", ["halves", "buffers"])
+def test_gated_activation_kernel(dtype, activation, layout, device):
     # The training forward's pointwise H = act(G) * U over ragged edges (M, F not multiples of its tile).
     M, F_ = 37, 72
-    gu = _saved_pre_activations(M, F_, dtype, device)
+    g, u = _pre_activations(M, F_, dtype, device, layout)
     out = torch.full((M, F_), float("nan"), dtype=dtype, device=device)
-    h = gated_activation(gu, activation, out=out)
-    g, u = gu.double()[:, :F_], gu.double()[:, F_:]
-    ref = TORCH_ACTIVATIONS[activation](g) * u
-    eager = TORCH_ACTIVATIONS[activation](gu[:, :F_]) * gu[:, F_:]
+    h = gated_activation(g, u, activation, out=out)
+    ref = TORCH_ACTIVATIONS[activation](g.double()) * u.double()
+    eager = TORCH_ACTIVATIONS[activation](g) * u
     # One rounding of a float32 result to the dtype: at most eager's error (which rounds twice).
-    assert relative_error(h, ref) <= relative_error(eager, ref) + 1e-7
+    assert h.data_ptr() == out.data_ptr() and relative_error(h, ref) <= relative_error(eager, ref) + 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["halves", "buffers"])
+def test_gated_gradient_kept_pass(dtype, activation, layout, device):
+    # Op gated_dgu (the backward pass where the forward kept H): dG, dU from dH, G, U over ragged edges,
+    # into fresh buffers and, as the training backward runs it, over G and U themselves.
+    M, F_ = 37, 72
+    g, u = _pre_activations(M, F_, dtype, device, layout)
+    dh = torch.randn(M, F_, dtype=dtype, device=device)
+    dg_ref, du_ref, _ = gated_from_dh(dh.double(), g.double(), u.double(), activation)
+    dg_eager, du_eager, _ = gated_from_dh(dh, g, u, activation)
+    fresh = gated_gradient_kept(dh, g, u, activation)
+    in_place = gated_gradient_kept(dh, g, u, activation, out=(g, u))
+    assert in_place[0].data_ptr() == g.data_ptr() and in_place[1].data_ptr() == u.data_ptr()
+    for dg_du in (fresh, in_place):
+        for got, eager, ref in zip(dg_du, (dg_eager, du_eager), (dg_ref, du_ref)):
+            # One rounding of each float32 result; eager rounds its intermediate products too.
+            assert relative_error(got, ref) <= 1.25 * relative_error(eager, ref) + 1e-6
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -325,11 +356,11 @@ def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     params = _mlp_params(module)
     node = _mlp_node(module(x.clone().requires_grad_()))
-    assert tuple(node.hidden.shape) == (39, 72)  # kept on ctx, outside saved_tensors: freed mid-backward
+    assert [tuple(t.shape) for t in node.kept] == [(39, 72)] * 3  # G, U, H on ctx: each freed once spent
     kept = _module_grads(module, x, dy, names)
     assert passes == [1] and "gated_bwd" not in resolved
     module.save_hidden = False
-    assert _mlp_node(module(x.clone().requires_grad_())).hidden is None
+    assert _mlp_node(module(x.clone().requires_grad_())).kept is None
     lean = _module_grads(module, x, dy, names)
     assert passes == [1] and "gated_bwd" in resolved
     ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
@@ -346,7 +377,7 @@ def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_gradients(dtype, device):
     """Under saved-tensor hooks (what non-reentrant activation checkpointing and CPU offloading install), the
-    kept H goes through save_for_backward, so the hooks pack it like every other activation; gradients through
+    kept G, U and H go through save_for_backward, so the hooks pack them like every other activation; gradients through
     torch.utils.checkpoint equal the plain step's."""
     module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
     x = torch.randn(39, 40, dtype=dtype, device=device)
@@ -354,7 +385,8 @@ def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_grad
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
         node = _mlp_node(module(x.clone().requires_grad_()))
-    assert node.hidden is None and (39, 72) in packed and (39, 144) in packed  # H and G | U
+    # G, U and H through save_for_backward, none on ctx
+    assert node.kept is None and packed.count((39, 72)) == 3 and (39, 144) not in packed
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     plain = _module_grads(module, x, dy, names)
     xc = x.clone().requires_grad_()

@@ -276,7 +276,8 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
     params = (mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight,
               mlp.down_proj.bias)
     with torch.no_grad():  # the same training forward through the JIT, unbound
-        _, _, expected = _training_forward(x, *params, "gelu_tanh", mlp._training_configs(5, params[0])[0], None)
+        _, _, expected = _training_forward(x, *params, "gelu_tanh", mlp._training_configs(5, params[0])[0], None,
+                                           separate=mlp.save_hidden)
     _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
 
 

@@ -1,6 +1,6 @@
 """The pointwise pass H = act(G) * U after cuBLAS wrote the pre-activations, in their two layouts:
-op `gated_act` (templates/gated_act.py.jinja) reads [G | U] (two GEMMs into the halves of one buffer: the
-training forward, which keeps it for the backward, and gated_up's library path cublas_gated_act); op
+op `gated_act` (templates/gated_act.py.jinja) reads G and U as two [M, F] operands (two buffers: the training
+forward, which keeps them for the backward; or the halves of one: gated_up's library path cublas_gated_act); op
 `pairs_act` (templates/pairs_act.py.jinja) reads G and U interleaved column by column (ONE GEMM over an
 interleaved module's weight buffer: gated_pairs's library path cublas_pairs). A pass over memory: one
 fixed tile shape serves every size, so nothing is tuned."""
@@ -15,7 +15,8 @@ from ..configs import KernelConfig
 from ..opspec import POINTWISE, Operand, OpSpec
 
 OPERANDS = (
-    Operand("gu", "[M, 2 N]: G in columns [0, N), U in [N, 2 N)", "mn"),
+    Operand("g", "[M, N]: the gate pre-activations G", "mn"),
+    Operand("u", "[M, N]: the up pre-activations U", "mn"),
     Operand("h", "[M, N]", "mn"),
 )
 PAIRS_OPERANDS = (
@@ -24,29 +25,25 @@ PAIRS_OPERANDS = (
 )
 
 
-def gated_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """H = act(G) * U from gu = [G | U] ([M, 2F]); written into `out` ([M, F]) when given."""
-    return _gated_pass(GATED_ACT, gu, activation, out)
-
-
-def _gated_pass(spec: OpSpec, gu: torch.Tensor, activation: str, out: torch.Tensor | None) -> torch.Tensor:
-    """H ([M, F]) from pre-activations gu ([M, 2F]) through op `spec` (gated_act or pairs_act)."""
-    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"{spec.name}: gu must be [M, 2F], got {tuple(gu.shape)}")
-    M, F = gu.shape[0], gu.shape[1] // 2
-    h = L.output(out, (M, F), gu)
-    if M == 0 or F == 0:
-        return h
-    L.pointwise_launch(spec, activation, gu.dtype, M, F, {"gu": gu, "h": h})
+def gated_activation(g: torch.Tensor, u: torch.Tensor, activation: str,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(G) * U from g and u ([M, F] each, any strides: two buffers or the halves of one [M, 2F]);
+    written into `out` ([M, F]) when given."""
+    L.require(g.dim() == 2 and g.shape == u.shape and g.dtype == u.dtype and g.device == u.device,
+              f"gated_act: g and u must be [M, F] alike, got {tuple(g.shape)} {g.dtype} and {tuple(u.shape)} {u.dtype}")
+    M, F = g.shape
+    h = L.output(out, (M, F), g)
+    if M and F:
+        L.pointwise_launch(GATED_ACT, activation, g.dtype, M, F, {"g": g, "u": u, "h": h})
     return h
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    return gated_activation(ops["gu"], activation, out=out)
+    return gated_activation(ops["g"], ops["u"], activation, out=out)
 
 
 def _eager(ops: dict, activation: str) -> torch.Tensor:
-    g, u = ops["gu"].chunk(2, dim=1)
-    return TORCH_ACTIVATIONS[activation](g) * u
+    return TORCH_ACTIVATIONS[activation](ops["g"]) * ops["u"]
 
 
 GATED_ACT = OpSpec(
@@ -65,7 +62,12 @@ GATED_ACT = OpSpec(
 def pairs_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """H = act(G) * U from gu with G_j in column 2j and U_j in 2j + 1 ([M, 2F]); written into `out`
     ([M, F]) when given."""
-    return _gated_pass(PAIRS_ACT, gu, activation, out)
+    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"pairs_act: gu must be [M, 2F], got {tuple(gu.shape)}")
+    M, F = gu.shape[0], gu.shape[1] // 2
+    h = L.output(out, (M, F), gu)
+    if M and F:
+        L.pointwise_launch(PAIRS_ACT, activation, gu.dtype, M, F, {"gu": gu, "h": h})
+    return h
 
 
 def _pairs_run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,7 +61,9 @@ def gated_backward_eager(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tenso
                          activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dGU, H) as PyTorch computes them from the saved [G | U]: the kernel's library path and, in
     float64, its reference."""
-    return gated_from_dh(dy @ w_down, gu, activation)
+    F = w_down.shape[1]
+    dg, du, h = gated_from_dh(dy @ w_down, gu[:, :F], gu[:, F:], activation)
+    return torch.cat([dg, du], dim=1), h
 
 
 def gated_backward_cublas(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor, activation: str,
@@ -70,8 +72,12 @@ def gated_backward_cublas(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tens
     for the fused kernel. Where no H buffer is given, H is written over dH (each element is read before
     the same program writes it), so the step holds one [M, F] buffer here, as the fused kernel does, not two."""
     dh = dy @ w_down
+    F = dh.shape[1]
     dgu_out, h_out = out if out is not None else (None, None)
-    return gated_gradient(dh, gu, activation, out=(dgu_out, dh if h_out is None else h_out))
+    dgu = L.output(dgu_out, (dh.shape[0], 2 * F), dh)
+    _, _, h = gated_gradient(dh, gu[:, :F], gu[:, F:], activation,
+                             out=(dgu[:, :F], dgu[:, F:], dh if h_out is None else h_out))
+    return dgu, h
 
 
 # The library candidates, by the name a record stores: the training backward runs the chosen one.

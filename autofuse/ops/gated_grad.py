@@ -1,5 +1,5 @@
 """The gated MLP backward's pointwise pass, op `gated_grad` (templates/gated_grad.py.jinja): from dH, which
-cuBLAS computed as dY Wd, and the forward's saved [G | U], dG | dU and H in one pass over memory — the
+cuBLAS computed as dY Wd, and the forward's saved G and U, dG, dU and H in one pass over memory — the
 library path `cublas_gated_grad` of op gated_bwd, what Inductor would generate beside a cuBLAS GEMM.
 One fixed tile shape serves every size, so nothing is tuned.
 
@@ -17,40 +17,45 @@ from ..opspec import POINTWISE, Operand, OpSpec
 
 DGU_OPERANDS = (
     Operand("dh", "[M, N]: dH = dY Wd", "mn"),
-    Operand("gu", "[M, 2 N]: the forward's G in columns [0, N), U in [N, 2 N)", "mn"),
-    Operand("dgu", "[M, 2 N]: dG in columns [0, N), dU in [N, 2 N); may be gu_ptr", "mn"),
+    Operand("g", "[M, N]: the forward's gate pre-activations G", "mn"),
+    Operand("u", "[M, N]: the forward's up pre-activations U", "mn"),
+    Operand("dg", "[M, N]: dG; may be g_ptr", "mn"),
+    Operand("du", "[M, N]: dU; may be u_ptr", "mn"),
 )
 OPERANDS = (*DGU_OPERANDS, Operand("h", "[M, N]", "mn"))
 
 
-def _sizes(caller: str, dh: torch.Tensor, gu: torch.Tensor) -> tuple[int, int]:
-    """(M, F) of the two passes' operands, dH [M, F] beside gu = [G | U] [M, 2F]."""
-    L.require(dh.dim() == 2 and tuple(gu.shape) == (dh.shape[0], 2 * dh.shape[1]),
-              f"{caller}: gu must be [M, 2F] beside dH [M, F], got {tuple(gu.shape)} and {tuple(dh.shape)}")
+def _sizes(caller: str, dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[int, int]:
+    """(M, F) of the two passes' operands: dH, G and U, [M, F] each."""
+    L.require(dh.dim() == 2 and g.shape == dh.shape and u.shape == dh.shape,
+              f"{caller}: g and u must be [M, F] like dH, got {tuple(g.shape)}, {tuple(u.shape)} and dH "
+              f"{tuple(dh.shape)}")
     return dh.shape
 
 
-def gated_gradient(dh: torch.Tensor, gu: torch.Tensor, activation: str,
-                   out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dGU, H) from dH ([M, F]) and gu = [G | U] ([M, 2F]), written into `out` = (dGU, H) where given;
-    dGU may be gu itself (each element is read before the same program writes it)."""
-    M, F = _sizes("gated_gradient", dh, gu)
-    dgu_out, h_out = out if out is not None else (None, None)
-    dgu, h = L.output(dgu_out, (M, 2 * F), gu), L.output(h_out, (M, F), gu)
+def gated_gradient(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str,
+                   out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dG, dU, H) from dH, G and U ([M, F] each), written into `out` = (dG, dU, H) where given; dG and dU
+    may be g and u themselves, H may be dh (each element is read before the same program writes it)."""
+    M, F = _sizes("gated_gradient", dh, g, u)
+    dg_out, du_out, h_out = out if out is not None else (None, None, None)
+    dg, du, h = L.output(dg_out, (M, F), g), L.output(du_out, (M, F), g), L.output(h_out, (M, F), g)
     if M and F:
-        L.pointwise_launch(GATED_GRAD, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu, "h": h})
-    return dgu, h
+        L.pointwise_launch(GATED_GRAD, activation, g.dtype, M, F,
+                           {"dh": dh, "g": g, "u": u, "dg": dg, "du": du, "h": h})
+    return dg, du, h
 
 
-def gated_gradient_kept(dh: torch.Tensor, gu: torch.Tensor, activation: str,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """dGU = [dG | dU] ([M, 2F]) from dH ([M, F]) and gu = [G | U], where the forward kept H: written into
-    `out` where given, which may be gu itself."""
-    M, F = _sizes("gated_gradient_kept", dh, gu)
-    dgu = L.output(out, (M, 2 * F), gu)
+def gated_gradient_kept(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str,
+                        out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dG, dU) from dH, G and U ([M, F] each), where the forward kept H: written into `out` = (dG, dU)
+    where given, which may be g and u themselves."""
+    M, F = _sizes("gated_gradient_kept", dh, g, u)
+    dg_out, du_out = out if out is not None else (None, None)
+    dg, du = L.output(dg_out, (M, F), g), L.output(du_out, (M, F), g)
     if M and F:
-        L.pointwise_launch(GATED_DGU, activation, gu.dtype, M, F, {"dh": dh, "gu": gu, "dgu": dgu})
-    return dgu
+        L.pointwise_launch(GATED_DGU, activation, g.dtype, M, F, {"dh": dh, "g": g, "u": u, "dg": dg, "du": du})
+    return dg, du
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,21 +63,20 @@ def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | N
     dh = ops["dh"]
     n = dh.shape[1]
     out = L.allocate((dh.shape[0], 3 * n), dh) if out is None else out
-    gated_gradient(dh, ops["gu"], activation, out=(out[:, :2 * n], out[:, 2 * n:]))
+    gated_gradient(dh, ops["g"], ops["u"], activation, out=(out[:, :n], out[:, n:2 * n], out[:, 2 * n:]))
     return out
 
 
-def gated_from_dh(dh: torch.Tensor, gu: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dGU, H) from dH in PyTorch's separate ops: this pass's eager form, and (in float64) the reference
-    of op gated_bwd."""
-    F_ = dh.shape[1]
-    g, u = gu[:, :F_], gu[:, F_:]
+def gated_from_dh(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+                  activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dG, dU, H) from dH, G and U in PyTorch's separate ops: this pass's eager form, and (in float64) the
+    reference of op gated_bwd."""
     a = TORCH_ACTIVATIONS[activation](g)
-    return torch.cat([activation_backward(activation, dh * u, g), dh * a], dim=1), a * u
+    return activation_backward(activation, dh * u, g), dh * a, a * u
 
 
 def _eager(ops: dict, activation: str) -> torch.Tensor:
-    return torch.cat(gated_from_dh(ops["dh"], ops["gu"], activation), dim=1)
+    return torch.cat(gated_from_dh(ops["dh"], ops["g"], ops["u"], activation), dim=1)
 
 
 GATED_GRAD = OpSpec(
@@ -89,11 +93,16 @@ GATED_GRAD = OpSpec(
 
 
 def _run_dgu(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    return gated_gradient_kept(ops["dh"], ops["gu"], activation, out=out)
+    """One [M, 2F] result, dG | dU."""
+    dh = ops["dh"]
+    n = dh.shape[1]
+    out = L.allocate((dh.shape[0], 2 * n), dh) if out is None else out
+    gated_gradient_kept(dh, ops["g"], ops["u"], activation, out=(out[:, :n], out[:, n:]))
+    return out
 
 
 def _eager_dgu(ops: dict, activation: str) -> torch.Tensor:
-    return gated_from_dh(ops["dh"], ops["gu"], activation)[0]
+    return torch.cat(gated_from_dh(ops["dh"], ops["g"], ops["u"], activation)[:2], dim=1)
 
 
 GATED_DGU = OpSpec(

@@ -90,7 +90,8 @@ def _cublas_gated_act(ops: dict, activation: str) -> torch.Tensor:
     """cuBLAS for G and U into one [M, 2N] buffer, then ONE pointwise pass act(G) * U (op gated_act):
     what torch.compile generates for a gated MLP, and the training forward's own first half."""
     gu = pre_activations(ops["x"], ops["wg"], ops.get("bg"), ops["wu"], ops.get("bu"))
-    return gated_activation(gu, activation)
+    F_ = ops["wg"].shape[0]
+    return gated_activation(gu[:, :F_], gu[:, F_:], activation)
 
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
