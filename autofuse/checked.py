@@ -16,7 +16,6 @@ Opt out with AUTOFUSE_CHECK=0: nearest and heuristic configs then run unchecked,
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -137,10 +136,7 @@ def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float]):
     near = [name for name, ms in library_ms.items() if _near(ms, fastest)]
     if not near or not _near(record.time_ms, fastest):
         return record, library_ms
-    times = evaluator.side_by_side_ms({"kernel": evaluator.runner(record.config),
-                                       **{f"library:{name}": evaluator.runner(Library(name)) for name in near}})
-    return (dataclasses.replace(record, time_ms=times["kernel"]),
-            {**library_ms, **{name: times[f"library:{name}"] for name in near}})
+    return evaluator.retimed_side_by_side(record, library_ms, near)
 
 
 def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], M: int, N: int, K: int, dtype: torch.dtype,

@@ -10,6 +10,7 @@ OpSpec, so any registered op is tuned the same way.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -122,6 +123,16 @@ class Evaluator:
         evaluator's timing budget."""
         return graph_side_by_side_ms(fns, TIMING_BUDGET_MS[self.quick])
 
+    def retimed_side_by_side(self, record: TrialRecord, library_ms: dict[str, float],
+                             names: list[str]) -> tuple[TrialRecord, dict[str, float]]:
+        """(record, library_ms) with the kernel of `record` and the library candidates `names` timed again
+        side by side, replayed in turn (side_by_side_ms): each was timed on its own before, and one timed
+        during a moment of higher clocks could win over one that is faster in place."""
+        times = self.side_by_side_ms({"kernel": self.runner(record.config),
+                                      **{f"library:{name}": self.runner(Library(name)) for name in names}})
+        return (dataclasses.replace(record, time_ms=times["kernel"]),
+                {**library_ms, **{name: times[f"library:{name}"] for name in names}})
+
     def library_ms(self) -> dict[str, float]:
         """Each library candidate that computes this key, checked like a trial and timed like one.
         A wrong one is left out (logged); eager, what the user's model runs anyway, always stays."""
@@ -208,12 +219,15 @@ class Evaluator:
 
 
 def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
-                  policy: str, times_mean_speed: bool = True, kernel_margin: float = 0.0) -> Winner:
+                  policy: str, times_mean_speed: bool = True, kernel_margin: float = 0.0,
+                  confirmed: TrialRecord | None = None) -> Winner:
     """The fastest correct kernel if it beats the fastest library candidate by more than `kernel_margin`
-    (a fraction of the library's time), else that library candidate. Where times do not mean speed
-    (the interpreter), the best kernel, so that tuning there still exercises every kernel path."""
+    (a fraction of the library's time), else that library candidate. `confirmed`: the kernel candidate
+    retimed beside the library candidates (whose times `library_ms` then holds), which stands in for the
+    fastest of `done`. Where times do not mean speed (the interpreter), the best kernel, so that tuning
+    there still exercises every kernel path."""
     ok = [t for t in done.values() if t.status == "ok"]
-    best = min(ok, key=lambda t: t.time_ms) if ok else None
+    best = confirmed if confirmed is not None else (min(ok, key=lambda t: t.time_ms) if ok else None)
     library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
     heuristic_record = done.get(heuristic)
     heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None

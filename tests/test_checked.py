@@ -245,6 +245,8 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
             self.asked.append(sorted(fns))
             return {name: 0.5 if name == "library:cublas_gated_act" else 0.9 for name in fns}
 
+        retimed_side_by_side = objective.Evaluator.retimed_side_by_side  # the real one, over the fakes above
+
     kernel = Record(KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=3), 1.0)
     evaluator = Evaluator()
     record, library = checked._side_by_side_if_near(evaluator, kernel, {"eager": 0.95, "cublas_gated_act": 1.03,

@@ -136,3 +136,36 @@ def test_a_compile_that_overruns_its_limit_is_a_timeout_and_the_run_goes_on(monk
     assert evaluator.evaluate(KernelConfig(32, 64, 64, num_stages=1)).status == "ok"
     assert evaluator._pool is not None
     evaluator.close()
+
+
+@cpu_interpreter_only
+@pytest.mark.parametrize("side_by_side_kernel_ms", [3.0, 0.5], ids=["library-wins", "kernel-wins"])
+def test_the_fastest_trial_is_retimed_beside_the_library_before_it_may_win(monkeypatch, side_by_side_kernel_ms):
+    """Trials timed one by one say the kernel beats the library path (1 ms against 2); the final side-by-side
+    timing decides, and the record keeps its times, not the trials'."""
+    from autofuse.tune import driver
+
+    monkeypatch.setattr(driver, "interpreting", lambda: False)  # times as a GPU reports them
+    monkeypatch.setattr(driver, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(driver, "shared_memory_limit", lambda index: 232448)  # an H100's, for the search space
+    monkeypatch.setattr(Evaluator, "library_ms", lambda self: {"eager": 2.0})
+    real_evaluate = Evaluator.evaluate
+
+    def evaluate(self, config):
+        record = real_evaluate(self, config)  # compiled and verified for real, under the interpreter
+        return TrialRecord(config, record.status, 1.0 if record.status == "ok" else None, record.detail)
+    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
+    retimed = []
+
+    def side_by_side_ms(self, fns):
+        retimed.append(sorted(fns))
+        return {"kernel": side_by_side_kernel_ms, "library:eager": 2.5}
+    monkeypatch.setattr(Evaluator, "side_by_side_ms", side_by_side_ms)
+    result = tune_key(Job(_key(), 37, "t"), Store(), torch.device("cpu"), policy="random", trials=2)
+    assert retimed == [["kernel", "library:eager"]]
+    winner = result.winner
+    assert winner.baseline_ms == 2.5
+    if side_by_side_kernel_ms > 2.5:
+        assert winner.config == Library("eager") and winner.time_ms == 2.5
+    else:
+        assert isinstance(winner.config, KernelConfig) and winner.time_ms == 0.5

@@ -117,9 +117,12 @@ class _Budget:
 
 def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
                time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
-               progress: Callable[[Progress], None] | None = None) -> tuple[dict, dict[str, float], KernelConfig, int]:
+               progress: Callable[[Progress], None] | None = None) -> tuple:
     """Time the op's library candidates, then the heuristic's config and the policy's picks, each
-    trial stored as it ends. Returns (trials by config, library times, the heuristic, resumed)."""
+    trial stored as it ends; then, where times mean speed, the fastest trial again beside every library
+    candidate (Evaluator.retimed_side_by_side): the fastest of many separately timed trials is partly the
+    luckiest, and must not win against library times taken once at the start. Returns (trials by config,
+    library times, the heuristic, resumed, the retimed fastest trial or None)."""
     key, M = job.key, job.M
     if not resume:
         store.clear_trials(key)
@@ -148,9 +151,18 @@ def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "o
         limit = 0 if interpret else shared_memory_limit(cuda_index(device))
         _policy(policy, key, problem, limit, interpret, seed, space).run(evaluate, budget.left, done)
         budget.report(final=True)  # budget left over means the space ran out of untried configs
+        confirmed = None
+        ok = [t for t in done.values() if t.status == "ok"]
+        if ok and not interpret:
+            with torch.no_grad():
+                confirmed, library_ms = evaluator.retimed_side_by_side(min(ok, key=lambda t: t.time_ms), library_ms,
+                                                                       list(library_ms))
+            logger.info("%s: fastest trial %s retimed beside the library candidates: %.4f ms against %s", key.op,
+                        confirmed.config.short(), confirmed.time_ms,
+                        ", ".join(f"{name} {ms:.4f}" for name, ms in library_ms.items()))
     finally:
         evaluator.close()
-    return done, library_ms, heuristic, resumed
+    return done, library_ms, heuristic, resumed, confirmed
 
 
 def _policy(name: str, key: TuningKey, problem: Problem, limit: int, interpret: bool, seed: int, space) -> Policy:
@@ -164,11 +176,11 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     start = time.perf_counter()
-    done, library_ms, heuristic, resumed = run_trials(
+    done, library_ms, heuristic, resumed, confirmed = run_trials(
         job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s, resume=resume, seed=seed,
         space=space, progress=progress)
     winner = choose_winner(job.key, done, library_ms, heuristic, time.perf_counter() - start, policy,
-                           times_mean_speed=not interpreting())
+                           times_mean_speed=not interpreting(), confirmed=confirmed)
     store.put_winner(winner)
     failures: dict[str, int] = {}
     for t in done.values():
