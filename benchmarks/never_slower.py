@@ -131,10 +131,11 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
     for name, fn in providers.items():
         out = fn(x)  # first calls: compile, first-use checks
         errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    # Prefill calls take up to tens of milliseconds: fewer calls per graph and replays there, so that a
-    # point costs seconds, not minutes (a replay of 2 such calls is far above the events' resolution).
+    # Prefill calls take up to tens of milliseconds: fewer calls per graph there (a replay of 2 such calls is
+    # far above the events' resolution). 30 replays, not 8 as before: on the H100, 8 replays timed
+    # autofuse running eager's own library path 3.4% slower than eager at M=5000 (RESULTS.md, eighth session).
     times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()},
-                                     replays=50 if M < 1000 else 20 if M < 4096 else 8,
+                                     replays=50 if M < 1000 else 30,
                                      calls_per_graph=10 if M < 1000 else 2)
     peers = {k: v for k, v in times.items() if k != "autofuse"}
     best = min(peers, key=peers.get)
