@@ -13,12 +13,10 @@ import argparse
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
+from in_turn import rounds_us, write_results
 
 from autofuse.configs import KernelConfig
 from autofuse.ops.linear import linear
@@ -40,19 +38,14 @@ def main() -> None:
         y = torch.empty(M, d, device="cuda", dtype=torch.bfloat16)
         fns = {"cuBLAS": lambda: torch.mm(h, wd.t(), out=y),
                f"triton {CONFIG.short()}": lambda: linear(h, wd, None, None, "none", CONFIG, out=y)}
-        samples = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-                samples[k].append(round(1000 * ms, 1))
+        samples = rounds_us(fns, args.rounds, rep_ms=200)
         row = dict(shape=name, M=M, d=d, f=f, rounds_us=samples,
                    median_us={k: statistics.median(v) for k, v in samples.items()})
         err = (linear(h, wd, None, None, "none", CONFIG).float() - F.linear(h.float(), wd.float())).norm()
         row["rel_error"] = (err / F.linear(h.float(), wd.float()).norm()).item()
         print(json.dumps(row), flush=True)
         rows.append(row)
-    Path(args.out, "down_probe.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": rows}))
+    write_results(args.out, "down_probe", rows)
 
 
 if __name__ == "__main__":

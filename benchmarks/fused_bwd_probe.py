@@ -16,11 +16,9 @@ import argparse
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
-import triton
-import triton.testing
+from in_turn import rounds_us, write_results
 
 from autofuse.configs import KernelConfig
 from autofuse.ops.gated_bwd import gated_backward
@@ -55,22 +53,13 @@ def main() -> None:
         }
         for c in CONFIGS:
             fns[f"fused {c.short()}"] = lambda c=c: gated_backward(dy, gu, wd, activation, c, out=(out_gu, out_h))
-        samples = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                try:
-                    samples[k].append(1000 * triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
-                except Exception as e:  # noqa: BLE001 - a config that cannot run is reported, not fatal
-                    samples[k].append(float("nan"))
-                    print(f"{k}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        us = {k: round(statistics.median(v), 1) for k, v in samples.items()}
+        us = {k: statistics.median(v) for k, v in rounds_us(fns, args.rounds).items()}
         flop = 2 * M * d * f
         tflops = {k: round(flop / (v * 1e-6) / 1e12, 1) for k, v in us.items()}
         row = dict(shape=name, M=M, d=d, f=f, us=us, tflops=tflops)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    Path(args.out, "fused_bwd_probe.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "rows": rows}))
+    write_results(args.out, "fused_bwd_probe", rows)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,9 @@ import argparse
 import json
 import os
 import statistics
-from pathlib import Path
 
 import torch
-import triton
-import triton.testing
+from in_turn import rounds_us, write_results
 
 SHAPES = [("gemma-7b", 3072, 24576, 4096), ("gemma-7b", 3072, 24576, 16384),
           ("llama-3-8b", 4096, 14336, 4096), ("llama-3-8b", 4096, 14336, 16384)]
@@ -54,19 +52,14 @@ def main() -> None:
     rows = []
     for name, d, f, M in SHAPES:
         fns = _variants(d, f, M)
-        samples = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                samples[k].append(1000 * triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
-        row = dict(shape=name, d=d, f=f, M=M, us={k: round(statistics.median(v), 1) for k, v in samples.items()})
+        samples = rounds_us(fns, args.rounds)
+        row = dict(shape=name, d=d, f=f, M=M, us={k: statistics.median(v) for k, v in samples.items()})
         one = sum(row["us"][f"{p} one"] for p in ("forward", "dX", "dW"))
         two = sum(row["us"][f"{p} two"] for p in ("forward", "dX", "dW"))
         row.update(one_total_us=round(one, 1), two_total_us=round(two, 1), two_over_one=round(two / one, 4))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    Path(args.out, "split_gemm_probe.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-         "rows": rows}))
+    write_results(args.out, "split_gemm_probe", rows)
 
 
 if __name__ == "__main__":
