@@ -218,6 +218,12 @@ class Evaluator:
             self._pool.shutdown(wait=False)
 
 
+def fastest_trial(done: dict) -> TrialRecord | None:
+    """The fastest correct trial of `done` (trials by config), or None where none is correct."""
+    ok = [t for t in done.values() if t.status == "ok"]
+    return min(ok, key=lambda t: t.time_ms) if ok else None
+
+
 def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
                   policy: str, times_mean_speed: bool = True, kernel_margin: float = 0.0,
                   confirmed: TrialRecord | None = None) -> Winner:
@@ -226,8 +232,7 @@ def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heur
     retimed beside the library candidates (whose times `library_ms` then holds), which stands in for the
     fastest of `done`. Where times do not mean speed (the interpreter), the best kernel, so that tuning
     there still exercises every kernel path."""
-    ok = [t for t in done.values() if t.status == "ok"]
-    best = confirmed if confirmed is not None else (min(ok, key=lambda t: t.time_ms) if ok else None)
+    best = confirmed if confirmed is not None else fastest_trial(done)
     library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
     heuristic_record = done.get(heuristic)
     heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from autofuse.configfile import build_document, read_export
-from autofuse.configs import Library
-from autofuse.evaluator import Evaluator
+from autofuse.configs import KernelConfig, Library
+from autofuse.evaluator import Evaluator, choose_winner
 
 
 def main() -> int:
@@ -48,10 +48,11 @@ def main() -> int:
                     record, library_ms = evaluator.retimed_side_by_side(record, library_ms, list(library_ms))
         finally:
             evaluator.close()
-        library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
-        keep = record.status == "ok" and record.time_ms < library_time
-        new = dataclasses.replace(w, config=w.config if keep else Library(library),
-                                  time_ms=record.time_ms if keep else library_time, baseline_ms=library_time)
+        # The tuner's own rule, on the retimed record; the record's trials, heuristic time and policy stay.
+        chosen = choose_winner(w.key, {w.config: record}, library_ms, w.config, 0.0, w.policy,
+                               confirmed=record if record.status == "ok" else None)
+        keep = isinstance(chosen.config, KernelConfig)
+        new = dataclasses.replace(w, config=chosen.config, time_ms=chosen.time_ms, baseline_ms=chosen.baseline_ms)
         winners.append(new)
         row = dict(op=w.key.op, n=w.key.n, k=w.key.k, M=w.key.m_bucket, activation=w.key.activation,
                    config=w.config.short(), recorded_ms=w.time_ms, recorded_baseline_ms=w.baseline_ms,

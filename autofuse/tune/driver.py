@@ -20,7 +20,7 @@ from .. import ops
 from .. import resolve as resolve_module
 from ..configs import KernelConfig
 from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
-from ..evaluator import Evaluator, choose_winner
+from ..evaluator import Evaluator, choose_winner, fastest_trial
 from ..key import TuningKey, current_environment, make_key
 from ..resolve import heuristic_for
 from ..resources import user_cache_dir
@@ -117,12 +117,14 @@ class _Budget:
 
 def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
                time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
-               progress: Callable[[Progress], None] | None = None) -> tuple:
+               progress: Callable[[Progress], None] | None = None
+               ) -> tuple[dict, dict[str, float], KernelConfig, int, TrialRecord | None]:
     """Time the op's library candidates, then the heuristic's config and the policy's picks, each
     trial stored as it ends; then, where times mean speed, the fastest trial again beside every library
     candidate (Evaluator.retimed_side_by_side): the fastest of many separately timed trials is partly the
     luckiest, and must not win against library times taken once at the start. Returns (trials by config,
-    library times, the heuristic, resumed, the retimed fastest trial or None)."""
+    library times, the heuristic, resumed, the fastest correct trial, retimed where times mean speed,
+    or None)."""
     key, M = job.key, job.M
     if not resume:
         store.clear_trials(key)
@@ -151,12 +153,10 @@ def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "o
         limit = 0 if interpret else shared_memory_limit(cuda_index(device))
         _policy(policy, key, problem, limit, interpret, seed, space).run(evaluate, budget.left, done)
         budget.report(final=True)  # budget left over means the space ran out of untried configs
-        confirmed = None
-        ok = [t for t in done.values() if t.status == "ok"]
-        if ok and not interpret:
+        confirmed = fastest_trial(done)
+        if confirmed is not None and not interpret:
             with torch.no_grad():
-                confirmed, library_ms = evaluator.retimed_side_by_side(min(ok, key=lambda t: t.time_ms), library_ms,
-                                                                       list(library_ms))
+                confirmed, library_ms = evaluator.retimed_side_by_side(confirmed, library_ms, list(library_ms))
             logger.info("%s: fastest trial %s retimed beside the library candidates: %.4f ms against %s", key.op,
                         confirmed.config.short(), confirmed.time_ms,
                         ", ".join(f"{name} {ms:.4f}" for name, ms in library_ms.items()))
