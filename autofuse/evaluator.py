@@ -123,14 +123,15 @@ class Evaluator:
         evaluator's timing budget."""
         return graph_side_by_side_ms(fns, TIMING_BUDGET_MS[self.quick])
 
-    def retimed_side_by_side(self, record: TrialRecord, library_ms: dict[str, float],
-                             names: list[str]) -> tuple[TrialRecord, dict[str, float]]:
-        """(record, library_ms) with the kernel of `record` and the library candidates `names` timed again
-        side by side, replayed in turn (side_by_side_ms): each was timed on its own before, and one timed
-        during a moment of higher clocks could win over one that is faster in place."""
-        times = self.side_by_side_ms({"kernel": self.runner(record.config),
-                                      **{f"library:{name}": self.runner(Library(name)) for name in names}})
-        return (dataclasses.replace(record, time_ms=times["kernel"]),
+    def retimed_side_by_side(self, record: TrialRecord | None, library_ms: dict[str, float],
+                             names: list[str]) -> tuple[TrialRecord | None, dict[str, float]]:
+        """(record, library_ms) with the kernel of `record` (None: the library candidates alone) and the
+        library candidates `names` timed again side by side, replayed in turn (side_by_side_ms): each was
+        timed on its own before, and one timed during a moment of higher clocks could win over one that is
+        faster in place."""
+        kernel = {} if record is None else {"kernel": self.runner(record.config)}
+        times = self.side_by_side_ms({**kernel, **{f"library:{name}": self.runner(Library(name)) for name in names}})
+        return (record if record is None else dataclasses.replace(record, time_ms=times["kernel"]),
                 {**library_ms, **{name: times[f"library:{name}"] for name in names}})
 
     def library_ms(self) -> dict[str, float]:

@@ -44,15 +44,16 @@ def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: 
                                   interpreting(), config.split_k > 1, config.tma))
 
 
-# The pointwise passes (ops gated_act, gated_grad) take only BLOCK_M and BLOCK_N: any config selects their
+# The pointwise passes (ops gated_act, gated_grad, bias_act) take only BLOCK_M and BLOCK_N: any config selects their
 # one source.
 _POINTWISE = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
-def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N: int, tensors: dict) -> None:
+def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N: int, tensors: dict,
+                     has_bias: bool = False, has_residual: bool = False) -> None:
     """One pass over an [M, N] problem with one fixed tile shape (nothing to tune)."""
     # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
-    kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, False)
+    kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, has_bias, has_residual)
     # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
     block_m, block_n = (16, 64) if interpreting() else (4, 512)
     launch(kernel, (-(-M // block_m) * -(-N // block_n),), tensors, (M, N),

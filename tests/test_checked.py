@@ -233,6 +233,7 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     class Record:
         config: object
         time_ms: float
+        status: str = "ok"
 
     class Evaluator:
         def __init__(self):
@@ -257,3 +258,14 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     # No near tie: nothing is timed again.
     record, library = checked._side_by_side_if_near(evaluator, kernel, {"eager": 3.0})
     assert len(evaluator.asked) == 1 and record is kernel and library == {"eager": 3.0}
+    # A kernel far behind (or one that failed its check) leaves the library paths' near tie to be timed again
+    # among themselves; the kernel's record is kept as it was.
+    for far_kernel in (kernel, Record(kernel.config, float("nan"), status="wrong")):
+        record, library = checked._side_by_side_if_near(evaluator, far_kernel, {"eager": 0.4, "cublas_gated_act": 0.41,
+                                                                                "far": 2.0})
+        assert evaluator.asked[-1] == ["library:cublas_gated_act", "library:eager"]
+        assert record is far_kernel and library == {"eager": 0.9, "cublas_gated_act": 0.5, "far": 2.0}
+    # A single library path near the fastest, kernel far: nothing to decide, nothing timed.
+    asked = len(evaluator.asked)
+    checked._side_by_side_if_near(evaluator, kernel, {"eager": 0.4, "far": 2.0})
+    assert len(evaluator.asked) == asked

@@ -52,6 +52,8 @@ CASES = [
          block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_grad", "gelu_tanh"), dtype="bfloat16", capability=90,
          block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
+    dict(spec=_spec("bias_act", "gelu_tanh", bias=True, residual=True), dtype="bfloat16", capability=90,
+         block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
     dict(spec=_spec("gated_pairs", "gelu_tanh", tma=True), dtype="bfloat16", capability=90,
          block=(128, 256, 64), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("gated_pairs", "silu", bias=True, even_k=False, split_k=True), dtype="bfloat16", capability=80,

@@ -90,6 +90,48 @@ def test_the_cublaslt_epilogue_serves_gelu_tanh_with_a_bias_only_and_is_correct_
     assert relative_error(out, spec.reference(operands, "gelu_tanh", dtype)) <= ERROR_BOUNDS[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cublas_then_one_pass_serves_every_linear_with_work_after_the_gemm(device, dtype, residual, bias):
+    """library:cublas_bias_act (cuBLAS without an epilogue, then op bias_act in place): correct for every activation
+    with and without bias and residual; offered wherever a pass has work (not to a plain GEMM + bias, which eager's
+    one addmm already is)."""
+    spec = ops.get("linear")
+    operands = spec.make_operands(72, 40, 5, bias, residual, lambda *s: torch.randn(*s, device=device).to(dtype))
+    for activation in spec.activations:
+        offered = "cublas_bias_act" in spec.library_for(activation, bias, residual)
+        assert offered == (activation != "none" or residual), activation
+        with torch.no_grad():
+            out = spec.library["cublas_bias_act"](operands, activation)
+        # The GEMM's output rounds once to the dtype before the pass, as eager's does before its activation:
+        # within the bound both eager and the kernels meet (reference.ERROR_BOUNDS).
+        assert relative_error(out, spec.reference(operands, activation, dtype)) <= ERROR_BOUNDS[dtype], activation
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "gelu_tanh", "silu"])
+def test_the_bias_pass_writes_over_its_input_with_ragged_edges_and_a_strided_residual(device, dtype, activation):
+    """Op bias_act over M, N that are not multiples of its tile, a residual read through a transposed view: Y is
+    overwritten (no second buffer) and every element is act(Y + b) + R after one rounding."""
+    from autofuse.activations import TORCH_ACTIVATIONS
+    from autofuse.launch import LaunchError
+    from autofuse.ops.bias_act import bias_activation
+
+    M, N = 37, 72
+    y = (torch.randn(M, N, device=device) * 2).to(dtype)
+    b = torch.randn(N, device=device).to(dtype)
+    r = torch.randn(N, M, device=device).to(dtype).t()
+    ref = TORCH_ACTIVATIONS[activation](y.double() + b.double()) + r.double()
+    out = bias_activation(y, b, r, activation)
+    # One rounding of a float32 result to the dtype, over a reference of order one: 2**-8 for bfloat16 (8 bits of
+    # mantissa), 2**-11 for float16, float32's own rounding far below 1e-6.
+    bound = {torch.float32: 1e-6, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
+    assert out.data_ptr() == y.data_ptr() and relative_error(out, ref) <= bound
+    with pytest.raises(LaunchError, match="bias"):  # an autofuse bug, not a user's input: LaunchError
+        bias_activation(y, b[:-1], None, activation)
+
+
 def test_a_record_naming_a_library_candidate_its_key_cannot_use_is_refused():
     from autofuse.store import Winner
 

@@ -22,7 +22,7 @@ from .common import main
 @click.option("--split-k", is_flag=True, help="Show the split-K variant (programs share a tile through a workspace).")
 @click.option("--tma", is_flag=True, help="Show the persistent TMA-descriptor variant (Hopper).")
 def show_kernel_command(op, activation, bias, residual, dtype, ragged_k, interpret, split_k, tma):
-    """Print the Triton source autofuse generates for OP (the names `tune --ops` takes, and gated_act)."""
+    """Print the Triton source autofuse generates for OP (the names `tune --ops` takes, and the pointwise passes)."""
     click.echo(ops.show_kernel(op, activation=activation, bias=bias, residual=residual, dtype=DTYPES[dtype],
                                even_k=not ragged_k, interpret=interpret, split_k=split_k, tma=tma), nl=False)
 

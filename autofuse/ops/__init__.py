@@ -14,6 +14,7 @@ from ..device import fp32_input_precision, interpreting
 from ..errors import AutofuseError
 from ..opspec import Operand, OpSpec
 from ..render import KernelSpec, render
+from .bias_act import BIAS_ACT
 from .gated_act import GATED_ACT, PAIRS_ACT
 from .gated_bwd import GATED_BWD
 from .gated_grad import GATED_DGU, GATED_GRAD
@@ -58,7 +59,7 @@ def specs() -> tuple[OpSpec, ...]:
 
 
 for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_DGU, GATED_PAIRS,
-              PAIRS_ACT):
+              PAIRS_ACT, BIAS_ACT):
     register(_spec)
 
 

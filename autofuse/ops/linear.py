@@ -15,6 +15,7 @@ from ..configs import KernelConfig
 from ..layout import run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
+from .bias_act import bias_activation
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk", tma_block=("BLOCK_M", "BLOCK_K")),
@@ -67,6 +68,13 @@ def _cublaslt_gelu_tanh(ops: dict, activation: str) -> torch.Tensor:
     return y if r is None else y.add_(r)
 
 
+def _cublas_bias_act(ops: dict, activation: str) -> torch.Tensor:
+    """cuBLAS's GEMM without an epilogue, then ONE pointwise pass act(Y + b) [+ R] in place (op bias_act): what
+    torch.compile generates for a Linear followed by pointwise work. Eager runs the bias in cuBLAS's epilogue and
+    the activation and the residual as passes of their own; cuBLASLt's GELU epilogue serves gelu_tanh only."""
+    return bias_activation(torch.mm(ops["x"], ops["w"].t()), ops.get("b"), ops.get("r"), activation)
+
+
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     return linear_reference(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation)
 
@@ -86,8 +94,12 @@ LINEAR = OpSpec(
     run=_run,
     residual=True,
     **GEMM_VARIANTS,
-    library={"eager": _eager, "cublaslt_gelu_tanh": LibraryPath(
-        _cublaslt_gelu_tanh, applies=lambda activation, bias, residual: activation == "gelu_tanh" and bias)},
+    library={"eager": _eager,
+             "cublaslt_gelu_tanh": LibraryPath(
+                 _cublaslt_gelu_tanh, applies=lambda activation, bias, residual: activation == "gelu_tanh" and bias),
+             # With neither an activation nor a residual, eager's one addmm is already the whole op.
+             "cublas_bias_act": LibraryPath(
+                 _cublas_bias_act, applies=lambda activation, bias, residual: activation != "none" or residual)},
     reference=_reference,
     make_operands=_make_operands,
     output_width=lambda n, k: n,
