@@ -27,6 +27,17 @@ def rounds_us(fns: dict[str, Callable[[], object]], rounds: int, rep_ms: int = 1
     return samples
 
 
+def graph_us(fn: Callable[[], object]) -> float:
+    """µs per call: the do_bench median over CUDA-graph replays of one call (the pointwise probes' timer: their
+    passes move hundreds of MB, so no L2 flush is needed between replays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+
+
 def write_results(out: str, name: str, rows: list) -> None:
     """DIR/name.json: the GPU, torch and Triton versions and the rows."""
     Path(out, f"{name}.json").write_text(json.dumps(

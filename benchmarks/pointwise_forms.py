@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
+from in_turn import graph_us
 
 from autofuse import launch as L
 from autofuse import ops
@@ -89,15 +90,6 @@ def _grad_flat(dh_ptr, g_ptr, u_ptr, numel, BLOCK: tl.constexpr, EVICT: tl.const
     tl.store(u_ptr + offs, (a * dh).to(u_ptr.dtype.element_ty))
 
 
-def _graph_time(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-
-
 def _autofuse(op_name, activation, tensors, M, N):
     op = ops.get(op_name)
     kernel = L.kernel_for(op, activation, L._POINTWISE.block_k, torch.bfloat16, L._POINTWISE, False)
@@ -130,7 +122,7 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
 
-            row("act", "autofuse 2-D (4, 512) w4", _graph_time(_autofuse("gated_act", activation,
+            row("act", "autofuse 2-D (4, 512) w4", graph_us(_autofuse("gated_act", activation,
                                                                            {"g": g, "u": u, "h": h}, M, N)), 3)
             for block, warps in ((1024, 4), (2048, 4), (2048, 8)):
                 for masked in (True, False):
@@ -138,22 +130,22 @@ def main() -> None:
                         grid = (triton.cdiv(numel, block),)
                         fn = lambda: _act_flat[grid](g, u, h, numel, BLOCK=block, MASKED=masked, EVICT=evict,  # noqa: E731
                                                      GELU=gelu, num_warps=warps)
-                        row("act", f"flat {block} w{warps} mask={masked} evict={evict}", _graph_time(fn), 3)
+                        row("act", f"flat {block} w{warps} mask={masked} evict={evict}", graph_us(fn), 3)
             # The backward pass in place over copies (dG over G, dU over U), as training runs it.
             g2, u2 = g.clone(), u.clone()
             row("grad", "autofuse 2-D (4, 512) w4",
-                _graph_time(_autofuse("gated_dgu", activation, {"dh": dh, "g": g2, "u": u2, "dg": g2, "du": u2},
+                graph_us(_autofuse("gated_dgu", activation, {"dh": dh, "g": g2, "u": u2, "dg": g2, "du": u2},
                                       M, N)), 5)
             for block, warps in ((1024, 4), (2048, 4), (2048, 8)):
                 for evict in (False, True):
                     grid = (triton.cdiv(numel, block),)
                     fn = lambda: _grad_flat[grid](dh, g2, u2, numel, BLOCK=block, EVICT=evict, GELU=gelu,  # noqa: E731
                                                   num_warps=warps)
-                    row("grad", f"flat {block} w{warps} evict={evict}", _graph_time(fn), 5)
+                    row("grad", f"flat {block} w{warps} evict={evict}", graph_us(fn), 5)
             torch._dynamo.reset()
             act = act_fns[activation]
             c_act = torch.compile(lambda g, u: act(g) * u)
-            row("act", "torch.compile", _graph_time(lambda: c_act(g, u)), 3)
+            row("act", "torch.compile", graph_us(lambda: c_act(g, u)), 3)
     Path(args.out, "pointwise_forms.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                                   "torch": torch.__version__,
                                                                   "triton": triton.__version__, "rows": rows}))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.testing
+from in_turn import graph_us
 
 from autofuse import launch as L
 from autofuse import ops
@@ -32,16 +33,6 @@ SHAPES = [("gemma-7b", 24576, "gelu_tanh"), ("llama-3-8b", 14336, "silu")]
 TOKENS = (4096, 16384)
 TILES = [(4, 512, 4), (2, 1024, 4), (4, 1024, 4), (1, 2048, 8), (8, 1024, 8)]
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
-
-
-def _graph_time(fn) -> float:
-    """µs per call, the median of do_bench over CUDA-graph replays of one call."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
 def _act_grad(activation, dh, g, u):
@@ -89,11 +80,11 @@ def main() -> None:
                       "grad": ("gated_dgu", {"dh": dh, "g": g, "u": u, "dg": dg, "du": du}, 5)}
             for tile in TILES:
                 for kind, (op_name, tensors, moved) in passes.items():
-                    row(kind, "autofuse", _graph_time(_ours(op_name, activation, tensors, M, N, tile)), moved,
+                    row(kind, "autofuse", graph_us(_ours(op_name, activation, tensors, M, N, tile)), moved,
                         tile=tile)
             torch._dynamo.reset()
             c_act = torch.compile(lambda g, u: act(g) * u)
-            row("act", "torch.compile", _graph_time(lambda g=g, u=u: c_act(g, u)), 3)
+            row("act", "torch.compile", graph_us(lambda g=g, u=u: c_act(g, u)), 3)
 
             def grad_h(dh, g, u):
                 dg, du, a = _act_grad(activation, dh, g, u)
@@ -103,8 +94,8 @@ def main() -> None:
                 return _act_grad(activation, dh, g, u)[:2]
 
             c_grad_h, c_grad = torch.compile(grad_h), torch.compile(grad)
-            row("grad+h", "torch.compile", _graph_time(lambda dh=dh, g=g, u=u: c_grad_h(dh, g, u)), 6)
-            row("grad", "torch.compile", _graph_time(lambda dh=dh, g=g, u=u: c_grad(dh, g, u)), 5)
+            row("grad+h", "torch.compile", graph_us(lambda dh=dh, g=g, u=u: c_grad_h(dh, g, u)), 6)
+            row("grad", "torch.compile", graph_us(lambda dh=dh, g=g, u=u: c_grad(dh, g, u)), 5)
             del g, u, dh, h, dg, du
     Path(args.out, "pointwise_probe.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                                   "torch": torch.__version__,
