@@ -140,9 +140,8 @@ def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float]):
     kernel_near = bool(kernel_ms) and _near(record.time_ms, fastest)
     if len(near) + kernel_near < 2:
         return record, library_ms
-    if not kernel_near:
-        return record, evaluator.retimed_side_by_side(None, library_ms, near)[1]
-    return evaluator.retimed_side_by_side(record, library_ms, near)
+    retimed, library_ms = evaluator.retimed_side_by_side(record if kernel_near else None, library_ms, near)
+    return (retimed if kernel_near else record), library_ms
 
 
 def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], M: int, N: int, K: int, dtype: torch.dtype,

@@ -131,7 +131,7 @@ class Evaluator:
         faster in place."""
         kernel = {} if record is None else {"kernel": self.runner(record.config)}
         times = self.side_by_side_ms({**kernel, **{f"library:{name}": self.runner(Library(name)) for name in names}})
-        return (record if record is None else dataclasses.replace(record, time_ms=times["kernel"]),
+        return (None if record is None else dataclasses.replace(record, time_ms=times["kernel"]),
                 {**library_ms, **{name: times[f"library:{name}"] for name in names}})
 
     def library_ms(self) -> dict[str, float]:
