@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -127,6 +128,13 @@ def _round_robin(fns: dict, sample, rounds: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def _launch_hooks() -> dict:
+    """How many launch hooks Triton's runtime holds (a bound launch declines while any is set, bound.py)."""
+    from triton import knobs
+    return {name: len(getattr(getattr(knobs.runtime, name, None), "calls", []) or [])
+            for name in ("launch_enter_hook", "launch_exit_hook")}
+
+
 def _profile_calls(fn, path: Path, title: str, calls: int = 50) -> None:
     """Appends torch.profiler's table over `calls` calls to `path`: whether a call is one graph launch,
     where its host time goes."""
@@ -143,7 +151,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--layers", default="1,8")
+    parser.add_argument("--providers", default="", help="a regular expression: time only the providers whose "
+                        "names it matches (a process of their own: compiled graphs of other providers, and their "
+                        "CUDA-graph trees, are then not replayed in between)")
     args = parser.parse_args()
+    wanted = re.compile(args.providers)
     torch.manual_seed(0)
     rows = []
     for layers in map(int, args.layers.split(",")):
@@ -165,7 +177,10 @@ def main() -> None:
                 x = torch.randn(M, D_MODEL, device="cuda", dtype=torch.bfloat16)
                 # Errors of what the MLPs add to the residual stream (x itself would dilute them).
                 ref = eager(x).float() - x.float()
-                fns = {**providers, "autofuse, torch.cuda.graph replay": _graphed(model, x)}
+                fns = {**providers, "autofuse, torch.cuda.graph replay": lambda x, model=model: x}
+                fns = {name: fn for name, fn in fns.items() if wanted.search(name)}
+                if "autofuse, torch.cuda.graph replay" in fns:
+                    fns["autofuse, torch.cuda.graph replay"] = _graphed(model, x)
                 errors = {}
                 for name, fn in fns.items():
                     for _ in range(5):  # compile, capture, warm up
@@ -179,9 +194,18 @@ def main() -> None:
                                host_us=host[name])
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                for name in ("autofuse, compile reduce-overhead", "eager nn.Module, compile reduce-overhead"):
+                mlp = model.mlps[0]
+                print(json.dumps(dict(layers=layers, M=M, choices={op: f"{c.short()} ({mlp.config_sources(M)[op]})"
+                                                                    for op, c in mlp.config_for(M).items()},
+                                      launch_hooks=_launch_hooks())), flush=True)
+                # The plain module first: a profiler may leave launch hooks behind, which bound launches decline.
+                for name in ("autofuse", "autofuse, compile reduce-overhead",
+                             "eager nn.Module, compile reduce-overhead"):
+                    if name not in calls:
+                        continue
                     title = f"{name}: {layers} layers, M = {M}"
-                    _profile_calls(calls[name], Path(args.out, "compile_profile.txt"), title)
+                    if name != "autofuse":
+                        _profile_calls(calls[name], Path(args.out, "compile_profile.txt"), title)
                     with Path(args.out, "compile_cprofile.txt").open("a") as f:  # Python's share of the host time
                         f.write(f"{title}\n{host_profile_text(calls[name], calls=500, top=25)}\n")
         del model, eager, compiled, providers, fns, calls

@@ -29,6 +29,7 @@ from autofuse.configs import KernelConfig
 from autofuse.ops.linear import LINEAR
 from autofuse.opspec import launch_args
 from autofuse.reference import eager_mlp
+from autofuse.resolve import resolve_tuned
 from autofuse.timing import graph_replay_us
 
 
@@ -91,8 +92,23 @@ def tiny_rows(calls: int, rounds: int) -> dict:
     fns["autofuse MLP, [1, 1, d] input"] = lambda: mlp(x3)
     with torch.inference_mode():
         rows = wall_us(fns, calls, rounds)
-        rows["autofuse MLP choices, M=1"] = {k: v.short() for k, v in mlp.config_for(1).items()}
+        for M in (1, 16):
+            rows[f"autofuse MLP choices, M={M}"] = _choices(mlp, M, d, f)
     return rows
+
+
+def _choices(mlp, M: int, d: int, f: int) -> dict:
+    """What the module runs at M, each choice with its source and time (µs), and the one-launch MLP's own
+    record where one was checked or tuned (what the two-op pair was compared with)."""
+    shown = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})" for op, c in mlp._config_table(M).items()}
+    one_launch = resolve_tuned("mlp", M, f, d, torch.bfloat16, torch.device("cuda"), activation="gelu_tanh", bias=False)
+    if one_launch is not None and "mlp" not in shown:
+        shown["mlp (not chosen)"] = f"{one_launch.config.short()} ({one_launch.source}, {_us(one_launch.time_ms)})"
+    return shown
+
+
+def _us(ms) -> str:
+    return "no time" if ms is None else f"{ms * 1e3:.1f} us"
 
 
 def gemma_rows(calls: int, rounds: int) -> dict:
