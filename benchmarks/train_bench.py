@@ -105,10 +105,14 @@ def _peak(fn, params, x, dy):
 def _times(fns: dict, params, x, dy, rounds: int = 3) -> dict:
     """Per provider, the median over `rounds` of do_bench medians of one forward+backward and of the forward
     alone, the providers taken in turn each round (a drift of clocks during the minutes this takes falls on
-    all of them alike, not on whichever runs last)."""
+    all of them alike, not on whichever runs last), the order rotated by one each round: what a provider
+    inherits from the one before it (clocks and temperature after a hotter or cooler step) then falls on each
+    provider alike over len(fns) rounds, not always on the same one."""
     samples = {name: ([], []) for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             samples[name][0].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params).backward(dy), warmup=50,
                                                             rep=300, return_mode="median"))
             samples[name][1].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params), warmup=25, rep=150,

@@ -1,0 +1,115 @@
+"""Where a training step's GPU sits idle: per provider, the time between kernels on the GPU during
+back-to-back steps (torch.profiler's kernel intervals: the step's span less the union of its kernels),
+the largest such gaps with the kernels either side, the CUDA runtime calls that can stall a queue
+(cudaMalloc / cudaFree / synchronisations, counted per step), and the synchronisations
+torch.cuda.set_sync_debug_mode reports. train_profile.py says which kernels a step runs; this says
+what its wall time holds besides them.
+
+  python benchmarks/train_gaps.py --out DIR [--point llama-3-8b,16384 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_bench  # noqa: E402 - the providers and shapes of the step benchmark
+
+import autofuse  # noqa: E402
+
+STEPS = 6
+# Runtime calls that allocate, free or wait: any of them inside a step can leave the GPU idle.
+STALLING = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+            "cudaMemcpy", "cudaHostAlloc", "cudaStreamWaitEvent")
+
+
+def _gaps(step, steps: int = STEPS) -> dict:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA)
+    busy, idle, gaps = 0.0, 0.0, []
+    start, end, name = kernels[0]
+    for s, e, n in kernels[1:]:
+        if s > end:
+            idle += s - end
+            gaps.append((round(s - end, 1), name[:60], n[:60]))
+            busy += end - start
+            start = s
+        if e > end:
+            end, name = e, n
+    busy += end - start
+    runtime = Counter(e.name for e in events if e.device_type == DeviceType.CPU and e.name.startswith(STALLING))
+    return dict(kernels_us=round(busy / steps, 1), idle_us=round(idle / steps, 1),
+                largest_gaps=sorted(gaps, reverse=True)[:6],
+                stalling_calls_per_step={k: round(v / steps, 2) for k, v in runtime.items()})
+
+
+def _syncs(step) -> list[str]:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
+    args = parser.parse_args()
+    wanted = {tuple(p.split(",")) for p in args.point} if args.point else None
+    rows = []
+    for name, d, f, activation, M in train_bench.SHAPES:
+        if wanted is not None and (name, str(M)) not in wanted:
+            continue
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        module = autofuse.get_mlp(d, f, activation=activation, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+        module(x).backward(dy)  # the training layout (plain parameters) before any provider sees them
+        params = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
+        providers = {
+            "gemm-only": train_bench._gemm_only,
+            "torch.compile": torch.compile(lambda x, wg, wu, wd, a=activation: train_bench._eager(x, wg, wu, wd, a)),
+            "liger": lambda x, wg, wu, wd, a=activation: train_bench._liger(x, wg, wu, wd, a),
+            "autofuse": lambda x, wg, wu, wd, m=module: m(x),
+        }
+        for provider, fn in providers.items():
+            def step(fn=fn):
+                fn(x, *params).backward(dy)
+                for p in params:
+                    p.grad = None
+                x.grad = None
+
+            row = dict(shape=name, M=M, provider=provider, **_gaps(step), syncs=_syncs(step))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out, "train_gaps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                                             "torch": torch.__version__, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
