@@ -23,9 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_bench  # noqa: E402 - the providers and shapes of the step benchmark
-
-import autofuse  # noqa: E402
+import train_profile  # noqa: E402 - the shapes, providers and steps of the step profile
 
 STEPS = 6
 # Runtime calls that allocate, free or wait: any of them inside a step can leave the GPU idle.
@@ -79,34 +77,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
     args = parser.parse_args()
-    wanted = {tuple(p.split(",")) for p in args.point} if args.point else None
     rows = []
-    for name, d, f, activation, M in train_bench.SHAPES:
-        if wanted is not None and (name, str(M)) not in wanted:
-            continue
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        module = autofuse.get_mlp(d, f, activation=activation, dtype=torch.bfloat16, device="cuda")
-        x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
-        module(x).backward(dy)  # the training layout (plain parameters) before any provider sees them
-        params = [module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight]
-        providers = {
-            "gemm-only": train_bench._gemm_only,
-            "torch.compile": torch.compile(lambda x, wg, wu, wd, a=activation: train_bench._eager(x, wg, wu, wd, a)),
-            "liger": lambda x, wg, wu, wd, a=activation: train_bench._liger(x, wg, wu, wd, a),
-            "autofuse": lambda x, wg, wu, wd, m=module: m(x),
-        }
-        for provider, fn in providers.items():
-            def step(fn=fn):
-                fn(x, *params).backward(dy)
-                for p in params:
-                    p.grad = None
-                x.grad = None
-
-            row = dict(shape=name, M=M, provider=provider, **_gaps(step), syncs=_syncs(step))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    for name, M, provider, step in train_profile.steps(args.point):
+        row = dict(shape=name, M=M, provider=provider, **_gaps(step), syncs=_syncs(step))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     Path(args.out, "train_gaps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                              "torch": torch.__version__, "rows": rows}))
 

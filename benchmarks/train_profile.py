@@ -42,13 +42,11 @@ def _wall_us(step, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
-    args = parser.parse_args()
-    wanted = {tuple(p.split(",")) for p in args.point} if args.point else None
-    results = []
+def steps(points: list[str] | None):
+    """Yields (shape name, M, provider, step) for train_bench's shapes (those of `points`, "NAME,M", where
+    given) and the providers gemm-only, torch.compile, Liger and autofuse: `step` runs one forward + backward
+    and drops the gradients, on the module's training layout (plain parameters), as every provider sees it."""
+    wanted = {tuple(p.split(",")) for p in points} if points else None
     for name, d, f, activation, M in train_bench.SHAPES:
         if wanted is not None and (name, str(M)) not in wanted:
             continue
@@ -72,11 +70,21 @@ def main() -> None:
                     p.grad = None
                 x.grad = None
 
-            kernels = _kernels(step, calls=STEPS, counts=True)
-            row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1),
-                       wall_us=round(_wall_us(step), 1), kernels=kernels, ops=_ops(step, calls=STEPS))
-            print(json.dumps(row), flush=True)
-            results.append(row)
+            yield name, M, provider, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
+    args = parser.parse_args()
+    results = []
+    for name, M, provider, step in steps(args.point):
+        kernels = _kernels(step, calls=STEPS, counts=True)
+        row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1),
+                   wall_us=round(_wall_us(step), 1), kernels=kernels, ops=_ops(step, calls=STEPS))
+        print(json.dumps(row), flush=True)
+        results.append(row)
     Path(args.out, "train_profile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                                 "torch": torch.__version__, "rows": results}))
 
