@@ -101,7 +101,9 @@ def _choices(mlp, M: int, d: int, f: int) -> dict:
     """What the module runs at M, each choice with its source and time (µs), and the one-launch MLP's own
     record where one was checked or tuned (what the two-op pair was compared with)."""
     shown = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})" for op, c in mlp._config_table(M).items()}
-    one_launch = resolve_tuned("mlp", M, f, d, torch.bfloat16, torch.device("cuda"), activation="gelu_tanh", bias=False)
+    weight = mlp.gate_proj.weight
+    one_launch = resolve_tuned("mlp", M, f, d, weight.dtype, weight.device, activation=mlp.activation,
+                               bias=mlp.gate_proj.bias is not None)
     if one_launch is not None and "mlp" not in shown:
         shown["mlp (not chosen)"] = f"{one_launch.config.short()} ({one_launch.source}, {_us(one_launch.time_ms)})"
     return shown
