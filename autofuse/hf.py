@@ -1,4 +1,5 @@
-"""`fuse(model)`: swap the gated MLP blocks of a Hugging Face model for autofuse modules.
+"""`fuse(model)`: swap the gated MLP blocks of a Hugging Face model, and its RMSNorm modules, for autofuse
+modules.
 
 Recognised by structure, not by class name, so Gemma / Gemma2 / Gemma3, Llama, Mistral, Qwen and
 other Llama-family MLPs (gate_proj, up_proj, down_proj, act_fn) and T5 v1.1 / Flan-T5's
@@ -6,6 +7,10 @@ DenseGatedActDense (wi_0, wi_1, wo, act, dropout) are all found. The replacement
 original nn.Linear submodules under their original names, so parameters are shared, not copied,
 and state_dict keys, `.to()`, `.half()` and weight tying behave as before. transformers itself is
 never imported here: only the activation modules are recognised by their class names.
+
+An RMSNorm module (one 1-D weight, an `eps` or `variance_epsilon`, no other state) is recognised by what it
+computes: run once on random rows and weights, its output must equal one of autofuse's forms
+(ops/rms_norm.py: Llama's, Gemma's) bit for bit; a module that computes anything else is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from .device import interpreting
 from .errors import AutofuseError
 from .layout import contiguous_state
 from .modules import FusedMLP
+from .norm import FusedRMSNorm
+from .ops.rms_norm import FORMS, eager_rms_norm
 
 logger = logging.getLogger("autofuse")
 
@@ -46,10 +53,12 @@ class FuseReport:
 
     replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, description)
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, reason)
+    norms: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # RMSNorms replaced: (path, description)
 
     def __str__(self) -> str:
-        lines = [f"autofuse.fuse: replaced {len(self.replaced)} MLP block(s), skipped {len(self.skipped)}"]
-        lines += [f"  replaced {path}: {what}" for path, what in self.replaced]
+        lines = [f"autofuse.fuse: replaced {len(self.replaced)} MLP block(s) and {len(self.norms)} RMSNorm(s), "
+                 f"skipped {len(self.skipped)}"]
+        lines += [f"  replaced {path}: {what}" for path, what in self.replaced + self.norms]
         lines += [f"  skipped  {path}: {why}" for path, why in self.skipped]
         return "\n".join(lines)
 
@@ -89,6 +98,49 @@ def _recognise(module: nn.Module) -> tuple[tuple[str, str, str], str] | str | No
         if len({m.bias is None for m in linears}) > 1:
             return "some projections have a bias and others not"
         return (gate, up, down), activation
+    return None
+
+
+def _rms_norm_name(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return "rmsnorm" in name or name == "t5layernorm"
+
+
+def _recognise_norm(module: nn.Module) -> tuple[str, float] | str | None:
+    """(weight form, eps) for an RMSNorm autofuse can run; a reason string for an RMSNorm it cannot; None
+    for any other module (a module whose class name does not say RMSNorm but that computes one of the
+    forms is taken too)."""
+    if "norm" not in type(module).__name__.lower() or isinstance(module, FusedRMSNorm):
+        return None
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    state = list(module.parameters()) + list(module.buffers()) + list(module.children())
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or len(state) != 1 or type(eps) is not float:
+        return "not one 1-D weight and a float eps" if _rms_norm_name(module) else None
+    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.device.type == "meta":
+        return f"its weight is {weight.dtype} on {weight.device}" if _rms_norm_name(module) else None
+    form = _norm_form(module, weight, eps)
+    if form is None:
+        return f"it computes neither of autofuse's RMSNorm forms ({', '.join(FORMS)})" if _rms_norm_name(module) \
+            else None
+    return form, eps
+
+
+def _norm_form(module: nn.Module, weight: torch.Tensor, eps: float) -> str | None:
+    """The form whose eager arithmetic gives the module's output bit for bit on random rows and weights
+    (random weights, so that no form matches by accident: Gemma's zeros and Llama's ones would)."""
+    generator = torch.Generator().manual_seed(0)
+    n = weight.shape[0]
+    x = (4 * torch.randn(3, n, generator=generator)).to(weight.device, weight.dtype)
+    w = torch.randn(n, generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            got = torch.func.functional_call(module, {"weight": w}, (x,))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    for form in FORMS:
+        if isinstance(got, torch.Tensor) and got.dtype == x.dtype and torch.equal(got, eager_rms_norm(x, w, eps, form)):
+            return form
     return None
 
 
@@ -152,11 +204,13 @@ class FusedHFMLP(nn.Module):
         return f"d_model={g.in_features}, d_ff={g.out_features}, activation={self.activation}, autofuse"
 
 
-def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, save_hidden: bool = True) -> FuseReport:
-    """Replace every gated MLP block of `model` that autofuse can run by a FusedHFMLP (in place) and
-    return the report (logged; also printed when `verbose`). `interleaved`: as for get_mlp (the gate and
-    up weights re-laid in one buffer, the parameter objects kept, so tied or shared ones stay so);
-    `save_hidden`: as for get_mlp (training keeps each block's H from forward to backward).
+def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, save_hidden: bool = True,
+         norms: bool = True) -> FuseReport:
+    """Replace every gated MLP block of `model` that autofuse can run by a FusedHFMLP, and (with `norms`)
+    every RMSNorm module by a FusedRMSNorm over the same weight (in place), and return the report (logged;
+    also printed when `verbose`). `interleaved`: as for get_mlp (the gate and up weights re-laid in one
+    buffer, the parameter objects kept, so tied or shared ones stay so); `save_hidden`: as for get_mlp
+    (training keeps each block's H from forward to backward).
     `autofuse.tune_model(model)` then tunes the replaced shapes on the model's GPU, as `autofuse tune
     --model` would."""
     report = FuseReport()
@@ -185,7 +239,24 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
         g = replacement._fused.gate_proj
         report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
                                       f"{' bias' if g.bias is not None else ''}"))
+    if norms:
+        _fuse_norms(model, report)
     logger.info("%s", report)
     if verbose:
         print(report)  # asked for: the report on the terminal, whatever the logging setup
     return report
+
+
+def _fuse_norms(model: nn.Module, report: FuseReport) -> None:
+    for path, module in list(model.named_modules()):
+        match = _recognise_norm(module) if path else None
+        if isinstance(match, str):
+            report.skipped.append((path, match))
+        if not isinstance(match, tuple):
+            continue
+        form, eps = match
+        replacement = FusedRMSNorm(module.weight, eps, form)
+        replacement.train(module.training)
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), child, replacement)
+        report.norms.append((path, f"{type(module).__name__} {module.weight.shape[0]} {form}"))

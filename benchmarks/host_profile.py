@@ -1,8 +1,10 @@
 """Where host time goes on the device (issue 15): cProfile of one autofuse MLP call on a tiny shape at
 M=1 (the GPU never waits), and of greedy generate of a 4-layer Gemma-shaped model, unfused and fused;
-and generate's wall time: 64 new tokens after a 128-token prompt, batch 1, alternating, median of 3.
+and generate's wall time: 64 new tokens after a 128-token prompt, batch 1, the models in turn each round,
+the first round a warm-up, medians of the rest. Models: eager; fused (fuse(model): MLPs and RMSNorms);
+fused MLPs only (fuse(model, norms=False)); eager with its MLPs removed (what any MLP could gain at most).
 
-  python benchmarks/host_profile.py --out DIR
+  python benchmarks/host_profile.py --out DIR [--rounds 8]
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import copy
 import cProfile
 import io
+import json
 import os
 import pstats
 import statistics
@@ -38,6 +41,7 @@ def _profile(fn, sort: str, top: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     out = Path(args.out)
     mlp = autofuse.get_mlp(64, 128, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
@@ -52,17 +56,19 @@ def main() -> None:
     eager = transformers.GemmaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     fused = copy.deepcopy(eager)
     autofuse.fuse(fused, verbose=False)
+    mlps_only = copy.deepcopy(eager)
+    autofuse.fuse(mlps_only, verbose=False, norms=False)
     # The ceiling of what any MLP could gain here: the same model with its MLPs removed (an identity,
     # no kernel at all; its tokens differ, its time is what the rest of generate costs).
     without_mlp = copy.deepcopy(eager)
     for layer in without_mlp.model.layers:
         layer.mlp = torch.nn.Identity()
     prompt = torch.randint(0, 32000, (1, 128), device="cuda")
-    models = {"eager": eager, "fused": fused, "no MLP": without_mlp}
+    models = {"eager": eager, "fused": fused, "fused MLPs only": mlps_only, "no MLP": without_mlp}
     times: dict[str, list[float]] = {name: [] for name in models}
     tokens = {}
     with torch.no_grad():
-        for round_ in range(4):  # alternating, the first round a warm-up
+        for round_ in range(args.rounds):  # in turn, the first round a warm-up
             for name, model in models.items():
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -71,12 +77,17 @@ def main() -> None:
                 torch.cuda.synchronize()
                 if round_:
                     times[name].append((time.perf_counter() - start) * 1e3)
-        same = int((tokens["eager"] == tokens["fused"]).sum().item()) - prompt.shape[1]
+        same = {name: int((tokens["eager"] == tokens[name]).sum().item()) - prompt.shape[1]
+                for name in ("fused", "fused MLPs only")}
         medians = {name: statistics.median(v) for name, v in times.items()}
-        print(f"generate 64 new tokens, batch 1, median of 3: eager {medians['eager']:.1f} ms, fused "
-              f"{medians['fused']:.1f} ms, fused tokens/s over eager's {medians['eager'] / medians['fused']:.3f}x, "
-              f"same tokens {same}/64; MLPs removed {medians['no MLP']:.1f} ms (ceiling "
-              f"{medians['eager'] / medians['no MLP']:.3f}x); all runs {times}", flush=True)
+        speedups = {name: medians["eager"] / medians[name] for name in models}
+        print(f"generate 64 new tokens, batch 1, medians of {args.rounds - 1}: "
+              + ", ".join(f"{name} {medians[name]:.1f} ms ({speedups[name]:.3f}x eager's tokens/s)" for name in models)
+              + f"; same tokens as eager {same}; all runs {times}", flush=True)
+        (out / "generate.json").write_text(json.dumps(dict(medians_ms=medians, speedups=speedups, same_tokens=same,
+                                                           runs_ms=times, torch=torch.__version__,
+                                                           transformers=transformers.__version__,
+                                                           gpu=torch.cuda.get_device_name()), indent=1))
         for name in ("eager", "fused"):
             model = models[name]
             def generate(model=model):

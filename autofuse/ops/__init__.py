@@ -22,6 +22,7 @@ from .gated_pairs import GATED_PAIRS
 from .gated_up import GATED_UP
 from .linear import DOWN, LINEAR
 from .mlp import MLP
+from .rms_norm import RMS_NORM
 
 __all__ = ["OpSpec", "Operand", "get", "names", "register", "show_kernel", "unregister"]
 
@@ -59,7 +60,7 @@ def specs() -> tuple[OpSpec, ...]:
 
 
 for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_DGU, GATED_PAIRS,
-              PAIRS_ACT, BIAS_ACT):
+              PAIRS_ACT, BIAS_ACT, RMS_NORM):
     register(_spec)
 
 
