@@ -94,6 +94,8 @@ def tiny_rows(calls: int, rounds: int) -> dict:
         rows = wall_us(fns, calls, rounds)
         for M in (1, 16):
             rows[f"autofuse MLP choices, M={M}"] = _choices(mlp, M, d, f)
+            rows[f"autofuse Linear choices, M={M}"] = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})"
+                                                        for op, c in lin._config_table(M).items()}
     return rows
 
 

@@ -77,6 +77,11 @@ def main() -> None:
                 torch.cuda.synchronize()
                 if round_:
                     times[name].append((time.perf_counter() - start) * 1e3)
+        mlp = fused.model.layers[0].mlp
+        print("fused MLP choices: " + "; ".join(
+            f"M={M}: " + ", ".join(f"{op} {c.short()} ({mlp.config_sources(M)[op]})"
+                                   for op, c in mlp.config_for(M).items())
+            for M in (1, prompt.shape[1])), flush=True)
         same = {name: int((tokens["eager"] == tokens[name]).sum().item()) - prompt.shape[1]
                 for name in ("fused", "fused MLPs only")}
         medians = {name: statistics.median(v) for name, v in times.items()}

@@ -253,7 +253,8 @@ def test_a_split_k_launch_bound_on_one_stream_replays_on_another_with_its_own_wo
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypatch):
     """A module's training forward binds its two kernel launches (the pointwise H and the down
-    projection) on the first step and replays them on the next: the same outputs and gradients."""
+    projection) on the first step and replays them on the next, as the backward's pointwise pass replays
+    its own (launch.pointwise_launch): the same outputs and gradients."""
     replays = []
     real = launch.BoundLaunch.__call__
     monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: replays.append(real(self, t)) or replays[-1])
@@ -331,3 +332,37 @@ def test_the_per_address_descriptor_cache_starts_over_when_full():
     assert len(cache) == _DESCRIPTORS_KEPT
     _keep(cache, (0, 999), "new")
     assert cache == {(0, 999): "new"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pointwise_passes_replay_a_bound_launch_per_size_and_dtype(device, dtype, monkeypatch):
+    """The library paths' pointwise passes (here pairs_act, cuBLAS's second half at decode) bind their launch
+    on the first call of a size and replay it after, bit-identical to the JIT; a strided operand declines to
+    the JIT; another dtype or size binds its own."""
+    from autofuse.ops.bias_act import bias_activation
+    from autofuse.ops.gated_act import pairs_activation
+
+    monkeypatch.setattr(launch, "_pointwise_bound", {})
+    replays = []
+    real = launch.BoundLaunch.__call__
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: replays.append(real(self, t)) or replays[-1])
+    gu = _rand(3, 2 * N, dtype=dtype, device=device)
+    first = pairs_activation(gu, "silu")
+    assert not replays and len(launch._pointwise_bound) == 1
+    again = pairs_activation(gu.clone(), "silu")
+    assert replays == [True]
+    _assert_same(again, first, atomic=False)
+    wide = _rand(3, 4 * N, dtype=dtype, device=device)
+    wide[:, ::2] = gu
+    strided = pairs_activation(wide[:, ::2], "silu")  # not contiguous: the bound launch declines
+    assert replays == [True, False]
+    _assert_same(strided, first, atomic=False)
+    pairs_activation(_rand(4, 2 * N, dtype=dtype, device=device), "silu")  # another M: bound anew
+    assert len(launch._pointwise_bound) == 2
+    # A bias is bound by address: a new bias binds again, never replays the old one's values.
+    y = _rand(3, N, dtype=dtype, device=device)
+    b1, b2 = _rand(N, dtype=dtype, device=device), _rand(N, dtype=dtype, device=device)
+    for b in (b1, b2, b2):
+        out = bias_activation(y.clone(), b, None, "none")
+        _assert_same(out, (y.float() + b.float()).to(dtype), atomic=False)
+    assert len(launch._pointwise_bound) == 4
