@@ -50,6 +50,12 @@ CHECK_MARGIN = 0.03
 # Seen: a kernel timed after its library paths lost to one by 2% in its check and won by 8% side by
 # side (RESULTS.md, issue 17).
 NEAR_TIE = 0.10
+# Below this GPU time (ms) of the fastest library path, an un-graphed call's host time is of the order of
+# its GPU time: a bound kernel launch costs a few microseconds of host time where each library op costs
+# one PyTorch op's (and eager's activation another). There the margin turns: the kernel is kept unless a
+# library path beats it by CHECK_MARGIN, so a graph-replayed call loses at most that fraction on a near
+# tie while an un-graphed one saves the library path's extra ops (RESULTS.md, eleventh session).
+HOST_BOUND_MS = 0.1
 
 
 def enabled() -> bool:
@@ -116,7 +122,14 @@ def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
                        choice.source.split(":")[0], choice.kernel.short(), record.status, record.detail)
     return choose_winner(key, {choice.kernel: record}, library_ms, choice.kernel,
                          time.perf_counter() - start, CHECKED, times_mean_speed=not interpreting(),
-                         kernel_margin=CHECK_MARGIN)
+                         kernel_margin=kernel_margin(library_ms))
+
+
+def kernel_margin(library_ms: dict[str, float], margin: float = CHECK_MARGIN) -> float:
+    """By how much a kernel must beat the fastest library path to be chosen: `margin` (a check's
+    CHECK_MARGIN; tuning, whose times are confirmed side by side, none), or where that path takes under
+    HOST_BOUND_MS, -CHECK_MARGIN (the kernel is kept unless beaten by that much)."""
+    return -CHECK_MARGIN if library_ms and min(library_ms.values()) < HOST_BOUND_MS else margin
 
 
 def _times_on_gpu(device: torch.device) -> bool:

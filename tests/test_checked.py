@@ -77,6 +77,22 @@ def test_a_near_tie_goes_to_the_library_path(device, monkeypatch):
     assert mlp.config_for(M) == {"gated_up": Library("eager"), "down": Library("eager")}
 
 
+@pytest.mark.parametrize("slower_by, kernel_kept", [(checked.CHECK_MARGIN / 2, True), (2 * checked.CHECK_MARGIN, False)])
+def test_where_host_time_counts_a_near_tie_goes_to_the_kernel(device, monkeypatch, slower_by, kernel_kept):
+    # Under HOST_BOUND_MS of GPU time an un-graphed call pays each library op's host time: the kernel (one
+    # bound launch) is kept unless a library path beats it by CHECK_MARGIN.
+    library_ms = checked.HOST_BOUND_MS / 10
+    _fake_timer(monkeypatch, library_ms=library_ms, kernel_ms=library_ms * (1 + slower_by))
+    mlp, _ = _mlp(device)
+    with torch.no_grad():
+        mlp(torch.randn(M, D, device=device))
+    chosen = mlp.config_for(M)
+    if kernel_kept:
+        assert all(isinstance(c, KernelConfig) for c in chosen.values())
+    else:
+        assert chosen == {"gated_up": Library("eager"), "down": Library("eager")}
+
+
 def test_a_wrong_kernel_loses_its_check(device, monkeypatch):
     _fake_timer(monkeypatch, library_ms=5.0, kernel_ms=1.0)
     real = objective.Evaluator.evaluate

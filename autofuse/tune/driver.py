@@ -18,6 +18,7 @@ import torch
 
 from .. import ops
 from .. import resolve as resolve_module
+from ..checked import kernel_margin
 from ..configs import KernelConfig
 from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
 from ..evaluator import Evaluator, choose_winner, fastest_trial
@@ -180,7 +181,8 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
         job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s, resume=resume, seed=seed,
         space=space, progress=progress)
     winner = choose_winner(job.key, done, library_ms, heuristic, time.perf_counter() - start, policy,
-                           times_mean_speed=not interpreting(), confirmed=confirmed)
+                           times_mean_speed=not interpreting(), confirmed=confirmed,
+                           kernel_margin=kernel_margin(library_ms, 0.0))
     store.put_winner(winner)
     failures: dict[str, int] = {}
     for t in done.values():
