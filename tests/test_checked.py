@@ -77,7 +77,8 @@ def test_a_near_tie_goes_to_the_library_path(device, monkeypatch):
     assert mlp.config_for(M) == {"gated_up": Library("eager"), "down": Library("eager")}
 
 
-@pytest.mark.parametrize("slower_by, kernel_kept", [(checked.CHECK_MARGIN / 2, True), (2 * checked.CHECK_MARGIN, False)])
+@pytest.mark.parametrize("slower_by, kernel_kept",
+                         [(checked.CHECK_MARGIN / 2, True), (2 * checked.CHECK_MARGIN, False)])
 def test_where_host_time_counts_a_near_tie_goes_to_the_kernel(device, monkeypatch, slower_by, kernel_kept):
     # Under HOST_BOUND_MS of GPU time an un-graphed call pays each library op's host time: the kernel (one
     # bound launch) is kept unless a library path beats it by CHECK_MARGIN.
