@@ -139,7 +139,32 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
                                      calls_per_graph=10 if M < 1000 else 2)
     peers = {k: v for k, v in times.items() if k != "autofuse"}
     best = min(peers, key=peers.get)
-    return dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
+    row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
+    if M <= PLAIN_M:
+        plain = plain_us({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()})
+        plain_peers = {k: v for k, v in plain.items() if k != "autofuse"}
+        plain_best = min(plain_peers, key=plain_peers.get)
+        row.update(plain_us=plain, plain_best_peer=plain_best, plain_ratio=plain_peers[plain_best] / plain["autofuse"])
+    return row
+
+
+# Up to this M the plain call's time (host included, un-graphed) is measured too.
+PLAIN_M = 16
+
+
+def plain_us(fns: dict, calls: int = 100, rounds: int = 5) -> dict[str, float]:
+    """µs per plain call: wall time of `calls` back-to-back calls / calls (synchronised before and after),
+    median of `rounds` taken in turn over the providers."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main() -> None:
@@ -182,8 +207,11 @@ def main() -> None:
                     rows.append(row)
                     print(f"{kind} {d_in}->{shape.get('d_ff', shape.get('out_features'))} {shape['activation']} "
                           f"M={M}: ratio {row['ratio']:.3f} (autofuse {row['us']['autofuse']:.1f} us, best peer "
-                          f"{row['best_peer']} {row['us'][row['best_peer']]:.1f}); "
-                          f"{ {op: src.split(':')[0] for op, src in row['sources'].items()} }", flush=True)
+                          f"{row['best_peer']} {row['us'][row['best_peer']]:.1f})"
+                          + (f", plain call {row['plain_ratio']:.3f} (autofuse {row['plain_us']['autofuse']:.1f} us, "
+                             f"{row['plain_best_peer']} {row['plain_us'][row['plain_best_peer']]:.1f}); "
+                             if "plain_ratio" in row else "; ")
+                          + f"{ {op: src.split(':')[0] for op, src in row['sources'].items()} }", flush=True)
                 del providers
                 torch._dynamo.reset()
                 _write(args, liger, rows, start)
@@ -204,6 +232,10 @@ def _write(args, liger, rows: list[dict], start: float) -> dict:
                    geomean_m_le_128=_geomean([r["ratio"] for r in rows if r["M"] <= 128]),
                    geomean_m_ge_1024=_geomean([r["ratio"] for r in rows if r["M"] >= 1024]),
                    seconds=time.perf_counter() - start)
+    plain = [r["plain_ratio"] for r in rows if "plain_ratio" in r]
+    summary[f"plain_call_m_le_{PLAIN_M}"] = dict(points=len(plain), geomean=_geomean(plain),
+                                                 min=min(plain, default=float("nan")),
+                                                 below_1=sum(r < 1.0 for r in plain))
     for kind in ("mlp", "linear"):  # issue 17 judges gated MLPs and Linears apart, at M >= 1024
         prefill = [r["ratio"] for r in rows if r["kind"] == kind and r["M"] >= 1024]
         summary[f"{kind}_m_ge_1024"] = dict(points=len(prefill), geomean=_geomean(prefill),
