@@ -157,6 +157,18 @@ def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float]):
     return (retimed if kernel_near else record), library_ms
 
 
+def kernel_on_host_bound_tie(first: tuple[str, Choice], second: tuple[str, Choice]) -> str | None:
+    """Of two ops' choices computing the same result (gated_up and gated_pairs), the one that runs a kernel
+    where the other runs a library path taking under HOST_BOUND_MS, if the kernel's time is within
+    CHECK_MARGIN of it (kernel_margin's rule, between two ops' records); else None."""
+    (op_a, a), (op_b, b) = first, second
+    for (kernel_op, kernel), library in (((op_a, a), b), ((op_b, b), a)):
+        if (kernel.kernel is not None and library.kernel is None and library.time_ms < HOST_BOUND_MS
+                and kernel.time_ms <= library.time_ms * (1 + CHECK_MARGIN)):
+            return kernel_op
+    return None
+
+
 def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], M: int, N: int, K: int, dtype: torch.dtype,
               device: torch.device, *, activation: str, bias: bool) -> str:
     """Which of two ops' choices computing the same result on keys of the same n and k (gated_up and

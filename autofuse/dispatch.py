@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import launch, ops, workspaces
-from .checked import CHECK_MARGIN, checked, faster_of
+from .checked import CHECK_MARGIN, checked, faster_of, kernel_on_host_bound_tie
 from .configs import KernelConfig
 from .key import MAX_M_BUCKET, m_bucket
 from .ops.gated_pairs import pairs_of
@@ -54,10 +54,12 @@ def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dt
     up = resolve_checked(up_op, M, d_ff, k, dtype, device, activation=activation, bias=bias, tuned=tuned)
     if pairs and tuned:
         one_gemm = resolve_checked("gated_pairs", M, d_ff, k, dtype, device, activation=activation, bias=bias)
-        if None not in (one_gemm.time_ms, up.time_ms) and faster_of(
-                ("gated_pairs", one_gemm), (up_op, up), M, d_ff, k, dtype, device, activation=activation,
-                bias=bias) == "gated_pairs":
-            up_op, up = "gated_pairs", one_gemm
+        if None not in (one_gemm.time_ms, up.time_ms):
+            candidates = (("gated_pairs", one_gemm), (up_op, up))
+            faster = kernel_on_host_bound_tie(*candidates) or faster_of(
+                *candidates, M, d_ff, k, dtype, device, activation=activation, bias=bias)
+            if faster == "gated_pairs":
+                up_op, up = "gated_pairs", one_gemm
     pair = {
         up_op: up,
         "down": resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned),

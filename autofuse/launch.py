@@ -49,8 +49,8 @@ def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: 
 _POINTWISE = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
-# Pointwise launches bound once per (kernel, dtype, M, N, device, addresses of the operands that are not per
-# call; dtype because kernels of equal source are one function that Triton compiles per dtype):
+# Pointwise launches bound once per (op, activation, dtype, flags, M, N, device, addresses of the operands that
+# are not per call, interpreter or not):
 # the library paths (cuBLAS, then one of these passes) run them on every un-graphed call, where the JIT's
 # binding would cost more host time than the launch. Past this many the memo starts over.
 _POINTWISE_KEPT = 256
@@ -60,15 +60,16 @@ _pointwise_bound: dict[tuple, BoundLaunch | None] = {}
 def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N: int, tensors: dict,
                      has_bias: bool = False, has_residual: bool = False) -> None:
     """One pass over an [M, N] problem with one fixed tile shape (nothing to tune): a bound launch where one
-    was bound for these sizes and fixed operands (and takes these tensors), else through the JIT, binding."""
-    # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
-    kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, has_bias, has_residual)
+    was bound for these sizes and fixed operands (and takes these tensors), else through the JIT, binding.
+    The memo is looked up before the kernel's spec is built: that costs more host time than the launch."""
     first = next(iter(tensors.values()))
-    fixed = tuple(t.data_ptr() for name, t in tensors.items() if t is not None and name not in kernel.per_call)
-    key = (kernel, dtype, M, N, first.device, fixed)
+    fixed = tuple(t.data_ptr() for name, t in tensors.items() if t is not None and name not in op.per_call)
+    key = (op, activation, dtype, has_bias, has_residual, M, N, first.device, fixed, interpreting())
     bound = _pointwise_bound.get(key)
     if bound is not None and _recorded.get() is None and bound(tensors):
         return
+    # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
+    kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, has_bias, has_residual)
     # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
     block_m, block_n = (16, 64) if interpreting() else (4, 512)
     grid_ = (-(-M // block_m) * -(-N // block_n),)

@@ -9,6 +9,7 @@ its positional arguments from the same list (`launch_args`), so the two can neve
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -192,6 +193,11 @@ class OpSpec:
         """The library candidates that compute this op for a key with these flags (eager always does)."""
         return {name: run for name, run in self.library.items()
                 if not isinstance(run, LibraryPath) or run.applies(activation, bias, residual)}
+
+    @functools.cached_property  # read on every pointwise launch
+    def per_call(self) -> frozenset[str]:
+        """The operands with a row per token (axes starting with m): what a bound launch takes anew per call."""
+        return frozenset(o.name for o in self.operands if o.axes.startswith("m"))
 
     @property
     def tunable(self) -> bool:

@@ -126,9 +126,8 @@ class Kernel:
 def load_kernel(spec: KernelSpec) -> Kernel:
     """The kernel for `spec`, rendered and imported once per distinct source. Memoised: rendering
     costs far more than a launch, which must not pay it."""
-    per_call = frozenset(o.name for o in spec.op.operands if o.axes.startswith("m"))
     return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters,
-                  spec.op.kernel_constexprs(spec.split_k, spec.tma), per_call)
+                  spec.op.kernel_constexprs(spec.split_k, spec.tma), spec.op.per_call)
 
 
 _loaded: dict[str, object] = {}

@@ -242,6 +242,20 @@ def test_the_faster_of_two_ops_goes_by_their_records_where_nothing_can_time(time
                              torch.device("cpu"), activation="silu", bias=False) == expected
 
 
+@pytest.mark.parametrize("kernel_ms, library_ms, expected", [
+    (0.0102, 0.0100, "gated_up"),  # host-bound, within CHECK_MARGIN: the kernel
+    (0.0110, 0.0100, None),  # beaten by more than CHECK_MARGIN: the records decide (faster_of)
+    (1.0100, 1.0000, None),  # not host-bound: the records decide
+])
+def test_a_host_bound_near_tie_between_two_ops_goes_to_the_kernel(kernel_ms, library_ms, expected):
+    kernel = resolve.Choice(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4), "checked", kernel_ms)
+    library = resolve.Choice(Library("cublas_pairs"), "shipped:x", library_ms)
+    assert checked.kernel_on_host_bound_tie(("gated_pairs", library), ("gated_up", kernel)) == expected
+    assert checked.kernel_on_host_bound_tie(("gated_up", kernel), ("gated_pairs", library)) == expected
+    both = resolve.Choice(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4), "checked", library_ms)
+    assert checked.kernel_on_host_bound_tie(("gated_pairs", both), ("gated_up", kernel)) is None  # two kernels
+
+
 def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     """Checks time the kernel and each library path on its own; where the fastest of them are within NEAR_TIE,
     the kernel and every library path that near are timed again in turn, and those times decide."""
