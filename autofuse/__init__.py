@@ -8,6 +8,7 @@ from .configs import KernelConfig, Library
 from .errors import AutofuseError
 from .hf import FusedHFMLP, FuseReport, fuse
 from .modules import FusedLinear, FusedMLP, get_linear, get_mlp
+from .norm import FusedRMSNorm
 from .ops import show_kernel
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "FusedHFMLP",
     "FusedLinear",
     "FusedMLP",
+    "FusedRMSNorm",
     "KernelConfig",
     "Library",
     "__version__",
