@@ -46,6 +46,26 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
     return statistics.median(host_us_sample(fn) for _ in range(calls // 10))
 
 
+def plain_call_us(fns: dict[str, Callable[[], object]], calls: int = 200, rounds: int = 7,
+                  warmup: int = 10) -> dict[str, float]:
+    """µs per plain call (un-graphed, host included, what a user's loop pays) of each function: wall time of
+    `calls` back-to-back calls / calls, synchronised before and after, median of `rounds` rounds taken in turn
+    over the functions so that host drift falls on all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            _synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _synchronize()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25) -> str:
     """cProfile of `calls` calls of fn, the `top` functions by own time: where the host time of a
     forward goes (used by the host-time benchmarks)."""

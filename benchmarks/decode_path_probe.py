@@ -21,23 +21,7 @@ import autofuse
 from autofuse.ops.gated_act import pairs_activation
 from autofuse.ops.gated_pairs import pairs_of
 from autofuse.reference import eager_mlp
-from autofuse.timing import graph_replay_round_robin
-
-
-def plain_us(fns: dict, calls: int = 300, rounds: int = 7) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(10):
-            fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
+from autofuse.timing import graph_replay_round_robin, plain_call_us
 
 
 def host_us(fns: dict, calls: int = 20, rounds: int = 30) -> dict[str, float]:
@@ -82,7 +66,7 @@ def main() -> None:
     with torch.inference_mode():
         mlp(x)
         rows = {"choices": {op: c.short() for op, c in mlp.config_for(1).items()},
-                "plain_us": plain_us(fns), "host_us": host_us(fns),
+                "plain_us": plain_call_us(fns, calls=300), "host_us": host_us(fns),
                 "graph_us": graph_replay_round_robin({k: v for k, v in fns.items()})}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:

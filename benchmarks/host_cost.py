@@ -14,8 +14,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -30,23 +28,7 @@ from autofuse.ops.linear import LINEAR
 from autofuse.opspec import launch_args
 from autofuse.reference import eager_mlp
 from autofuse.resolve import resolve_tuned
-from autofuse.timing import graph_replay_us
-
-
-def wall_us(fns: dict, calls: int, rounds: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
+from autofuse.timing import graph_replay_us, plain_call_us
 
 
 def _mlp_pair(d: int, f: int):
@@ -91,7 +73,7 @@ def tiny_rows(calls: int, rounds: int) -> dict:
     fns["eager gated MLP (five ops), [1, 1, d] input"] = lambda: eager(x3)
     fns["autofuse MLP, [1, 1, d] input"] = lambda: mlp(x3)
     with torch.inference_mode():
-        rows = wall_us(fns, calls, rounds)
+        rows = plain_call_us(fns, calls, rounds, warmup=20)
         for M in (1, 16):
             rows[f"autofuse MLP choices, M={M}"] = _choices(mlp, M, d, f)
             rows[f"autofuse Linear choices, M={M}"] = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})"
@@ -119,9 +101,9 @@ def gemma_rows(calls: int, rounds: int) -> dict:
     mlp, eager = _mlp_pair(2048, 16384)
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        rows = {f"gemma-2b M=1 plain call: {k}": v for k, v in wall_us({"eager": lambda: eager(x),
+        rows = {f"gemma-2b M=1 plain call: {k}": v for k, v in plain_call_us({"eager": lambda: eager(x),
                                                                           "autofuse": lambda: mlp(x)},
-                                                                         calls, rounds).items()}
+                                                                         calls, rounds, warmup=20).items()}
         rows["gemma-2b M=1 graph replay: eager"] = graph_replay_us(lambda: eager(x))
         rows["gemma-2b M=1 graph replay: autofuse"] = graph_replay_us(lambda: mlp(x))
         rows["gemma-2b M=1 choices"] = {k: f"{v.short()} ({mlp.config_sources(1)[k]})" for k, v in

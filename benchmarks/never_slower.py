@@ -33,7 +33,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_linear, eager_mlp
-from autofuse.timing import graph_replay_round_robin
+from autofuse.timing import graph_replay_round_robin, plain_call_us
 
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
@@ -141,7 +141,7 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
     best = min(peers, key=peers.get)
     row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
     if M <= PLAIN_M:
-        plain = plain_us({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()})
+        plain = plain_call_us({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()}, calls=100, rounds=5)
         plain_peers = {k: v for k, v in plain.items() if k != "autofuse"}
         plain_best = min(plain_peers, key=plain_peers.get)
         row.update(plain_us=plain, plain_best_peer=plain_best, plain_ratio=plain_peers[plain_best] / plain["autofuse"])
@@ -150,21 +150,6 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
 
 # Up to this M the plain call's time (host included, un-graphed) is measured too.
 PLAIN_M = 16
-
-
-def plain_us(fns: dict, calls: int = 100, rounds: int = 5) -> dict[str, float]:
-    """µs per plain call: wall time of `calls` back-to-back calls / calls (synchronised before and after),
-    median of `rounds` taken in turn over the providers."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def main() -> None:

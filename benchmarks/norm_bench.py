@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import triton
 
 from autofuse.norm import FusedRMSNorm
 from autofuse.ops import get
-from autofuse.timing import graph_side_by_side_ms
+from autofuse.timing import graph_side_by_side_ms, plain_call_us
 
 FAMILIES = {  # form -> (Hugging Face module, Liger's offset and casting mode)
     "one_plus_weight": (transformers.models.gemma.modeling_gemma.GemmaRMSNorm, 1.0, "gemma"),
@@ -57,22 +56,6 @@ def providers(form: str, width: int, eps: float = 1e-6) -> dict:
     return found
 
 
-def plain_us(fns: dict, calls: int = 400, rounds: int = 7) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -99,7 +82,7 @@ def main() -> None:
                     best = min(peers, key=peers.get)
                     row["best_peer"], row["ratio"] = best, peers[best] / gpu["autofuse"]
                     if M <= 16:
-                        row["plain_us"] = plain_us(fns)
+                        row["plain_us"] = plain_call_us(fns, calls=400)
                     if M == 128:
                         ref = reference({"x": x, "w": mods["eager"].weight, "eps": 1e-6}, form, torch.bfloat16)
                         row["error"] = {k: ((fn().double() - ref).norm() / ref.norm()).item() for k, fn in fns.items()}

@@ -64,3 +64,16 @@ def test_untuned_modules_ignore_the_cache(tmp_path):
     assert tuned.config_sources(5) == {"linear": "user-cache"}
     assert plain.config_sources(5) == {"linear": "heuristic"}
     resolve.invalidate()
+
+
+def test_plain_call_timing_calls_each_function_in_turn_and_returns_medians(monkeypatch):
+    from autofuse import timing
+
+    order = []
+    clock = iter(range(10**6))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))  # each reading one "second" later
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    result = timing.plain_call_us(fns, calls=4, rounds=3, warmup=2)
+    assert order[:4] == ["a", "a", "b", "b"]  # warm-up, then rounds in turn
+    assert order[4:] == (["a"] * 4 + ["b"] * 4) * 3
+    assert result == {"a": 1e6 / 4, "b": 1e6 / 4}  # start and stop one reading apart: 1 s / 4 calls
