@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -49,40 +50,52 @@ def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: 
 _POINTWISE = KernelConfig(16, 64, 16, group_m=1, num_warps=4, num_stages=1)
 
 
-# Pointwise launches bound once per (op, activation, dtype, flags, M, N, device, addresses of the operands that
-# are not per call, interpreter or not):
-# the library paths (cuBLAS, then one of these passes) run them on every un-graphed call, where the JIT's
-# binding would cost more host time than the launch. Past this many the memo starts over.
-_POINTWISE_KEPT = 256
-_pointwise_bound: dict[tuple, BoundLaunch | None] = {}
+# Launches bound once per key (memoised_launch): what a launch depends on beyond its per-call tensors. Past this
+# many the memo starts over.
+_MEMO_KEPT = 256
+_memo: dict[tuple, BoundLaunch | None] = {}
+
+
+def memoised_launch(key: tuple, tensors: dict, build: Callable[[], tuple]) -> None:
+    """Replay the launch bound under `key` where it takes these tensors; else launch what `build()` returns
+    ((kernel, grid, sizes, options)) through the JIT and bind it under `key`. For launches that no module's
+    table binds (the pointwise passes of library paths and of the backward, op rms_norm), run on every
+    un-graphed call, where the JIT's binding and the kernel spec's construction cost more host time than the
+    launch. `key` must hold everything the launch depends on but the per-call tensors' addresses: the op and
+    its source flags, dtype, sizes, device, constexpr values, the other operands' addresses (fixed_addresses)
+    and whether the interpreter runs."""
+    bound = _memo.get(key)
+    if bound is not None and _recorded.get() is None and bound(tensors):
+        return
+    kernel, grid_, sizes, options = build()
+    fresh = _recorded.get() is None and key not in _memo  # while binding() records, the recorder keeps it
+    bound = launch(kernel, grid_, tensors, sizes, options, bind=fresh)
+    if fresh:
+        if len(_memo) >= _MEMO_KEPT:
+            _memo.clear()
+        _memo[key] = bound
+
+
+def fixed_addresses(op: OpSpec, tensors: dict) -> tuple[int, ...]:
+    """The addresses of the operands a bound launch keeps (those without a row per token), for a memo key."""
+    return tuple(t.data_ptr() for name, t in tensors.items() if t is not None and name not in op.per_call)
 
 
 def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N: int, tensors: dict,
                      has_bias: bool = False, has_residual: bool = False) -> None:
-    """One pass over an [M, N] problem with one fixed tile shape (nothing to tune): a bound launch where one
-    was bound for these sizes and fixed operands (and takes these tensors), else through the JIT, binding.
-    The memo is looked up before the kernel's spec is built: that costs more host time than the launch."""
-    first = next(iter(tensors.values()))
-    fixed = tuple(t.data_ptr() for name, t in tensors.items() if t is not None and name not in op.per_call)
-    key = (op, activation, dtype, has_bias, has_residual, M, N, first.device, fixed, interpreting())
-    bound = _pointwise_bound.get(key)
-    if bound is not None and _recorded.get() is None and bound(tensors):
-        return
-    # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
-    kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, has_bias, has_residual)
-    # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
-    block_m, block_n = (16, 64) if interpreting() else (4, 512)
-    grid_ = (-(-M // block_m) * -(-N // block_n),)
-    options = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
-    args = launch_args(kernel.parameters, tensors, (M, N), options)
-    compiled = kernel.fn[grid_](*args, **options)
-    recorded = _recorded.get()
-    if recorded is not None:
-        recorded.append(BoundLaunch.bind(kernel, grid_, args, options, tensors, compiled))
-    elif key not in _pointwise_bound:
-        if len(_pointwise_bound) >= _POINTWISE_KEPT:
-            _pointwise_bound.clear()
-        _pointwise_bound[key] = BoundLaunch.bind(kernel, grid_, args, options, tensors, compiled)
+    """One pass over an [M, N] problem with one fixed tile shape (nothing to tune), memoised (memoised_launch)."""
+    device = next(iter(tensors.values())).device
+    key = (op, activation, dtype, has_bias, has_residual, M, N, device, fixed_addresses(op, tensors), interpreting())
+
+    def build() -> tuple:
+        # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
+        kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, has_bias, has_residual)
+        # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
+        block_m, block_n = (16, 64) if interpreting() else (4, 512)
+        return kernel, (-(-M // block_m) * -(-N // block_n),), (M, N), dict(BLOCK_M=block_m, BLOCK_N=block_n,
+                                                                             num_warps=4)
+
+    memoised_launch(key, tensors, build)
 
 
 def tiles(M: int, N: int, config: KernelConfig) -> int:
@@ -108,18 +121,23 @@ def launch_options(config: KernelConfig) -> dict[str, int]:
 
 
 def launch(kernel: Kernel, grid_: tuple, tensors: dict, sizes: tuple[int, ...], options: dict,
-           workspace: tuple = ()) -> None:
+           workspace: tuple = (), bind: bool = False) -> BoundLaunch | None:
     """Launch `kernel` with its positional arguments built from its parameter list, through Triton's
-    JIT (which compiles on a first call). While `binding()` records, the launch is also kept as a
-    BoundLaunch that later calls replay without the JIT."""
+    JIT (which compiles on a first call). While `binding()` records, or with `bind`, the launch is also kept
+    as a BoundLaunch that later calls replay without the JIT: recorded, and returned (None where it cannot be
+    bound, or where neither asked)."""
     args = launch_args(kernel.parameters, tensors, sizes, options, workspace, descriptor)
     compiled = kernel.fn[grid_](*args, **options)
     recorded = _recorded.get()
+    if recorded is None and not bind:
+        return None
+    # A workspace allocated for this call only (inside torch.library ops) cannot be bound.
+    per_call_workspace = bool(workspace) and workspaces.per_call()
+    bound = None if per_call_workspace else BoundLaunch.bind(kernel, grid_, args, options, tensors, compiled,
+                                                             workspace=bool(workspace))
     if recorded is not None:
-        # A workspace allocated for this call only (inside torch.library ops) cannot be bound.
-        per_call_workspace = bool(workspace) and workspaces.per_call()
-        recorded.append(None if per_call_workspace else BoundLaunch.bind(kernel, grid_, args, options, tensors,
-                                                                          compiled, workspace=bool(workspace)))
+        recorded.append(bound)
+    return bound
 
 
 _recorded: contextvars.ContextVar[list | None] = contextvars.ContextVar("autofuse_bound_launches", default=None)

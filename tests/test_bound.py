@@ -342,13 +342,13 @@ def test_pointwise_passes_replay_a_bound_launch_per_size_and_dtype(device, dtype
     from autofuse.ops.bias_act import bias_activation
     from autofuse.ops.gated_act import pairs_activation
 
-    monkeypatch.setattr(launch, "_pointwise_bound", {})
+    monkeypatch.setattr(launch, "_memo", {})
     replays = []
     real = launch.BoundLaunch.__call__
     monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: replays.append(real(self, t)) or replays[-1])
     gu = _rand(3, 2 * N, dtype=dtype, device=device)
     first = pairs_activation(gu, "silu")
-    assert not replays and len(launch._pointwise_bound) == 1
+    assert not replays and len(launch._memo) == 1
     again = pairs_activation(gu.clone(), "silu")
     assert replays == [True]
     _assert_same(again, first, atomic=False)
@@ -358,11 +358,11 @@ def test_pointwise_passes_replay_a_bound_launch_per_size_and_dtype(device, dtype
     assert replays == [True, False]
     _assert_same(strided, first, atomic=False)
     pairs_activation(_rand(4, 2 * N, dtype=dtype, device=device), "silu")  # another M: bound anew
-    assert len(launch._pointwise_bound) == 2
+    assert len(launch._memo) == 2
     # A bias is bound by address: a new bias binds again, never replays the old one's values.
     y = _rand(3, N, dtype=dtype, device=device)
     b1, b2 = _rand(N, dtype=dtype, device=device), _rand(N, dtype=dtype, device=device)
     for b in (b1, b2, b2):
         out = bias_activation(y.clone(), b, None, "none")
         _assert_same(out, (y.float() + b.float()).to(dtype), atomic=False)
-    assert len(launch._pointwise_bound) == 4
+    assert len(launch._memo) == 4
