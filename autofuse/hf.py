@@ -233,9 +233,7 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
             raise AutofuseError("fuse() replaces the MLP blocks inside a model; call it on the model, not on an "
                                 "MLP itself (for a lone MLP use autofuse.get_mlp)")
         replacement = FusedHFMLP(module, names, activation, interleaved=interleaved, save_hidden=save_hidden)
-        replacement.train(module.training)  # a new module starts in training mode; keep the model's
-        parent_path, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), child, replacement)
+        _replace_at(model, path, module, replacement)
         g = replacement._fused.gate_proj
         report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
                                       f"{' bias' if g.bias is not None else ''}"))
@@ -247,6 +245,14 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
     return report
 
 
+def _replace_at(model: nn.Module, path: str, module: nn.Module, replacement: nn.Module) -> None:
+    """Put `replacement` where `module` stands in `model`, in the model's mode (a new module starts in training
+    mode)."""
+    replacement.train(module.training)
+    parent_path, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), child, replacement)
+
+
 def _fuse_norms(model: nn.Module, report: FuseReport) -> None:
     for path, module in list(model.named_modules()):
         match = _recognise_norm(module) if path else None
@@ -255,8 +261,5 @@ def _fuse_norms(model: nn.Module, report: FuseReport) -> None:
         if not isinstance(match, tuple):
             continue
         form, eps = match
-        replacement = FusedRMSNorm(module.weight, eps, form)
-        replacement.train(module.training)
-        parent_path, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), child, replacement)
+        _replace_at(model, path, module, FusedRMSNorm(module.weight, eps, form))
         report.norms.append((path, f"{type(module).__name__} {module.weight.shape[0]} {form}"))
