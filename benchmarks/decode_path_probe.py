@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -21,20 +20,15 @@ import autofuse
 from autofuse.ops.gated_act import pairs_activation
 from autofuse.ops.gated_pairs import pairs_of
 from autofuse.reference import eager_mlp
-from autofuse.timing import graph_replay_round_robin, plain_call_us
+from autofuse.timing import graph_replay_round_robin, host_us_sample, plain_call_us
 
 
 def host_us(fns: dict, calls: int = 20, rounds: int = 30) -> dict[str, float]:
-    """Host time alone: `calls` calls queued (not awaited), then synchronised outside the timing."""
+    """Host time alone (timing.host_us_sample: `calls` calls queued, not awaited), medians of rounds in turn."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-            torch.cuda.synchronize()
+            samples[name].append(host_us_sample(fn, calls))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
@@ -50,11 +44,13 @@ def main() -> None:
     wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
     w_pairs, _ = pairs_of(wg, None)
     plain_pairs = w_pairs.detach().clone()
+    # Eager runs on plain copies, as a PyTorch model holds its weights (the module's are strided views).
+    wg_plain, wu_plain = wg.detach().contiguous(), wu.detach().contiguous()
     x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
     gu = F.linear(x, w_pairs)
     h = pairs_activation(gu, "gelu_tanh")
     fns = {
-        "eager MLP (five ops)": lambda: eager_mlp(x, wg.contiguous(), wu.contiguous(), wd, activation="gelu_tanh"),
+        "eager MLP (five ops)": lambda: eager_mlp(x, wg_plain, wu_plain, wd, activation="gelu_tanh"),
         "autofuse module": lambda: mlp(x),
         "F.linear(x, interleaved view [2F, d])": lambda: F.linear(x, w_pairs),
         "F.linear(x, a plain copy of it)": lambda: F.linear(x, plain_pairs),

@@ -10,9 +10,6 @@ what its wall time holds besides them.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import warnings
 from collections import Counter
@@ -73,17 +70,7 @@ def _syncs(step) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
-    args = parser.parse_args()
-    rows = []
-    for name, M, provider, step in train_profile.steps(args.point):
-        row = dict(shape=name, M=M, provider=provider, **_gaps(step), syncs=_syncs(step))
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    Path(args.out, "train_gaps.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
-                                                             "torch": torch.__version__, "rows": rows}))
+    train_profile.run("train_gaps", lambda step: dict(**_gaps(step), syncs=_syncs(step)))
 
 
 if __name__ == "__main__":

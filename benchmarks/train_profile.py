@@ -73,20 +73,31 @@ def steps(points: list[str] | None):
             yield name, M, provider, step
 
 
-def main() -> None:
+def run(script: str, measure) -> None:
+    """The main of this script and of train_gaps.py: for each (shape, M, provider) step of `--point`
+    (default: every shape and M of train_bench.SHAPES), a row of `measure(step)`'s fields printed as JSON,
+    and all rows written to `--out`/<script>.json with the GPU and torch version."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--point", action="append", default=None, help="NAME,M of train_bench.SHAPES")
     args = parser.parse_args()
-    results = []
+    rows = []
     for name, M, provider, step in steps(args.point):
-        kernels = _kernels(step, calls=STEPS, counts=True)
-        row = dict(shape=name, M=M, provider=provider, total_us=round(sum(kernels.values()), 1),
-                   wall_us=round(_wall_us(step), 1), kernels=kernels, ops=_ops(step, calls=STEPS))
+        row = dict(shape=name, M=M, provider=provider, **measure(step))
         print(json.dumps(row), flush=True)
-        results.append(row)
-    Path(args.out, "train_profile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
-                                                                "torch": torch.__version__, "rows": results}))
+        rows.append(row)
+    Path(args.out, f"{script}.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                                             "torch": torch.__version__, "rows": rows}))
+
+
+def _profile_row(step) -> dict:
+    kernels = _kernels(step, calls=STEPS, counts=True)
+    return dict(total_us=round(sum(kernels.values()), 1), wall_us=round(_wall_us(step), 1), kernels=kernels,
+                ops=_ops(step, calls=STEPS))
+
+
+def main() -> None:
+    run("train_profile", _profile_row)
 
 
 if __name__ == "__main__":
