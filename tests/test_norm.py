@@ -52,14 +52,13 @@ def test_kernel_takes_strided_rows_and_writes_into_out(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("form", FORMS)
 def test_module_replays_a_bound_launch_bit_identical_to_the_jit_path(form, dtype, device, monkeypatch):
-    monkeypatch.setattr(launch, "_memo", {})
     x, w = _inputs(5, 72, dtype, device)
     norm = FusedRMSNorm(nn.Parameter(w), 1e-6, form)
     x3 = x.view(5, 1, 72)
     with torch.no_grad():
         first = norm(x3)
         assert first.shape == x3.shape
-        (bound,) = _memoised(5).values()
+        bound = norm._bound[5][2]
         assert bound is not None  # the first call at M=5 bound its launch
         calls = []
         real = bound.__call__
@@ -70,14 +69,7 @@ def test_module_replays_a_bound_launch_bit_identical_to_the_jit_path(form, dtype
     assert torch.equal(again.view(5, 72), rms_norm(x, w, 1e-6, form))
 
 
-def _memoised(M: int) -> dict:
-    """The memoised rms_norm launches (launch.memoised_launch) at M rows, by key: (op, form, dtype, M, N, device,
-    (weight address,), eps, interpreter)."""
-    return {key: bound for key, bound in launch._memo.items() if key[0] is RMS_NORM and key[3] == M}
-
-
-def test_module_binds_again_after_the_weight_moves_and_sees_in_place_edits(device, monkeypatch):
-    monkeypatch.setattr(launch, "_memo", {})
+def test_module_binds_again_after_the_weight_moves_and_sees_in_place_edits(device):
     x, w = _inputs(3, 40, torch.float32, device)
     norm = FusedRMSNorm(nn.Parameter(w.clone()), 1e-6, "weight")
     with torch.no_grad():
@@ -86,7 +78,7 @@ def test_module_binds_again_after_the_weight_moves_and_sees_in_place_edits(devic
         torch.testing.assert_close(norm(x), eager_rms_norm(x, 2 * w, 1e-6, "weight"), rtol=1e-5, atol=1e-6)
         norm.weight = nn.Parameter(3 * w)  # a new parameter: another address, bound again
         torch.testing.assert_close(norm(x), eager_rms_norm(x, 3 * w, 1e-6, "weight"), rtol=1e-5, atol=1e-6)
-        assert (norm.weight.data_ptr(),) in {key[6] for key in _memoised(3)}
+        assert norm._bound[3][0] == norm.weight.data_ptr()
         norm.eps = 1.0  # eps is a constant of the kernel: a change builds another
         torch.testing.assert_close(norm(x), eager_rms_norm(x, 3 * w, 1.0, "weight"), rtol=1e-5, atol=1e-6)
 

@@ -54,21 +54,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str, out: 
     L.require(N <= MAX_N, f"rms_norm: rows of {N} exceed the kernel's {MAX_N}")
     y = L.output(out, (M, N), x)
     if M and N:
-        tensors = {"x": x, "w": weight, "y": y}
-        key = (RMS_NORM, form, x.dtype, M, N, x.device, L.fixed_addresses(RMS_NORM, tensors), float(eps),
-               interpreting())
-
-        def build() -> tuple:
-            kernel = load_kernel(KernelSpec(RMS_NORM, form, upcast_operands=interpreting()))
-            block_n = 1 << (N - 1).bit_length()  # the next power of two
-            # About 4096 elements a program: decode's one row runs in one program; wide rows keep 16 per thread.
-            block_m = max(1, min(16, 4096 // block_n))
-            warps = max(1, min(16, block_m * block_n // 512))
-            return kernel, (-(-M // block_m),), (M, N), dict(BLOCK_M=block_m, BLOCK_N=block_n, EPS=float(eps),
-                                                            num_warps=warps)
-
-        # Memoised: at decode the launch replays bound (its rows and weight fixed), as FusedRMSNorm calls it.
-        L.memoised_launch(key, tensors, build)
+        kernel = load_kernel(KernelSpec(RMS_NORM, form, upcast_operands=interpreting()))
+        block_n = 1 << (N - 1).bit_length()  # the next power of two
+        # About 4096 elements a program: decode's one row runs in one program; wide rows keep 16 per thread.
+        block_m = max(1, min(16, 4096 // block_n))
+        warps = max(1, min(16, block_m * block_n // 512))
+        L.launch(kernel, (-(-M // block_m),), {"x": x, "w": weight, "y": y}, (M, N),
+                 dict(BLOCK_M=block_m, BLOCK_N=block_n, EPS=float(eps), num_warps=warps))
     return y
 
 
