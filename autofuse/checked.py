@@ -95,7 +95,7 @@ def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype,
     resolve.remember(winner)
     logger.info("autofuse: checked %s (n=%d, k=%d, M bucket %d): %s %s (library %s)", op, N, K, key.m_bucket,
                 winner.config.short(), _ms(winner.time_ms), _ms(winner.baseline_ms))
-    return Choice(winner.config, CHECKED, winner.time_ms)
+    return Choice.of(winner, CHECKED)
 
 
 def _cannot_time(device: torch.device) -> bool:

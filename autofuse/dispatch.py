@@ -49,37 +49,44 @@ def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dt
     ({"gated_pairs", "down"}) where its tuned or checked time is lower. `d_in`: the up-projection's K
     where the module pads d_model (layout.py); the one-launch kernel, which reads one d_model for both
     projections, is then left out."""
+    return mlp_tables(d_model, d_ff, activation, bias, M, dtype, device, tuned, pairs, d_in)[0]
+
+
+def mlp_tables(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
+               device: torch.device, tuned: bool, pairs: bool = False,
+               d_in: int | None = None) -> tuple[dict[str, Choice], list[dict[str, Choice]]]:
+    """(mlp_choices' table, the other tables it compared: the two-op pair with the other up-projection
+    op, the one launch), for the un-graphed calls' race (plain.py)."""
     k = d_model if d_in is None else d_in
-    up_op = "gated_up"
-    up = resolve_checked(up_op, M, d_ff, k, dtype, device, activation=activation, bias=bias, tuned=tuned)
+    up = resolve_checked("gated_up", M, d_ff, k, dtype, device, activation=activation, bias=bias, tuned=tuned)
+    down = resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned)
+    pair, others = {"gated_up": up, "down": down}, []
     if pairs and tuned:
         one_gemm = resolve_checked("gated_pairs", M, d_ff, k, dtype, device, activation=activation, bias=bias)
+        with_pairs = {"gated_pairs": one_gemm, "down": down}
+        others.append(with_pairs)
         if None not in (one_gemm.time_ms, up.time_ms):
-            candidates = (("gated_pairs", one_gemm), (up_op, up))
+            candidates = (("gated_pairs", one_gemm), ("gated_up", up))
             faster = kernel_on_host_bound_tie(*candidates) or faster_of(
                 *candidates, M, d_ff, k, dtype, device, activation=activation, bias=bias)
             if faster == "gated_pairs":
-                up_op, up = "gated_pairs", one_gemm
-    pair = {
-        up_op: up,
-        "down": resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned),
-    }
+                pair, others = with_pairs, [pair]
     if not tuned or M > MLP.max_m or k != d_model:
-        return pair
+        return pair, others
     fused = resolve_tuned("mlp", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
     if fused is None and all(c.source == CHECKED for c in pair.values()):
         # The pair was decided by first-use checks: the one-launch kernel gets its check too.
         heuristic = Choice(heuristic_for(MLP, m_bucket(M), d_ff, d_model, dtype, device), "heuristic")
         fused = checked("mlp", heuristic, M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
     if fused is None or fused.kernel is None:
-        return pair
+        return pair, others
     # The pair must beat the one launch by CHECK_MARGIN: on a near tie of GPU times one launch wins, as
     # an un-graphed call pays each launch's host time (a bound Triton launch, or a whole PyTorch op for a
     # library choice) on top of them.
     pair_ms = [c.time_ms for c in pair.values()]
     if None not in pair_ms and sum(pair_ms) * (1 + CHECK_MARGIN) <= fused.time_ms:
-        return pair
-    return {"mlp": fused}
+        return pair, [*others, {"mlp": fused}]
+    return {"mlp": fused}, [pair, *others]
 
 
 def _traced(name: str, activation: str, table: dict[str, Choice]):

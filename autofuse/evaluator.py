@@ -229,16 +229,16 @@ def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heur
                   policy: str, times_mean_speed: bool = True, kernel_margin: float = 0.0,
                   confirmed: TrialRecord | None = None) -> Winner:
     """The fastest correct kernel if it beats the fastest library candidate by more than `kernel_margin`
-    (a fraction of the library's time), else that library candidate. `confirmed`: the kernel candidate
-    retimed beside the library candidates (whose times `library_ms` then holds), which stands in for the
-    fastest of `done`. Where times do not mean speed (the interpreter), the best kernel, so that tuning
-    there still exercises every kernel path."""
+    (a fraction of the library's time), else that library candidate, with the kernel as its runner-up.
+    `confirmed`: the kernel candidate retimed beside the library candidates (whose times `library_ms` then
+    holds), which stands in for the fastest of `done`. Where times do not mean speed (the interpreter),
+    the best kernel, so that tuning there still exercises every kernel path."""
     best = confirmed if confirmed is not None else fastest_trial(done)
     library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
     heuristic_record = done.get(heuristic)
     heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
     if best is not None and (not times_mean_speed or best.time_ms < library_time * (1 - kernel_margin)):
-        config, time_ms = best.config, best.time_ms
-    else:
-        config, time_ms = Library(library), library_time
-    return Winner(key, config, time_ms, library_time, heuristic_ms, len(done), seconds, policy)
+        return Winner(key, best.config, best.time_ms, library_time, heuristic_ms, len(done), seconds, policy)
+    lost = Winner(key, Library(library), library_time, library_time, heuristic_ms, len(done), seconds, policy)
+    # The best kernel is kept beside the library path, for un-graphed decode calls (plain.py).
+    return lost if best is None else dataclasses.replace(lost, runner_up=best.config, runner_up_ms=best.time_ms)

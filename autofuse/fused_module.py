@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import plain
 from .checked import pending
 from .configs import KernelConfig, Library
 from .device import check_device
@@ -132,13 +133,43 @@ class FusedModule(nn.Module):
         bound = self._bound.get(key)
         if bound is None:
             table = self._config_table(M, residual)
-            bound = self._bind(table, max(M, 1))
+            M = max(M, 1)
+            bound = self._bind(table, M)
             if not pending(table):
+                if self.tuned and plain.racing(weight.device) and plain.host_bound(table):
+                    bound = self._raced(bound, table, M, weight, residual)
                 self._bound[key] = bound
         return bound
 
+    def _raced(self, bound, table: dict[str, Choice], M: int, weight: torch.Tensor, residual: bool):
+        """`bound`, or a plain.Raced entry where other tables compute the same for un-graphed calls."""
+        others = plain.candidates(table, self._compared(M, weight, residual))
+        if not others:
+            return bound
+        tables = [table, *others]
+        key = plain.memo_key(type(self).__name__, self._shape(residual), M, weight.dtype, weight.device, tables)
+        return plain.Raced(bound, [self._bind(t, M) for t in others], tables, M, key)
+
     def _bind(self, table: dict[str, Choice], M: int):
         raise NotImplementedError
+
+    def _compared(self, M: int, weight: torch.Tensor, residual: bool) -> list[dict[str, Choice]]:
+        """The tables other than the chosen one that the choice for M compared (plain.candidates)."""
+        return []
+
+    def _shape(self, residual: bool) -> tuple:
+        """What besides M, dtype and device sets the problem a table entry solves (plain.memo_key)."""
+        raise NotImplementedError
+
+    def plain_config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library] | None:
+        """What each op runs for M rows in an un-graphed call, once the first such call raced the tables
+        for M (plain.py); config_for's where no race was needed; None before the first call at M."""
+        weight = self._reference_weight()
+        entry = self._bound.get((*self._table_key(check_size("M", M), weight), residual))
+        if entry is None:
+            return None
+        table = entry.plain_table if isinstance(entry, plain.Raced) else entry.table
+        return None if table is None else {op: c.config for op, c in table.items()}
 
     def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
         raise NotImplementedError

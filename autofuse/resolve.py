@@ -47,11 +47,26 @@ class Choice:
     config: KernelConfig | Library
     source: str  # "user-cache", "checked", "shipped:<file>", "nearest:<key id>", "heuristic", checked.PENDING
     time_ms: float | None = None  # the tuned winner's time, where the choice is one
+    # Where tuning or a check chose a library path: the fastest correct kernel it compared, and its time
+    # (store.Winner.runner_up), which an un-graphed decode call may run instead (plain.py).
+    runner_up: KernelConfig | None = None
+    runner_up_ms: float | None = None
 
     @property
     def kernel(self) -> KernelConfig | None:
         """The kernel config, or None where a library path runs."""
         return self.config if isinstance(self.config, KernelConfig) else None
+
+    @classmethod
+    def of(cls, winner, source: str) -> Choice:
+        """The choice a stored winner (store.Winner) makes."""
+        return cls(winner.config, source, winner.time_ms, winner.runner_up, winner.runner_up_ms)
+
+    def kernel_instead(self) -> Choice | None:
+        """This choice with its runner-up kernel in place of its library path, or None where it has none."""
+        if self.runner_up is None or self.kernel is not None:
+            return None
+        return Choice(self.runner_up, self.source, self.runner_up_ms)
 
 
 def heuristic_for(spec: OpSpec, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -169,10 +184,10 @@ def resolve_tuned(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: t
         key = make_key(op, N, K, bucket, dtype, activation, bias, residual, env)
         found = index.user.get(key.id())
         if found is not None:
-            return Choice(found.config, CHECKED if found.policy == CHECKED else "user-cache", found.time_ms)
+            return Choice.of(found, CHECKED if found.policy == CHECKED else "user-cache")
         shipped = index.shipped.get(key.id())
         if shipped is not None:
-            return Choice(shipped[0].config, f"shipped:{shipped[1]}", shipped[0].time_ms)
+            return Choice.of(shipped[0], f"shipped:{shipped[1]}")
     return None
 
 

@@ -44,9 +44,13 @@ class Winner:
     trials: int = 0
     tune_seconds: float = 0.0
     policy: str = ""
+    # Where a library path won: the fastest correct kernel and its time. An un-graphed call at a decode M
+    # may run it instead (plain.py): a kernel launch costs less host time than the library path's ops.
+    runner_up: KernelConfig | None = None
+    runner_up_ms: float | None = None
 
     def to_record(self) -> dict[str, Any]:
-        return {
+        record = {
             "key": self.key.to_dict(),
             "config": self.config.to_json(),
             "time_ms": self.time_ms,
@@ -56,6 +60,9 @@ class Winner:
             "tune_seconds": self.tune_seconds,
             "policy": self.policy,
         }
+        if self.runner_up is not None:  # absent, not null: records written before it stay byte for byte
+            record["runner_up"] = {"config": self.runner_up.to_json(), "time_ms": self.runner_up_ms}
+        return record
 
     @classmethod
     def from_record(cls, record: Any) -> Winner:
@@ -63,9 +70,9 @@ class Winner:
         if not isinstance(record, dict):
             raise ValueError("a record must be a JSON object")
         expected = {"key", "config", "time_ms", "baseline_ms", "heuristic_ms", "trials", "tune_seconds", "policy"}
-        if set(record) != expected:
+        if not expected <= set(record) <= expected | {"runner_up"}:
             raise ValueError(f"record fields wrong: missing {sorted(expected - set(record))}, "
-                             f"unknown {sorted(set(record) - expected)}")
+                             f"unknown {sorted(set(record) - expected - {'runner_up'})}")
         key = TuningKey.from_dict(record["key"])
         config = choice_from_json(record["config"])
         if isinstance(config, Library) and config.name not in key.spec.library_for(key.activation, key.bias,
@@ -86,9 +93,30 @@ class Winner:
             raise ValueError(f"tune_seconds must be a non-negative number, got {record['tune_seconds']!r}")
         if not isinstance(record["policy"], str) or len(record["policy"]) > 40:
             raise ValueError("policy must be a string of at most 40 characters")
+        runner_up, runner_up_ms = _runner_up(record.get("runner_up"), key, config)
         return cls(key, config, float(record["time_ms"]), float(record["baseline_ms"]),
                    None if record["heuristic_ms"] is None else float(record["heuristic_ms"]),
-                   record["trials"], float(record["tune_seconds"]), record["policy"])
+                   record["trials"], float(record["tune_seconds"]), record["policy"], runner_up, runner_up_ms)
+
+
+def _runner_up(value: Any, key: TuningKey, config: KernelConfig | Library) -> tuple[KernelConfig | None, float | None]:
+    """A record's runner_up, validated: a kernel config the op accepts and a positive time, beside a library
+    winner only."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict) or set(value) != {"config", "time_ms"}:
+        raise ValueError('runner_up must be an object {"config": ..., "time_ms": ...}')
+    if not isinstance(config, Library):
+        raise ValueError("runner_up is kept only where a library path won")
+    runner_up = choice_from_json(value["config"])
+    if not isinstance(runner_up, KernelConfig):
+        raise ValueError("runner_up must be a kernel config")
+    refused = key.spec.refuse_config(runner_up)
+    if refused:
+        raise ValueError(f"runner_up: {refused}")
+    if not _positive_number(value["time_ms"]):
+        raise ValueError(f"runner_up time_ms must be a positive number, got {value['time_ms']!r}")
+    return runner_up, float(value["time_ms"])
 
 
 def _positive_number(value: Any, allow_zero: bool = False) -> bool:

@@ -78,7 +78,14 @@ def tiny_rows(calls: int, rounds: int) -> dict:
             rows[f"autofuse MLP choices, M={M}"] = _choices(mlp, M, d, f)
             rows[f"autofuse Linear choices, M={M}"] = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})"
                                                         for op, c in lin._config_table(M).items()}
+            rows[f"autofuse MLP plain-call choices, M={M}"] = _short(mlp.plain_config_for(M))
+            rows[f"autofuse Linear plain-call choices, M={M}"] = _short(lin.plain_config_for(M))
     return rows
+
+
+def _short(configs: dict | None) -> dict | None:
+    """What an un-graphed call runs (FusedModule.plain_config_for), configs in short form."""
+    return None if configs is None else {op: c.short() for op, c in configs.items()}
 
 
 def _choices(mlp, M: int, d: int, f: int) -> dict:
@@ -108,6 +115,7 @@ def gemma_rows(calls: int, rounds: int) -> dict:
         rows["gemma-2b M=1 graph replay: autofuse"] = graph_replay_us(lambda: mlp(x))
         rows["gemma-2b M=1 choices"] = {k: f"{v.short()} ({mlp.config_sources(1)[k]})" for k, v in
                                         mlp.config_for(1).items()}
+        rows["gemma-2b M=1 plain-call choices"] = _short(mlp.plain_config_for(1))
     return rows
 
 

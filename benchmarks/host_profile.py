@@ -82,6 +82,9 @@ def main() -> None:
             f"M={M}: " + ", ".join(f"{op} {c.short()} ({mlp.config_sources(M)[op]})"
                                    for op, c in mlp.config_for(M).items())
             for M in (1, prompt.shape[1])), flush=True)
+        print("fused MLP plain-call choices: " + "; ".join(
+            f"M={M}: " + ", ".join(f"{op} {c.short()}" for op, c in (mlp.plain_config_for(M) or {}).items())
+            for M in (1, prompt.shape[1])), flush=True)
         same = {name: int((tokens["eager"] == tokens[name]).sum().item()) - prompt.shape[1]
                 for name in ("fused", "fused MLPs only")}
         medians = {name: statistics.median(v) for name, v in times.items()}

@@ -189,6 +189,9 @@ def main() -> None:
                     row = dict(kind=kind, **{"name": "drawn", **shape}, **measure(providers, d_in, M))
                     row["sources"] = providers["autofuse"].config_sources(M)
                     row["choices"] = {op: c.short() for op, c in providers["autofuse"].config_for(M).items()}
+                    plain_choices = providers["autofuse"].plain_config_for(M)
+                    if plain_choices is not None and plain_choices != providers["autofuse"].config_for(M):
+                        row["plain_choices"] = {op: c.short() for op, c in plain_choices.items()}
                     rows.append(row)
                     print(f"{kind} {d_in}->{shape.get('d_ff', shape.get('out_features'))} {shape['activation']} "
                           f"M={M}: ratio {row['ratio']:.3f} (autofuse {row['us']['autofuse']:.1f} us, best peer "

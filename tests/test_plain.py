@@ -1,0 +1,240 @@
+"""Un-graphed decode calls (autofuse/plain.py, issue 15): where a library path won by GPU time at a decode M,
+its runner-up kernel is kept in the record, and a module's first un-graphed call races the tables that compute
+the same as plain calls; a call made while a CUDA graph captures runs the GPU-time winner.
+
+On the CPU nothing can be timed: the race's timer is replaced by one that reports fixed times, and the
+interpreter's kernels run what the race chose."""
+
+import pytest
+import torch
+
+import autofuse
+from autofuse import ops, plain, resolve
+from autofuse.checked import HOST_BOUND_MS, PENDING
+from autofuse.configs import KernelConfig, Library
+from autofuse.evaluator import choose_winner
+from autofuse.key import current_environment, make_key
+from autofuse.ops.linear import linear
+from autofuse.resolve import Choice
+from autofuse.store import Store, TrialRecord, Winner
+
+KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
+FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
+
+
+def _key(op="linear", n=72, k=40, bucket=4, activation="gelu", bias=True):
+    return make_key(op, n, k, bucket, torch.float32, activation, bias, False, current_environment(torch.device("cpu")))
+
+
+def test_a_library_winner_keeps_the_fastest_correct_kernel_as_its_runner_up():
+    key = _key()
+    slower = KernelConfig(16, 16, 32, group_m=1, num_stages=1)
+    done = {KERNEL: TrialRecord(KERNEL, "ok", 2.0), slower: TrialRecord(slower, "ok", 3.0),
+            KernelConfig(32, 32, 32, num_stages=1): TrialRecord(KernelConfig(32, 32, 32, num_stages=1), "wrong_result")}
+    lost = choose_winner(key, done, {"eager": 1.0}, KERNEL, 0.1, "random")
+    assert lost.config == Library("eager") and (lost.runner_up, lost.runner_up_ms) == (KERNEL, 2.0)
+    won = choose_winner(key, done, {"eager": 5.0}, KERNEL, 0.1, "random")
+    assert won.config == KERNEL and won.runner_up is None
+    none_correct = {KERNEL: TrialRecord(KERNEL, "wrong_result")}
+    assert choose_winner(key, none_correct, {"eager": 1.0}, KERNEL, 0.1, "random").runner_up is None
+    # Round trip through a record; a record without one (written before runner_up existed) stays as it was.
+    record = lost.to_record()
+    assert record["runner_up"] == {"config": KERNEL.to_json(), "time_ms": 2.0}
+    assert Winner.from_record(record) == lost
+    assert "runner_up" not in won.to_record() and Winner.from_record(won.to_record()) == won
+
+
+@pytest.mark.parametrize("runner_up, problem", [
+    ({"config": KERNEL.to_json(), "time_ms": 0}, "positive"),
+    ({"config": KERNEL.to_json(), "time_ms": "2"}, "positive"),
+    ({"config": "library:eager", "time_ms": 2.0}, "kernel config"),
+    ({"config": KERNEL.to_json()}, "object"),
+    ([KERNEL.to_json(), 2.0], "object"),
+    ({"config": {**KERNEL.to_json(), "block_m": 7}, "time_ms": 2.0}, "block_m must be one of"),
+])
+def test_a_bad_runner_up_is_refused_on_load(runner_up, problem):
+    record = {**Winner(_key(), Library("eager"), 1.0, 1.0).to_record(), "runner_up": runner_up}
+    with pytest.raises(ValueError, match=problem):
+        Winner.from_record(record)
+
+
+def test_a_runner_up_beside_a_kernel_winner_is_refused():
+    record = {**Winner(_key(), KERNEL, 1.0, 2.0).to_record(),
+              "runner_up": {"config": KERNEL.to_json(), "time_ms": 2.0}}
+    with pytest.raises(ValueError, match="only where a library path won"):
+        Winner.from_record(record)
+
+
+def test_resolve_carries_the_runner_up():
+    Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
+    resolve.invalidate()
+    choice = resolve.resolve("linear", 4, 72, 40, torch.float32, torch.device("cpu"), activation="gelu", bias=True)
+    assert (choice.config, choice.runner_up, choice.runner_up_ms) == (Library("eager"), KERNEL, 2 * FAST)
+    assert choice.kernel_instead() == Choice(KERNEL, choice.source, 2 * FAST)
+    assert Choice(KERNEL, "x", 1.0).kernel_instead() is None and Choice(Library("eager"), "x").kernel_instead() is None
+
+
+def test_the_candidates_are_the_compared_tables_and_their_kernels():
+    library = Choice(Library("cublas_pairs"), "shipped:x", FAST, KERNEL, 2 * FAST)
+    down = Choice(KERNEL, "shipped:x", FAST)
+    up = Choice(KERNEL, "checked", 2 * FAST)
+    winner = {"gated_pairs": library, "down": down}
+    assert plain.host_bound(winner)
+    assert not plain.host_bound({"gated_pairs": Choice(Library("eager"), "x", HOST_BOUND_MS), "down": down})
+    assert not plain.host_bound({"gated_pairs": Choice(KERNEL, "heuristic"), "down": down})  # time unknown
+    other = {"gated_up": up, "down": down}
+    found = plain.candidates(winner, [other, dict(other)])  # a repeat is raced once
+    assert found == [other, {"gated_pairs": Choice(KERNEL, "shipped:x", 2 * FAST), "down": down}]
+    # A choice made before its check could run is never raced; a table with nothing to replace adds nothing.
+    waiting = {"gated_up": Choice(Library("eager"), PENDING), "down": down}
+    assert plain.candidates({"gated_up": up, "down": down}, [waiting]) == []
+
+
+class _Entry:
+    def __init__(self, name):
+        self.name, self.calls, self.table = name, 0, {"linear": Choice(Library(name), "x", FAST)}
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.name
+
+
+def _raced(monkeypatch, times, key=("test", 1), fresh=True):
+    if fresh:
+        plain._decided.pop(key, None)
+    timed = []
+    monkeypatch.setattr(plain, "plain_call_us", lambda entries, args: timed.append(len(entries)) or times)
+    entries = [_Entry(f"e{i}") for i in range(len(times))]
+    raced = plain.Raced(entries[0], entries[1:], [e.table for e in entries], 1, key)
+    return raced, entries, timed
+
+
+@pytest.mark.parametrize("times, expected", [
+    ([30.0, 10.0, 20.0], "e1"),  # the fastest plain call
+    ([30.0, 29.0, 40.0], "e0"),  # within MARGIN of the GPU-time winner: the winner stays
+])
+def test_the_first_plain_call_races_and_later_ones_run_the_fastest(monkeypatch, times, expected):
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, entries, timed = _raced(monkeypatch, times)
+    assert [raced("x") for _ in range(3)] == [expected] * 3 and timed == [len(times)]
+    assert raced.plain_table == next(e.table for e in entries if e.name == expected)
+    assert raced.table is entries[0].table  # what config_for reports: the GPU-time winner's
+    # Another module of the same kind, shape and tables reuses the decision without timing.
+    again, _, timed_again = _raced(monkeypatch, times, fresh=False)
+    assert again("x") == expected and timed_again == []
+
+
+def test_a_call_while_a_graph_captures_runs_the_gpu_time_winner(monkeypatch):
+    raced, entries, timed = _raced(monkeypatch, [30.0, 10.0])
+    monkeypatch.setattr(plain, "_capturing", lambda: True)
+    assert raced("x") == "e0" and timed == []  # no race while capturing
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    assert raced("x") == "e1"
+    monkeypatch.setattr(plain, "_capturing", lambda: True)
+    assert raced("x") == "e0"
+
+
+def test_the_race_times_every_entry_in_turn(monkeypatch):
+    # The real timer on plain Python callables (no GPU: synchronize is a no-op here).
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    entries = [lambda *a, i=i: calls.append(i) for i in range(3)]
+    times = plain.plain_call_us(entries, ("x",))
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert [calls.count(i) for i in range(3)] == [1 + plain.ROUNDS * plain.CALLS] * 3
+
+
+def _race_on_cpu(monkeypatch, times):
+    """Races on the CPU as on a GPU, with fixed plain-call times; records which tables were raced."""
+    raced = []
+    monkeypatch.setattr(plain, "racing", lambda device: True)
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+
+    def fake(entries, args):
+        raced.append([e.table for e in entries])
+        return times[:len(entries)]
+    monkeypatch.setattr(plain, "plain_call_us", fake)
+    plain._decided.clear()
+    return raced
+
+
+def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(monkeypatch):
+    Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
+    resolve.invalidate()
+    raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
+    layer = autofuse.get_linear(40, 72, activation="gelu", dtype=torch.float32, device="cpu")
+    x = torch.randn(4, 40)
+    with torch.no_grad():
+        out = layer(x)
+        again = layer(x)
+    expected = linear(x, layer.weight, layer.bias, None, "gelu", KERNEL)
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+    assert len(raced) == 1 and [t["linear"].config for t in raced[0]] == [Library("eager"), KERNEL]
+    assert layer.config_for(4) == {"linear": Library("eager")}  # the GPU-time winner, what graphs run
+    assert layer.plain_config_for(4) == {"linear": KERNEL}
+    monkeypatch.setattr(plain, "_capturing", lambda: True)
+    with torch.no_grad():
+        graphed = layer(x)
+    library = ops.get("linear").library["eager"]({"x": x, "w": layer.weight, "b": layer.bias, "r": None}, "gelu")
+    assert torch.equal(graphed, library)
+
+
+def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeypatch):
+    Store().put_winner(Winner(_key(), Library("eager"), 2 * HOST_BOUND_MS, 2 * HOST_BOUND_MS, runner_up=KERNEL,
+                              runner_up_ms=3 * HOST_BOUND_MS))
+    Store().put_winner(Winner(_key(bucket=8), Library("eager"), FAST, FAST))  # no runner-up to race
+    resolve.invalidate()
+    raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
+    layer = autofuse.get_linear(40, 72, activation="gelu", dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        layer(torch.randn(4, 40))
+        layer(torch.randn(8, 40))
+    assert raced == [] and layer.plain_config_for(4) == {"linear": Library("eager")}
+    assert layer.plain_config_for(16) is None  # no call at that M yet
+
+
+def test_an_un_graphed_mlp_races_the_two_up_projection_ops(monkeypatch):
+    # The interleaved module compares gated_pairs (here its library path, faster by GPU time) with gated_up.
+    common = dict(bucket=4, activation="silu", bias=False)
+    pairs_config = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
+    Store().put_winner(Winner(_key("gated_pairs", 72, 40, **common), Library("cublas_pairs"), FAST, FAST))
+    Store().put_winner(Winner(_key("gated_up", 72, 40, **common), KERNEL, 2 * FAST, 3 * FAST))
+    Store().put_winner(Winner(_key("down", 40, 72, bucket=4, activation="none", bias=False), pairs_config, FAST,
+                              2 * FAST))
+    resolve.invalidate()
+    raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
+    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
+    assert mlp.config_for(4) == {"gated_pairs": Library("cublas_pairs"), "down": pairs_config}
+    x = torch.randn(4, 40)
+    with torch.no_grad():
+        out = mlp(x)
+    assert [list(t) for t in raced[0]] == [["gated_pairs", "down"], ["gated_up", "down"]]
+    assert mlp.plain_config_for(4) == {"gated_up": KERNEL, "down": pairs_config}
+    g, u, d = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    h = ops.get("gated_up").run({"x": x, "wg": g, "wu": u, "bg": None, "bu": None}, "silu", KERNEL)
+    assert torch.equal(out, linear(h, d, None, None, "none", pairs_config))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_race_runs_for_real_and_a_captured_call_runs_the_graphed_winner():
+    key = make_key("linear", 256, 128, 1, torch.bfloat16, "gelu", True, False,
+                   current_environment(torch.device("cuda")))
+    kernel = KernelConfig(16, 64, 64, group_m=1, num_warps=4, num_stages=3)
+    Store().put_winner(Winner(key, Library("eager"), FAST, FAST, runner_up=kernel, runner_up_ms=FAST))
+    resolve.invalidate()
+    plain._decided.clear()
+    layer = autofuse.get_linear(128, 256, activation="gelu", dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = layer(x)
+        chosen = layer.plain_config_for(1)
+        expected = (linear(x, layer.weight, layer.bias, None, "gelu", kernel) if chosen == {"linear": kernel} else
+                    ops.get("linear").library["eager"]({"x": x, "w": layer.weight, "b": layer.bias, "r": None}, "gelu"))
+        assert chosen in ({"linear": kernel}, {"linear": Library("eager")}) and torch.equal(out, expected)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(x)
+        graph.replay()
+        library = ops.get("linear").library["eager"]({"x": x, "w": layer.weight, "b": layer.bias, "r": None}, "gelu")
+    torch.cuda.synchronize()
+    assert torch.equal(captured, library)
