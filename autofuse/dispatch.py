@@ -281,13 +281,13 @@ class BoundLinear:
 
     def __call__(self, x, weight, bias, residual, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
         bound = self.launch
-        replayable = M == self.M and _replayable(self.inside_ops)
-        if replayable and bound is not None and weights == self.weights:
+        if bound is not None and M == self.M and weights == self.weights and _replayable(self.inside_ops):
             y = x.new_empty(out_shape)
             if not bound({"x": x, "r": residual, "y": y}):
                 r2d = None if residual is None else _rows(residual)
                 linear(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
             return y
+        replayable = M == self.M and _replayable(self.inside_ops)
         x2d, r2d = _rows(x), None if residual is None else _rows(residual)
         if self.library is not None and not torch.autograd.profiler._is_profiler_enabled:
             return self.library({"x": x2d, "w": weight, "b": bias, "r": r2d}, self.activation).reshape(out_shape)

@@ -199,6 +199,10 @@ class FusedHFMLP(nn.Module):
         """Where each of those choices came from (FusedMLP.config_sources)."""
         return self._fused.config_sources(M)
 
+    def plain_config_for(self, M: int) -> dict | None:
+        """What an un-graphed call of the fused block runs at M (FusedMLP.plain_config_for)."""
+        return self._fused.plain_config_for(M)
+
     def extra_repr(self) -> str:
         g = self._fused.gate_proj
         return f"d_model={g.in_features}, d_ff={g.out_features}, activation={self.activation}, autofuse"

@@ -63,7 +63,8 @@ class FusedLinear(FusedModule):
         parameters = self._parameters  # not self.weight: an nn.Module attribute lookup costs host time
         weight, bias, activation = parameters["weight"], parameters.get("bias"), self.activation
         M = self._rows_of(x, "in_features", weight)
-        out_shape = (*x.shape[:-1], self.out_features)
+        shape = x.shape
+        out_shape = (shape[0], self.out_features) if len(shape) == 2 else (*shape[:-1], self.out_features)
         if residual is not None:
             self._check_residual(residual, x, out_shape)
         if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
@@ -75,7 +76,7 @@ class FusedLinear(FusedModule):
             config = self._config_table(M, r2d is not None)["linear"].kernel
             return LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
                                         config).reshape(out_shape)
-        weights = addresses((weight, bias))
+        weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
         entry = self._entry(M, weights, weight, residual is not None)
         return entry(x, weight, bias, residual, weights, M, out_shape)
 

@@ -20,6 +20,8 @@ from autofuse.store import Store, TrialRecord, Winner
 
 KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
+# Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
+ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
 
 
 def _key(op="linear", n=72, k=40, bucket=4, activation="gelu", bias=True):
@@ -158,6 +160,7 @@ def _race_on_cpu(monkeypatch, times):
     return raced
 
 
+@ON_THE_CPU
 def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(monkeypatch):
     Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
     resolve.invalidate()
@@ -179,6 +182,7 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
     assert torch.equal(graphed, library)
 
 
+@ON_THE_CPU
 def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeypatch):
     Store().put_winner(Winner(_key(), Library("eager"), 2 * HOST_BOUND_MS, 2 * HOST_BOUND_MS, runner_up=KERNEL,
                               runner_up_ms=3 * HOST_BOUND_MS))
@@ -193,6 +197,7 @@ def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeyp
     assert layer.plain_config_for(16) is None  # no call at that M yet
 
 
+@ON_THE_CPU
 def test_an_un_graphed_mlp_races_the_two_up_projection_ops(monkeypatch):
     # The interleaved module compares gated_pairs (here its library path, faster by GPU time) with gated_up.
     common = dict(bucket=4, activation="silu", bias=False)

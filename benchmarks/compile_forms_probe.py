@@ -1,0 +1,83 @@
+"""Probe: where does an autofuse MLP compiled as an nn.Module at the top of torch.compile(mode="reduce-overhead")
+lose host time that the same module called from a compiled function does not? (Issue 15.)
+
+  python benchmarks/compile_forms_probe.py --out DIR
+
+One gemma-2b MLP (benchmarks/compile_bench.py's model, 1 layer) at M=1, compiled in several forms, each
+timed round-robin (per_call_us: 200 back-to-back calls; host_us: batches of 10, queued), with, per form, the
+profiler's average CPU time per call of the events that a compiled call is made of (guard evaluation is
+"TorchDynamo Cache Lookup").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from autofuse.timing import host_us_sample
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compile_bench import D_MODEL, _EagerStack, _in_function, _models, _round_robin, _wall_us  # noqa: E402
+
+EVENTS = ("TorchDynamo Cache Lookup", "AOTDispatcher Runtime Wrapper Prologue", "Pregraph bytecode",
+          "aten::_foreach_copy_", "cudaGraphLaunch", "cudaLaunchKernel")
+
+
+def _event_us(fn, calls: int = 50) -> dict[str, float]:
+    """Average CPU µs per call of each of EVENTS and of the compiled region(s), under torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    found: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = "Torch-Compiled Region" if event.key.startswith("Torch-Compiled Region") else event.key
+        if name in EVENTS or name == "Torch-Compiled Region":
+            found[name] = found.get(name, 0.0) + event.cpu_time_total / calls
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    stack, eager = _models(1)
+    mlp = stack.mlps[0]
+    forms = {
+        "eager function": torch.compile(eager, mode="reduce-overhead"),
+        "eager nn.Module": torch.compile(_EagerStack(stack.mlps), mode="reduce-overhead"),
+        "autofuse stack (nn.Module at the top), fullgraph": torch.compile(stack, mode="reduce-overhead",
+                                                                         fullgraph=True),
+        "autofuse stack (nn.Module at the top)": torch.compile(stack, mode="reduce-overhead"),
+        "autofuse stack called from a function": torch.compile(_in_function(stack), mode="reduce-overhead"),
+        "autofuse FusedMLP at the top (no residual)": torch.compile(mlp, mode="reduce-overhead"),
+        "autofuse FusedMLP called from a function (no residual)": torch.compile(_in_function(mlp),
+                                                                                mode="reduce-overhead"),
+        "autofuse stack, forward method compiled": torch.compile(stack.forward, mode="reduce-overhead"),
+    }
+    x = torch.randn(1, D_MODEL, device="cuda", dtype=torch.bfloat16)
+    rows = {}
+    with torch.no_grad():
+        for name, fn in forms.items():
+            for _ in range(5):  # compile, capture, warm up
+                fn(x)
+        calls = {name: (lambda fn=fn: fn(x)) for name, fn in forms.items()}
+        wall = _round_robin(calls, _wall_us, args.rounds)
+        host = _round_robin(calls, host_us_sample, 5 * args.rounds)
+        for name in forms:
+            rows[name] = dict(per_call_us=wall[name], host_us=host[name], events_us=_event_us(calls[name]))
+            print(json.dumps({"form": name, **rows[name]}), flush=True)
+    Path(args.out, "compile_forms.json").write_text(json.dumps(dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
