@@ -3,8 +3,9 @@ lose host time that the same module called from a compiled function does not? (I
 
   python benchmarks/compile_forms_probe.py --out DIR
 
-One gemma-2b MLP (benchmarks/compile_bench.py's model, 1 layer) at M=1, compiled in several forms, each
-timed round-robin (per_call_us: 200 back-to-back calls; host_us: batches of 10, queued), with, per form, the
+One gemma-2b MLP (benchmarks/compile_bench.py's model, 1 layer) at M=1, compiled in several forms, each in a
+process of its own beside the eager function compiled in the same mode, timed round-robin (per_call_us: 200
+back-to-back calls; host_us: batches of 10, queued), with, per form, the
 profiler's average CPU time per call of the events that a compiled call is made of (guard evaluation is
 "TorchDynamo Cache Lookup").
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,53 +32,72 @@ EVENTS = ("TorchDynamo Cache Lookup", "AOTDispatcher Runtime Wrapper Prologue", 
 
 
 def _event_us(fn, calls: int = 50) -> dict[str, float]:
-    """Average CPU µs per call of each of EVENTS and of the compiled region(s), under torch.profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    """Average CPU µs per call of each of EVENTS and of the compiled region(s), and the GPU µs of copy kernels,
+    under torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     found: dict[str, float] = {}
     for event in prof.key_averages():
+        if event.self_device_time_total and any(w in event.key.lower() for w in ("copy", "memcpy", "multi_tensor")):
+            # GPU time of copies per call: inputs copied into a CUDA graph's static buffers.
+            found["GPU copies"] = found.get("GPU copies", 0.0) + event.self_device_time_total / calls
         name = "Torch-Compiled Region" if event.key.startswith("Torch-Compiled Region") else event.key
         if name in EVENTS or name == "Torch-Compiled Region":
             found[name] = found.get(name, 0.0) + event.cpu_time_total / calls
     return found
 
 
+FORMS = ("eager nn.Module", "autofuse stack (nn.Module at the top)", "autofuse stack called from a function",
+         "autofuse FusedMLP at the top (no residual)", "autofuse FusedMLP called from a function (no residual)",
+         "autofuse stack, its forward method compiled")
+
+
+def _forms(stack) -> dict:
+    mlp = stack.mlps[0]
+    return {
+        "eager nn.Module": lambda: torch.compile(_EagerStack(stack.mlps), mode="reduce-overhead"),
+        "autofuse stack (nn.Module at the top)": lambda: torch.compile(stack, mode="reduce-overhead"),
+        "autofuse stack called from a function": lambda: torch.compile(_in_function(stack), mode="reduce-overhead"),
+        "autofuse FusedMLP at the top (no residual)": lambda: torch.compile(mlp, mode="reduce-overhead"),
+        "autofuse FusedMLP called from a function (no residual)": lambda: torch.compile(_in_function(mlp),
+                                                                                        mode="reduce-overhead"),
+        "autofuse stack, its forward method compiled": lambda: torch.compile(stack.forward, mode="reduce-overhead"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--form", default=None, help="one form, timed beside the eager function in the same mode; "
+                        "without it, each form in a process of its own (compiled forms of one module share its "
+                        "code objects' Dynamo caches and one CUDA-graph tree, and disturb each other)")
     args = parser.parse_args()
+    if args.form is None:
+        for form in FORMS:
+            subprocess.run([sys.executable, __file__, "--out", args.out, "--rounds", str(args.rounds), "--form", form],
+                           check=False)
+        return
     torch.manual_seed(0)
     stack, eager = _models(1)
-    mlp = stack.mlps[0]
-    forms = {
-        "eager function": torch.compile(eager, mode="reduce-overhead"),
-        "eager nn.Module": torch.compile(_EagerStack(stack.mlps), mode="reduce-overhead"),
-        "autofuse stack (nn.Module at the top), fullgraph": torch.compile(stack, mode="reduce-overhead",
-                                                                         fullgraph=True),
-        "autofuse stack (nn.Module at the top)": torch.compile(stack, mode="reduce-overhead"),
-        "autofuse stack called from a function": torch.compile(_in_function(stack), mode="reduce-overhead"),
-        "autofuse FusedMLP at the top (no residual)": torch.compile(mlp, mode="reduce-overhead"),
-        "autofuse FusedMLP called from a function (no residual)": torch.compile(_in_function(mlp),
-                                                                                mode="reduce-overhead"),
-        "autofuse stack, forward method compiled": torch.compile(stack.forward, mode="reduce-overhead"),
-    }
+    fns = {"eager function": torch.compile(eager, mode="reduce-overhead"), args.form: _forms(stack)[args.form]()}
     x = torch.randn(1, D_MODEL, device="cuda", dtype=torch.bfloat16)
-    rows = {}
     with torch.no_grad():
-        for name, fn in forms.items():
+        for fn in fns.values():
             for _ in range(5):  # compile, capture, warm up
                 fn(x)
-        calls = {name: (lambda fn=fn: fn(x)) for name, fn in forms.items()}
+        calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
         wall = _round_robin(calls, _wall_us, args.rounds)
         host = _round_robin(calls, host_us_sample, 5 * args.rounds)
-        for name in forms:
-            rows[name] = dict(per_call_us=wall[name], host_us=host[name], events_us=_event_us(calls[name]))
-            print(json.dumps({"form": name, **rows[name]}), flush=True)
-    Path(args.out, "compile_forms.json").write_text(json.dumps(dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
+        rows = {name: dict(per_call_us=wall[name], host_us=host[name], events_us=_event_us(calls[name]))
+                for name in fns}
+    print(json.dumps({"form": args.form, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "rows": rows}), flush=True)
+    with Path(args.out, "compile_forms.jsonl").open("a") as f:
+        f.write(json.dumps({"form": args.form, "rows": rows}) + "\n")
 
 
 if __name__ == "__main__":
