@@ -64,11 +64,12 @@ class _EagerStack(torch.nn.Module):
         return x
 
 
-def _models(layers: int):
+def _models(layers: int, interleaved: bool = True):
     """(autofuse model, eager function over the same weights)."""
     mlps = []
     for _ in range(layers):
-        mlp = autofuse.get_mlp(D_MODEL, D_FF, activation=ACTIVATION, dtype=torch.bfloat16, device="cuda")
+        mlp = autofuse.get_mlp(D_MODEL, D_FF, activation=ACTIVATION, dtype=torch.bfloat16, device="cuda",
+                               interleaved=interleaved)
         with torch.no_grad():
             for p in mlp.parameters():
                 p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)

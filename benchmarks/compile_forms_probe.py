@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,10 +53,11 @@ def _event_us(fn, calls: int = 50) -> dict[str, float]:
 
 FORMS = ("eager nn.Module", "autofuse stack (nn.Module at the top)", "autofuse stack called from a function",
          "autofuse FusedMLP at the top (no residual)", "autofuse FusedMLP called from a function (no residual)",
-         "autofuse stack, its forward method compiled")
+         "autofuse stack, its forward method compiled", "autofuse stack (nn.Module at the top), plain weights",
+         "autofuse stack (nn.Module at the top), nn.Modules not inlined")
 
 
-def _forms(stack) -> dict:
+def _forms(stack, plain_stack=None) -> dict:
     mlp = stack.mlps[0]
     return {
         "eager nn.Module": lambda: torch.compile(_EagerStack(stack.mlps), mode="reduce-overhead"),
@@ -65,6 +67,12 @@ def _forms(stack) -> dict:
         "autofuse FusedMLP called from a function (no residual)": lambda: torch.compile(_in_function(mlp),
                                                                                         mode="reduce-overhead"),
         "autofuse stack, its forward method compiled": lambda: torch.compile(stack.forward, mode="reduce-overhead"),
+        # Gate and up as two plain tensors, not views of one interleaved buffer (get_mlp(interleaved=False)).
+        "autofuse stack (nn.Module at the top), plain weights": lambda: torch.compile(plain_stack,
+                                                                                      mode="reduce-overhead"),
+        # Dynamo's older treatment of nn.Modules: parameters as constants of the graph, not inputs.
+        "autofuse stack (nn.Module at the top), nn.Modules not inlined": lambda: torch.compile(
+            stack, mode="reduce-overhead"),
     }
 
 
@@ -72,18 +80,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--only", default="", help="a regular expression: run only the forms it matches")
     parser.add_argument("--form", default=None, help="one form, timed beside the eager function in the same mode; "
                         "without it, each form in a process of its own (compiled forms of one module share its "
                         "code objects' Dynamo caches and one CUDA-graph tree, and disturb each other)")
     args = parser.parse_args()
     if args.form is None:
-        for form in FORMS:
+        for form in (f for f in FORMS if re.search(args.only, f)):
             subprocess.run([sys.executable, __file__, "--out", args.out, "--rounds", str(args.rounds), "--form", form],
                            check=False)
         return
     torch.manual_seed(0)
     stack, eager = _models(1)
-    fns = {"eager function": torch.compile(eager, mode="reduce-overhead"), args.form: _forms(stack)[args.form]()}
+    plain_stack = _models(1, interleaved=False)[0] if "plain weights" in args.form else None
+    if "not inlined" in args.form:
+        torch._dynamo.config.inline_inbuilt_nn_modules = False
+    fns = {"eager function": torch.compile(eager, mode="reduce-overhead"),
+           args.form: _forms(stack, plain_stack)[args.form]()}
     x = torch.randn(1, D_MODEL, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for fn in fns.values():

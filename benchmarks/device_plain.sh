@@ -17,7 +17,7 @@ AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 150 python3 benchmarks/host_cost.py --ou
 [ "${GENERATE:-1}" = 1 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 200 python3 benchmarks/host_profile.py --out "$OUT" --rounds "${ROUNDS:-8}" \
     2>&1 | grep -v "warn" | grep "generate 64\|choices\|Error" | tee "$OUT/generate.txt"
 [ "${FORMS:-0}" = 1 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 240 python3 benchmarks/compile_forms_probe.py \
-    --out "$OUT" 2>&1 | grep '^{\|Error' | cut -c1-1500 | tee "$OUT/compile_forms.txt"
+    --out "$OUT" --only "${FORMS_ONLY:-}" 2>&1 | grep '^{\|Error' | cut -c1-1500 | tee "$OUT/compile_forms.txt"
 [ "${SWEEP_S:-150}" -gt 0 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout "${SWEEP_S:-150}" python3 \
     benchmarks/never_slower.py --out "$OUT" ${SWEEP_ARGS:---mlps 4 --linears 3 --tokens 1,2,5,16} 2>&1 \
     | grep -v warn | tee "$OUT/never_slower.txt" | tail -30
