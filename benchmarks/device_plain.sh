@@ -21,4 +21,6 @@ AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 150 python3 benchmarks/host_cost.py --ou
 [ "${SWEEP_S:-150}" -gt 0 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout "${SWEEP_S:-150}" python3 \
     benchmarks/never_slower.py --out "$OUT" ${SWEEP_ARGS:---mlps 4 --linears 3 --tokens 1,2,5,16} 2>&1 \
     | grep -v warn | tee "$OUT/never_slower.txt" | tail -30
+# At most 8 files come back: everything in one archive.
+(cd "$OUT" && tar czf results.tgz --exclude=results.tgz -- * && find . -type f ! -name results.tgz -delete)
 true

@@ -144,8 +144,19 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
         plain = plain_call_us({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()}, calls=100, rounds=5)
         plain_peers = {k: v for k, v in plain.items() if k != "autofuse"}
         plain_best = min(plain_peers, key=plain_peers.get)
-        row.update(plain_us=plain, plain_best_peer=plain_best, plain_ratio=plain_peers[plain_best] / plain["autofuse"])
+        row.update(plain_us=plain, plain_best_peer=plain_best, plain_ratio=plain_peers[plain_best] / plain["autofuse"],
+                   # autofuse's plain call again with no other provider in between, and whether a launch hook
+                   # (which bound launches decline, autofuse/bound.py) was set: where the two plain times differ.
+                   plain_alone_us=plain_call_us({"autofuse": lambda: providers["autofuse"](x)}, calls=100,
+                                                rounds=3)["autofuse"],
+                   launch_hooks=_launch_hooks())
     return row
+
+
+def _launch_hooks() -> int:
+    from triton import knobs
+    return sum(len(getattr(getattr(knobs.runtime, name, None), "calls", None) or [])
+               for name in ("launch_enter_hook", "launch_exit_hook"))
 
 
 # Up to this M the plain call's time (host included, un-graphed) is measured too.
