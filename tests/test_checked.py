@@ -66,6 +66,13 @@ def test_the_first_eager_call_checks_and_keeps_the_faster(device, monkeypatch, l
     # The one-launch MLP was checked too (it runs at M <= 64), and lost (100 ms on the fake timer).
     assert set(stored) == {"gated_up", "down", "mlp"} and all(w.policy == "checked" for w in stored.values())
     assert stored["down"].config == chosen["down"]
+    # A library path's record keeps the kernel it beat, for un-graphed calls (plain.py); a kernel's keeps none.
+    for op in ("gated_up", "down"):
+        if library_faster:
+            assert isinstance(stored[op].runner_up, KernelConfig) and stored[op].runner_up_ms == 2.0
+        else:
+            assert stored[op].runner_up is None
+    assert mlp._config_table(M)["down"].runner_up == stored["down"].runner_up
 
 
 def test_a_near_tie_goes_to_the_library_path(device, monkeypatch):
