@@ -126,6 +126,17 @@ def test_the_first_plain_call_races_and_later_ones_run_the_fastest(monkeypatch, 
     assert again("x") == expected and timed_again == []
 
 
+def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, entries, _ = _raced(monkeypatch, [30.0, 10.0], key=("test", "fails"))
+
+    def out_of_memory(entries, args):
+        raise torch.OutOfMemoryError("no memory for the test")
+    monkeypatch.setattr(plain, "plain_call_us", out_of_memory)
+    assert raced("x") == "e0" and raced("x") == "e0"
+    assert any("could not race" in r.getMessage() for r in caplog.records)
+
+
 def test_a_call_while_a_graph_captures_runs_the_gpu_time_winner(monkeypatch):
     raced, entries, timed = _raced(monkeypatch, [30.0, 10.0])
     monkeypatch.setattr(plain, "_capturing", lambda: True)
