@@ -259,11 +259,9 @@ class _RawLaunch:
         slots = self.slots
         for i, address in workspace or ():
             flat[slots[i][0]] = address
-        dtypes = bound.dtypes
         for i, name, is_descriptor in bound.slots:
-            t = tensors[name]  # _address_of, inlined: this loop runs on every un-graphed call
-            address = t.data_ptr()
-            if address % 16 or t.dtype != dtypes[name] or not t.is_contiguous():
+            address = _address_of(tensors[name], bound.dtypes[name])
+            if address is None:
                 return False
             start, length = slots[i]
             if is_descriptor:

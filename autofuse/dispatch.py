@@ -161,9 +161,6 @@ def _n_of(spec, operands: dict, k: int) -> int:
     raise ValueError(f"op {spec.name}: cannot tell n from operands {list(operands)}")
 
 
-_per_call = workspaces.per_call
-
-
 def _replayable(inside_ops: bool) -> bool:
     # Entries of the modules replay outside torch.library ops (custom_ops.py keeps its own entries,
     # whose workspaces and H are allocated per call); none replays under a profiler (which wants
@@ -284,14 +281,13 @@ class BoundLinear:
 
     def __call__(self, x, weight, bias, residual, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
         bound = self.launch
-        if (bound is not None and M == self.M and weights == self.weights and self.inside_ops == _per_call()
-                and not torch.autograd.profiler._is_profiler_enabled):  # _replayable, inlined
+        replayable = M == self.M and _replayable(self.inside_ops)
+        if replayable and bound is not None and weights == self.weights:
             y = x.new_empty(out_shape)
             if not bound({"x": x, "r": residual, "y": y}):
                 r2d = None if residual is None else _rows(residual)
                 linear(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
             return y
-        replayable = M == self.M and _replayable(self.inside_ops)
         x2d, r2d = _rows(x), None if residual is None else _rows(residual)
         if self.library is not None and not torch.autograd.profiler._is_profiler_enabled:
             return self.library({"x": x2d, "w": weight, "b": bias, "r": r2d}, self.activation).reshape(out_shape)

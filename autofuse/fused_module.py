@@ -57,6 +57,7 @@ class FusedModule(nn.Module):
         super().__init__()
         self.tuned = tuned  # False: ignore tuned caches, always use the built-in heuristic
         self._configs: dict[tuple, dict[str, Choice]] = {}
+        self._compared: dict[tuple, list] = {}  # table key -> the other tables its choice compared (plain.py)
         self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
         self._last: tuple | None = None  # (M, residual, weight addresses, generation, entry): _entry
         self._generation = generation()  # what the memos above were resolved under: _drop_stale
@@ -114,36 +115,40 @@ class FusedModule(nn.Module):
         weight = self._reference_weight()
         M = max(M, 1)  # an empty batch launches nothing; any config will do
         self._drop_stale()
-        key = (*self._table_key(M, weight), residual)
+        key = self._key(M, weight, residual)
         table = self._configs.get(key)
         if table is None:
             check_dtype(weight.dtype)
             check_device(weight.device)
-            table = self._resolve(M, weight.dtype, weight.device, residual)
+            table, compared = self._resolve(M, weight.dtype, weight.device, residual)
             if not pending(table):  # a choice made while no check could run is made again next time
-                self._configs[key] = table
+                self._configs[key], self._compared[key] = table, compared
         return table
 
     _table_key = staticmethod(table_key)
 
+    def _key(self, M: int, weight: torch.Tensor, residual: bool) -> tuple:
+        """The key of the config table, the tables it compared and the bound entry for M rows (M >= 1)."""
+        return (*self._table_key(M, weight), residual)
+
     def _bound_table(self, M: int, weight: torch.Tensor, residual: bool = False):
         """The table entry for M as a callable that binds its launches on the first call (dispatch)."""
         self._drop_stale()
-        key = (*self._table_key(max(M, 1), weight), residual)
+        M = max(M, 1)
+        key = self._key(M, weight, residual)
         bound = self._bound.get(key)
         if bound is None:
             table = self._config_table(M, residual)
-            M = max(M, 1)
             bound = self._bind(table, M)
             if not pending(table):
                 if self.tuned and plain.racing(weight.device) and plain.host_bound(table):
-                    bound = self._raced(bound, table, M, weight, residual)
+                    bound = self._raced(bound, table, self._compared[key], M, weight, residual)
                 self._bound[key] = bound
         return bound
 
-    def _raced(self, bound, table: dict[str, Choice], M: int, weight: torch.Tensor, residual: bool):
+    def _raced(self, bound, table: dict[str, Choice], compared: list, M: int, weight: torch.Tensor, residual: bool):
         """`bound`, or a plain.Raced entry where other tables compute the same for un-graphed calls."""
-        others = plain.candidates(table, self._compared(M, weight, residual))
+        others = plain.candidates(table, compared)
         if not others:
             return bound
         tables = [table, *others]
@@ -153,10 +158,6 @@ class FusedModule(nn.Module):
     def _bind(self, table: dict[str, Choice], M: int):
         raise NotImplementedError
 
-    def _compared(self, M: int, weight: torch.Tensor, residual: bool) -> list[dict[str, Choice]]:
-        """The tables other than the chosen one that the choice for M compared (plain.candidates)."""
-        return []
-
     def _shape(self, residual: bool) -> tuple:
         """What besides M, dtype and device sets the problem a table entry solves (plain.memo_key)."""
         raise NotImplementedError
@@ -164,14 +165,15 @@ class FusedModule(nn.Module):
     def plain_config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library] | None:
         """What each op runs for M rows in an un-graphed call, once the first such call raced the tables
         for M (plain.py); config_for's where no race was needed; None before the first call at M."""
-        weight = self._reference_weight()
-        entry = self._bound.get((*self._table_key(check_size("M", M), weight), residual))
+        entry = self._bound.get(self._key(check_size("M", M), self._reference_weight(), residual))
         if entry is None:
             return None
         table = entry.plain_table if isinstance(entry, plain.Raced) else entry.table
         return None if table is None else {op: c.config for op, c in table.items()}
 
-    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device, residual: bool) -> dict[str, Choice]:
+    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device,
+                 residual: bool) -> tuple[dict[str, Choice], list[dict[str, Choice]]]:
+        """(the choices for M, the other tables that choice compared)."""
         raise NotImplementedError
 
     def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library]:
@@ -187,5 +189,6 @@ class FusedModule(nn.Module):
     def clear_config_table(self) -> None:
         """Resolve again on the next forward (a tune or `cache import` in this process is seen anyway)."""
         self._configs.clear()
+        self._compared.clear()
         self._bound.clear()
         self._last = None

@@ -17,7 +17,7 @@ from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .checked import pending
 from .device import capturing
-from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, mlp_tables, resolve_checked
+from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_tables, resolve_checked
 from .errors import AutofuseError
 from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
@@ -51,7 +51,7 @@ class FusedLinear(FusedModule):
 
     def _resolve(self, M, dtype, device, residual):
         return linear_choices(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
-                              M, dtype, device, self.tuned)
+                              M, dtype, device, self.tuned), []
 
     def _bind(self, table, M):
         return BoundLinear(table, self.activation, M)
@@ -170,15 +170,11 @@ class FusedMLP(FusedModule):
         return (*super()._table_key(M, weight), self.d_ff_run, self.d_in_run, self.runs_pairs)
 
     def _resolve(self, M, dtype, device, residual):
-        return mlp_choices(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M, dtype,
-                           device, self.tuned, pairs=self.runs_pairs, d_in=self.d_in_run)
+        return mlp_tables(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M, dtype,
+                          device, self.tuned, pairs=self.runs_pairs, d_in=self.d_in_run)
 
     def _bind(self, table, M):
         return BoundMLP(table, self.activation, M)
-
-    def _compared(self, M, weight, residual):
-        return mlp_tables(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M,
-                          weight.dtype, weight.device, self.tuned, pairs=self.runs_pairs, d_in=self.d_in_run)[1]
 
     def _shape(self, residual):
         return (self.d_model, self.d_ff_run, self.d_in_run, self.runs_pairs, self.activation,

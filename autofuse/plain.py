@@ -16,11 +16,11 @@ for the process only, once per (module kind, shape, M, tables).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
 
+from . import timing
 from .checked import CHECK_FAILED, HOST_BOUND_MS, PENDING
 from .device import interpreting
 from .resolve import Choice
@@ -144,22 +144,11 @@ class Raced:
 
 
 def plain_call_us(entries: list[Callable], args: tuple) -> list[float]:
-    """Microseconds per call of each entry on `args`, called CALLS times back to back and synchronised,
-    ROUNDS times in turn (a rotated order each round); the median of its rounds. The first calls bind."""
-    for entry in entries:
-        entry(*args)
-    torch.cuda.synchronize()
-    rounds: list[list[float]] = [[] for _ in entries]
-    order = list(range(len(entries)))
-    for r in range(ROUNDS):
-        for i in order[r % len(order):] + order[:r % len(order)]:
-            entry = entries[i]
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                entry(*args)
-            torch.cuda.synchronize()
-            rounds[i].append((time.perf_counter() - start) * 1e6 / CALLS)
-    return [sorted(r)[len(r) // 2] for r in rounds]
+    """Microseconds per plain call of each entry on `args` (timing.plain_call_us: CALLS calls back to back,
+    ROUNDS rounds in turn, rotated, the median round); one call first, which binds."""
+    times = timing.plain_call_us({str(i): (lambda entry=entry: entry(*args)) for i, entry in enumerate(entries)},
+                                 calls=CALLS, rounds=ROUNDS, warmup=1, rotate=True)
+    return [times[str(i)] for i in range(len(entries))]
 
 
 def _describe(table: dict[str, Choice]) -> str:

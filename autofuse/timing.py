@@ -47,16 +47,19 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
 
 
 def plain_call_us(fns: dict[str, Callable[[], object]], calls: int = 200, rounds: int = 7,
-                  warmup: int = 10) -> dict[str, float]:
+                  warmup: int = 10, rotate: bool = False) -> dict[str, float]:
     """µs per plain call (un-graphed, host included, what a user's loop pays) of each function: wall time of
     `calls` back-to-back calls / calls, synchronised before and after, median of `rounds` rounds taken in turn
-    over the functions so that host drift falls on all of them alike."""
+    over the functions so that host drift falls on all of them alike; `rotate`: each round starts one function
+    later, so that no function always runs first."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(rounds):
+        shift = r % len(order) if rotate else 0
+        for name, fn in order[shift:] + order[:shift]:
             _synchronize()
             start = time.perf_counter()
             for _ in range(calls):

@@ -77,3 +77,13 @@ def test_plain_call_timing_calls_each_function_in_turn_and_returns_medians(monke
     assert order[:4] == ["a", "a", "b", "b"]  # warm-up, then rounds in turn
     assert order[4:] == (["a"] * 4 + ["b"] * 4) * 3
     assert result == {"a": 1e6 / 4, "b": 1e6 / 4}  # start and stop one reading apart: 1 s / 4 calls
+
+
+def test_plain_call_timing_rotated_starts_each_round_one_function_later(monkeypatch):
+    from autofuse import timing
+
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    result = timing.plain_call_us(fns, calls=1, rounds=4, warmup=0, rotate=True)
+    assert "".join(order) == "abc" + "bca" + "cab" + "abc"
+    assert set(result) == set("abc") and all(t > 0 for t in result.values())
