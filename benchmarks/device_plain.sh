@@ -3,14 +3,14 @@
 # (tests/test_plain.py and the bound-launch tests), the host-cost table (benchmarks/host_cost.py), generate with
 # fuse(model) (benchmarks/host_profile.py; GENERATE=0 skips it) and the "never slower" sweep at decode M with plain calls
 # (benchmarks/never_slower.py, empty user cache; SWEEP_S seconds, 0 skips it; SWEEP_ARGS its arguments); FORMS=1
-# adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py). Carry .whl.
+# adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py); TESTS=0 skips the tests. Carry .whl.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     | tee -a "$OUT/env.txt"
-AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_plain.py \
+[ "${TESTS:-1}" = 1 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_plain.py \
     tests/test_bound.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
 AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 150 python3 benchmarks/host_cost.py --out "$OUT" 2>&1 | grep -v "warn" \
     | tee "$OUT/host_cost.txt"
