@@ -148,7 +148,7 @@ class FusedModule(nn.Module):
 
     def _raced(self, bound, table: dict[str, Choice], compared: list, M: int, weight: torch.Tensor, residual: bool):
         """`bound`, or a plain.Raced entry where other tables compute the same for un-graphed calls."""
-        others = plain.candidates(table, compared)
+        others = plain.candidates(table, compared, self._libraries(residual))
         if not others:
             return bound
         tables = [table, *others]
@@ -156,6 +156,10 @@ class FusedModule(nn.Module):
         return plain.Raced(bound, [self._bind(t, M) for t in others], tables, M, key)
 
     def _bind(self, table: dict[str, Choice], M: int):
+        raise NotImplementedError
+
+    def _libraries(self, residual: bool) -> dict[str, tuple[str, ...]]:
+        """op -> the names of the library paths that compute it for this module (plain.candidates)."""
         raise NotImplementedError
 
     def _shape(self, residual: bool) -> tuple:

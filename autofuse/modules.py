@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import custom_ops  # noqa: F401 - registers torch.ops.autofuse.*
+from . import custom_ops, ops  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .checked import pending
 from .device import capturing
@@ -58,6 +58,9 @@ class FusedLinear(FusedModule):
 
     def _shape(self, residual):
         return (self.in_features, self.out_features, self.activation, self.bias is not None, residual)
+
+    def _libraries(self, residual):
+        return {"linear": tuple(ops.get("linear").library_for(self.activation, self.bias is not None, residual))}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         parameters = self._parameters  # not self.weight: an nn.Module attribute lookup costs host time
@@ -175,6 +178,12 @@ class FusedMLP(FusedModule):
 
     def _bind(self, table, M):
         return BoundMLP(table, self.activation, M)
+
+    def _libraries(self, residual):
+        # The one-launch "mlp" op has no library path of its own to stand in for it: the pair's are raced.
+        bias = self.gate_proj.bias is not None
+        gated = {op: tuple(ops.get(op).library_for(self.activation, bias, False)) for op in ("gated_up", "gated_pairs")}
+        return {**gated, "down": tuple(ops.get("down").library_for("none", bias, False))}
 
     def _shape(self, residual):
         return (self.d_model, self.d_ff_run, self.d_in_run, self.runs_pairs, self.activation,

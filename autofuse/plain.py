@@ -6,22 +6,24 @@ bound kernel launch costs a few microseconds of it, a library path one PyTorch o
 path chosen by GPU time can make an un-graphed call slower than eager's (RESULTS.md, eleventh session).
 
 Where a module's table runs under checked.HOST_BOUND_MS of GPU time and other tables compute the same
-(the tables the choice compared, and each with its library choices replaced by their runner-up kernels:
-store.Winner.runner_up), its first un-graphed call times every one of them as it is called, back to back
-through its bound entry, in turn, and its un-graphed calls keep the fastest. A call made while a CUDA
-graph captures runs the GPU-time winner. The decision is the host's as much as the GPU's, so it is kept
-for the process only, once per (module kind, shape, M, tables).
+(the tables the choice compared, each with its library choices replaced by their runner-up kernels
+(store.Winner.runner_up), and each with one op's choice replaced by another of its library paths), its
+first un-graphed call times every one of them as it is called, back to back through its bound entry, in
+turn, and its un-graphed calls keep the fastest. A call made while a CUDA graph captures runs the GPU-time
+winner. The decision is the host's as much as the GPU's, so it is kept for the process only, once per
+(module kind, shape, M, tables).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from . import timing
 from .checked import CHECK_FAILED, HOST_BOUND_MS, PENDING
+from .configs import Library
 from .device import interpreting
 from .resolve import Choice
 
@@ -47,19 +49,36 @@ def host_bound(table: dict[str, Choice]) -> bool:
     return None not in times and sum(times) < HOST_BOUND_MS
 
 
-def candidates(winner: dict[str, Choice], others: list[dict[str, Choice]]) -> list[dict[str, Choice]]:
-    """The tables other than `winner` worth racing for its un-graphed calls: `others` and every table with
-    its library choices replaced by their runner-up kernels, without repeats and without choices made
-    before a check could run (the caller has seen that `winner` is host_bound)."""
+def candidates(winner: dict[str, Choice], others: list[dict[str, Choice]],
+               libraries: Mapping[str, Iterable[str]] | None = None) -> list[dict[str, Choice]]:
+    """The tables other than `winner` worth racing for its un-graphed calls: `others`, every table with
+    its library choices replaced by their runner-up kernels, and `winner` and `others` with one op's
+    choice replaced by another of that op's library paths (`libraries`: op -> the names of the library
+    candidates that compute it for this module; a library path's plain call costs its PyTorch ops' host
+    time, which GPU times do not show, and one path's may be far above another's at the same GPU time);
+    without repeats and without choices made before a check could run (the caller has seen that
+    `winner` is host_bound)."""
     seen = {_signature(winner)}
     found = []
-    for table in (*others, *(_with_kernels(t) for t in (winner, *others))):
+    tables = (*others, *(_with_kernels(t) for t in (winner, *others)),
+              *(t for base in (winner, *others) for t in _with_libraries(base, libraries or {})))
+    for table in tables:
         if table is None or any(c.source in (PENDING, CHECK_FAILED) for c in table.values()):
             continue
         signature = _signature(table)
         if signature not in seen:
             seen.add(signature)
             found.append(table)
+    return found
+
+
+def _with_libraries(table: dict[str, Choice], libraries: Mapping[str, Iterable[str]]) -> list[dict[str, Choice]]:
+    """`table` with one op's choice replaced by each other library path of that op, one op at a time."""
+    found = []
+    for op, choice in table.items():
+        for name in libraries.get(op, ()):
+            if choice.config != Library(name):
+                found.append({**table, op: Choice(Library(name), choice.source)})
     return found
 
 

@@ -92,6 +92,29 @@ def test_the_candidates_are_the_compared_tables_and_their_kernels():
     assert plain.candidates({"gated_up": up, "down": down}, [waiting]) == []
 
 
+def test_the_candidates_include_each_other_library_path_of_one_op_at_a_time():
+    lt = Choice(Library("cublaslt_gelu_tanh"), "checked", FAST)
+    linear_paths = tuple(ops.get("linear").library_for("gelu_tanh", True, False))
+    assert linear_paths == ("eager", "cublaslt_gelu_tanh", "cublas_bias_act")
+    found = plain.candidates({"linear": lt}, [], {"linear": linear_paths})
+    assert [t["linear"].config for t in found] == [Library("eager"), Library("cublas_bias_act")]
+    assert all(t["linear"].source == "checked" and t["linear"].time_ms is None for t in found)
+    # An MLP: each op of the winner and of each compared table in turn, the other ops as they were.
+    pairs, down, up = Choice(KERNEL, "checked", FAST), Choice(KERNEL, "checked", FAST), Choice(KERNEL, "checked", FAST)
+    libraries = {"gated_up": ("eager", "cublas_gated_act"), "gated_pairs": ("eager", "cublas_pairs"),
+                 "down": ("eager",)}
+    found = plain.candidates({"gated_pairs": pairs, "down": down}, [{"gated_up": up, "down": down}], libraries)
+    assert [{op: c.config.short() for op, c in t.items()} for t in found] == [
+        {"gated_up": KERNEL.short(), "down": KERNEL.short()},
+        {"gated_pairs": "library:eager", "down": KERNEL.short()},
+        {"gated_pairs": "library:cublas_pairs", "down": KERNEL.short()},
+        {"gated_pairs": KERNEL.short(), "down": "library:eager"},
+        {"gated_up": "library:eager", "down": KERNEL.short()},
+        {"gated_up": "library:cublas_gated_act", "down": KERNEL.short()},
+        {"gated_up": KERNEL.short(), "down": "library:eager"},
+    ]
+
+
 class _Entry:
     def __init__(self, name):
         self.name, self.calls, self.table = name, 0, {"linear": Choice(Library(name), "x", FAST)}
@@ -183,7 +206,8 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
         again = layer(x)
     expected = linear(x, layer.weight, layer.bias, None, "gelu", KERNEL)
     assert torch.equal(out, expected) and torch.equal(again, expected)
-    assert len(raced) == 1 and [t["linear"].config for t in raced[0]] == [Library("eager"), KERNEL]
+    assert len(raced) == 1
+    assert [t["linear"].config for t in raced[0]] == [Library("eager"), KERNEL, Library("cublas_bias_act")]
     assert layer.config_for(4) == {"linear": Library("eager")}  # the GPU-time winner, what graphs run
     assert layer.plain_config_for(4) == {"linear": KERNEL}
     monkeypatch.setattr(plain, "_capturing", lambda: True)
@@ -197,15 +221,37 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
 def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeypatch):
     Store().put_winner(Winner(_key(), Library("eager"), 2 * HOST_BOUND_MS, 2 * HOST_BOUND_MS, runner_up=KERNEL,
                               runner_up_ms=3 * HOST_BOUND_MS))
-    Store().put_winner(Winner(_key(bucket=8), Library("eager"), FAST, FAST))  # no runner-up to race
+    # No runner-up, and no other library path: without an activation, bias or residual, eager's one matmul
+    # is the Linear's only library path.
+    plain_key = make_key("linear", 72, 40, 8, torch.float32, "none", False, False,
+                         current_environment(torch.device("cpu")))
+    Store().put_winner(Winner(plain_key, Library("eager"), FAST, FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
     layer = autofuse.get_linear(40, 72, activation="gelu", dtype=torch.float32, device="cpu")
+    bare = autofuse.get_linear(40, 72, bias=False, dtype=torch.float32, device="cpu")
     with torch.no_grad():
         layer(torch.randn(4, 40))
-        layer(torch.randn(8, 40))
+        bare(torch.randn(8, 40))
     assert raced == [] and layer.plain_config_for(4) == {"linear": Library("eager")}
+    assert bare.plain_config_for(8) == {"linear": Library("eager")}
     assert layer.plain_config_for(16) is None  # no call at that M yet
+
+
+@ON_THE_CPU
+def test_an_un_graphed_linear_races_the_other_library_paths_where_no_kernel_is_kept(monkeypatch):
+    Store().put_winner(Winner(_key(activation="gelu_tanh"), Library("cublaslt_gelu_tanh"), FAST, FAST))
+    resolve.invalidate()
+    raced = _race_on_cpu(monkeypatch, [30.0, 10.0, 20.0])
+    layer = autofuse.get_linear(40, 72, activation="gelu_tanh", dtype=torch.float32, device="cpu")
+    x = torch.randn(4, 40)
+    with torch.no_grad():
+        out = layer(x)
+    assert [t["linear"].config for t in raced[0]] == [Library(n) for n in ("cublaslt_gelu_tanh", "eager",
+                                                                            "cublas_bias_act")]
+    assert layer.plain_config_for(4) == {"linear": Library("eager")}
+    eager = ops.get("linear").library["eager"]({"x": x, "w": layer.weight, "b": layer.bias, "r": None}, "gelu_tanh")
+    assert torch.equal(out, eager)
 
 
 @ON_THE_CPU
@@ -224,7 +270,7 @@ def test_an_un_graphed_mlp_races_the_two_up_projection_ops(monkeypatch):
     x = torch.randn(4, 40)
     with torch.no_grad():
         out = mlp(x)
-    assert [list(t) for t in raced[0]] == [["gated_pairs", "down"], ["gated_up", "down"]]
+    assert [list(t) for t in raced[0]][:2] == [["gated_pairs", "down"], ["gated_up", "down"]]
     assert mlp.plain_config_for(4) == {"gated_up": KERNEL, "down": pairs_config}
     g, u, d = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
     h = ops.get("gated_up").run({"x": x, "wg": g, "wu": u, "bg": None, "bu": None}, "silu", KERNEL)
@@ -243,10 +289,11 @@ def test_on_a_gpu_the_race_runs_for_real_and_a_captured_call_runs_the_graphed_wi
     x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         out = layer(x)
-        chosen = layer.plain_config_for(1)
-        expected = (linear(x, layer.weight, layer.bias, None, "gelu", kernel) if chosen == {"linear": kernel} else
-                    ops.get("linear").library["eager"]({"x": x, "w": layer.weight, "b": layer.bias, "r": None}, "gelu"))
-        assert chosen in ({"linear": kernel}, {"linear": Library("eager")}) and torch.equal(out, expected)
+        chosen = layer.plain_config_for(1)["linear"]
+        operands = {"x": x, "w": layer.weight, "b": layer.bias, "r": None}
+        expected = (linear(x, layer.weight, layer.bias, None, "gelu", kernel) if chosen == kernel else
+                    ops.get("linear").library[chosen.name](operands, "gelu"))
+        assert chosen in (kernel, Library("eager"), Library("cublas_bias_act")) and torch.equal(out, expected)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = layer(x)
