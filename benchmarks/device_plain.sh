@@ -3,7 +3,8 @@
 # (tests/test_plain.py and the bound-launch tests), the host-cost table (benchmarks/host_cost.py), generate with
 # fuse(model) (benchmarks/host_profile.py; GENERATE=0 skips it) and the "never slower" sweep at decode M with plain calls
 # (benchmarks/never_slower.py, empty user cache; SWEEP_S seconds, 0 skips it; SWEEP_ARGS its arguments); FORMS=1
-# adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py); TESTS=0 skips the tests. Carry .whl.
+# adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py); TESTS=0 skips the
+# tests. Carry .whl.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1

@@ -71,8 +71,11 @@ def main() -> int:
                            seconds=round(time.perf_counter() - start, 1))
                 rows.append(row)
                 print(f"[{n}/{len(todo)}] {json.dumps(row)}", flush=True)
-                # Written after every key: a run cut off keeps what it finished.
-                Path(args.file).write_text(json.dumps(build_document(winners), indent=1, sort_keys=True) + "\n")
+                # Written after every key, through a file beside it and a rename: a run cut off keeps what it
+                # finished and never leaves half a file.
+                partial = Path(f"{args.file}.partial")
+                partial.write_text(json.dumps(build_document(winners), indent=1, sort_keys=True) + "\n")
+                os.replace(partial, args.file)
         finally:
             store.close()
     kept = sum(r["runner_up"] is not None for r in rows)
