@@ -66,6 +66,13 @@ def export_winners(store: Store, path: Path | str, gpu: str | None = None) -> in
         have = sorted({w.key.gpu for w in store.winners()})
         held = f"configs for: {', '.join(have)}" if have else "no tuned configs (run `autofuse tune` first)"
         raise AutofuseError(f"nothing to export{f' for GPU {gpu!r}' if gpu else ''}; the cache holds {held}")
+    write_export(winners, path)
+    return len(winners)
+
+
+def write_export(winners: Iterable[Winner], path: Path | str) -> None:
+    """Write `winners` as a config export to `path` atomically (a file beside it, renamed over it): a run
+    cut off leaves the old file or the new one, never half of one."""
     document = build_document(winners)
     path = Path(path)
     if not path.parent.is_dir():  # a typo in -o would otherwise make folders nobody asked for
@@ -80,7 +87,6 @@ def export_winners(store: Store, path: Path | str, gpu: str | None = None) -> in
         json.dump(document, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
-    return len(winners)
 
 
 def parse_document(document, source: str) -> list[Winner]:

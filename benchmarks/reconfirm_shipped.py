@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from autofuse.configfile import build_document, read_export
+from autofuse.configfile import read_export, write_export
 from autofuse.configs import KernelConfig, Library
 from autofuse.evaluator import Evaluator, choose_winner
 
@@ -60,7 +60,7 @@ def main() -> int:
                    seconds=round(time.perf_counter() - start, 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    Path(args.file).write_text(json.dumps(build_document(winners), indent=1, sort_keys=True) + "\n")
+    write_export(winners, args.file)
     flipped = [r for r in rows if not r["kept"]]
     print(f"{args.file}: {len(rows)} kernel records retimed, {len(flipped)} became library paths", flush=True)
     Path(args.out, f"reconfirm-{Path(args.file).stem}.json").write_text(json.dumps({"gpu": gpu, "rows": rows}))

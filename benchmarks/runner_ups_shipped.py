@@ -27,7 +27,7 @@ import torch
 
 from autofuse import ops
 from autofuse.checked import HOST_BOUND_MS
-from autofuse.configfile import build_document, read_export
+from autofuse.configfile import read_export, write_export
 from autofuse.configs import Library
 from autofuse.key import current_environment
 from autofuse.store import Store
@@ -71,11 +71,7 @@ def main() -> int:
                            seconds=round(time.perf_counter() - start, 1))
                 rows.append(row)
                 print(f"[{n}/{len(todo)}] {json.dumps(row)}", flush=True)
-                # Written after every key, through a file beside it and a rename: a run cut off keeps what it
-                # finished and never leaves half a file.
-                partial = Path(f"{args.file}.partial")
-                partial.write_text(json.dumps(build_document(winners), indent=1, sort_keys=True) + "\n")
-                os.replace(partial, args.file)
+                write_export(winners, args.file)  # after every key: a run cut off keeps what it finished
         finally:
             store.close()
     kept = sum(r["runner_up"] is not None for r in rows)
