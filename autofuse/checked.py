@@ -129,12 +129,13 @@ def kernel_margin(library_ms: dict[str, float], margin: float = CHECK_MARGIN) ->
     """By how much a kernel must beat the fastest library path to be chosen: `margin` (a check's
     CHECK_MARGIN; tuning, whose times are confirmed side by side, none), or where that path takes under
     HOST_BOUND_MS, -CHECK_MARGIN (the kernel is kept unless beaten by that much)."""
-    return -CHECK_MARGIN if library_ms and _host_bound(min(library_ms.values())) else margin
+    return -CHECK_MARGIN if library_ms and is_host_bound(min(library_ms.values())) else margin
 
 
-def _host_bound(library_ms: float) -> bool:
-    """Whether a library path this fast leaves an un-graphed call's host time of the order of its GPU time."""
-    return library_ms < HOST_BOUND_MS
+def is_host_bound(gpu_ms: float) -> bool:
+    """Whether this GPU time (a library path's, or a whole table's) leaves an un-graphed call's host time of
+    the order of it."""
+    return gpu_ms < HOST_BOUND_MS
 
 
 def _times_on_gpu(device: torch.device) -> bool:
@@ -168,7 +169,7 @@ def kernel_on_host_bound_tie(first: tuple[str, Choice], second: tuple[str, Choic
     CHECK_MARGIN of it (kernel_margin's rule, between two ops' records); else None."""
     (op_a, a), (op_b, b) = first, second
     for (kernel_op, kernel), library in (((op_a, a), b), ((op_b, b), a)):
-        if (kernel.kernel is not None and library.kernel is None and _host_bound(library.time_ms)
+        if (kernel.kernel is not None and library.kernel is None and is_host_bound(library.time_ms)
                 and kernel.time_ms <= library.time_ms * (1 + CHECK_MARGIN)):
             return kernel_op
     return None

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from . import timing
-from .checked import CHECK_FAILED, HOST_BOUND_MS, PENDING
+from .checked import CHECK_FAILED, PENDING, is_host_bound
 from .configs import Library
 from .device import interpreting
 from .resolve import Choice
@@ -46,7 +46,7 @@ def host_bound(table: dict[str, Choice]) -> bool:
     """Whether a table's known GPU time is under HOST_BOUND_MS (an un-graphed call's host time is then of
     its order); False where a time is unknown (the heuristic's, a nearest key's)."""
     times = [c.time_ms for c in table.values()]
-    return None not in times and sum(times) < HOST_BOUND_MS
+    return None not in times and is_host_bound(sum(times))
 
 
 def candidates(winner: dict[str, Choice], others: list[dict[str, Choice]],
