@@ -116,14 +116,15 @@ def _recognise_norm(module: nn.Module) -> tuple[str, float] | str | None:
     eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
     state = list(module.parameters()) + list(module.buffers()) + list(module.children())
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or len(state) != 1 or type(eps) is not float:
-        return "not one 1-D weight and a float eps" if _rms_norm_name(module) else None
-    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.device.type == "meta":
-        return f"its weight is {weight.dtype} on {weight.device}" if _rms_norm_name(module) else None
-    form = _norm_form(module, weight, eps)
-    if form is None:
-        return f"it computes neither of autofuse's RMSNorm forms ({', '.join(FORMS)})" if _rms_norm_name(module) \
-            else None
-    return form, eps
+        reason = "not one 1-D weight and a float eps"
+    elif weight.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.device.type == "meta":
+        reason = f"its weight is {weight.dtype} on {weight.device}"
+    else:
+        form = _norm_form(module, weight, eps)
+        if form is not None:
+            return form, eps
+        reason = f"it computes neither of autofuse's RMSNorm forms ({', '.join(FORMS)})"
+    return reason if _rms_norm_name(module) else None  # a reason for modules that say they are RMSNorms only
 
 
 def _norm_form(module: nn.Module, weight: torch.Tensor, eps: float) -> str | None:
