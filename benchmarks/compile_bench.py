@@ -23,7 +23,6 @@ import json
 import os
 import re
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_mlp
-from autofuse.timing import host_profile_text, host_us_sample
+from autofuse.timing import host_profile_text, host_us_sample, plain_call_us
 
 D_MODEL, D_FF, ACTIVATION = 2048, 16384, "gelu_tanh"
 GRAPH_REPLAY = "autofuse, torch.cuda.graph replay"  # a provider made per M: it captures at that M
@@ -113,15 +112,6 @@ def _graphed(model, x):
     return replay
 
 
-def _wall_us(fn, calls: int = 200) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def _round_robin(fns: dict, sample, rounds: int) -> dict[str, float]:
     samples = {name: [] for name in fns}
     for _ in range(rounds):
@@ -188,7 +178,7 @@ def main() -> None:
                         out = fn(x)
                     errors[name] = ((out.float() - x.float() - ref).norm() / ref.norm()).item()
                 calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
-                wall = _round_robin(calls, _wall_us, 21)
+                wall = plain_call_us(calls, rounds=21, warmup=0)
                 host = _round_robin(calls, host_us_sample, 101)
                 for name in fns:
                     row = dict(layers=layers, M=M, provider=name, rel_error=errors[name], per_call_us=wall[name],
