@@ -69,6 +69,25 @@ def plain_call_us(fns: dict[str, Callable[[], object]], calls: int = 200, rounds
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def round_robin(fns: dict[str, Callable[[], object]], sample: Callable[[Callable[[], object]], float],
+                rounds: int) -> dict[str, float]:
+    """The median of `rounds` samples of each function (`sample(fn)`, e.g. host_us_sample), the functions
+    sampled in turn each round so that host drift falls on all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(sample(fn))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def launch_hooks() -> dict[str, int]:
+    """How many launch hooks Triton's runtime holds (a bound launch declines while any is set, bound.py): where
+    a benchmark's plain-call times differ from a user's."""
+    from triton import knobs  # here, not at the top: `import autofuse` does not import Triton
+    return {name: len(getattr(getattr(knobs.runtime, name, None), "calls", None) or [])
+            for name in ("launch_enter_hook", "launch_exit_hook")}
+
+
 def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25) -> str:
     """cProfile of `calls` calls of fn, the `top` functions by own time: where the host time of a
     forward goes (used by the host-time benchmarks)."""

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_mlp
-from autofuse.timing import host_profile_text, host_us_sample, plain_call_us
+from autofuse.timing import host_profile_text, host_us_sample, launch_hooks, plain_call_us, round_robin
 
 D_MODEL, D_FF, ACTIVATION = 2048, 16384, "gelu_tanh"
 GRAPH_REPLAY = "autofuse, torch.cuda.graph replay"  # a provider made per M: it captures at that M
@@ -112,21 +111,6 @@ def _graphed(model, x):
     return replay
 
 
-def _round_robin(fns: dict, sample, rounds: int) -> dict[str, float]:
-    samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(sample(fn))
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
-def _launch_hooks() -> dict:
-    """How many launch hooks Triton's runtime holds (a bound launch declines while any is set, bound.py)."""
-    from triton import knobs
-    return {name: len(getattr(getattr(knobs.runtime, name, None), "calls", []) or [])
-            for name in ("launch_enter_hook", "launch_exit_hook")}
-
-
 def _profile_calls(fn, path: Path, title: str, calls: int = 50) -> None:
     """Appends torch.profiler's table over `calls` calls to `path`: whether a call is one graph launch,
     where its host time goes."""
@@ -179,7 +163,7 @@ def main() -> None:
                     errors[name] = ((out.float() - x.float() - ref).norm() / ref.norm()).item()
                 calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
                 wall = plain_call_us(calls, rounds=21, warmup=0)
-                host = _round_robin(calls, host_us_sample, 101)
+                host = round_robin(calls, host_us_sample, 101)
                 for name in fns:
                     row = dict(layers=layers, M=M, provider=name, rel_error=errors[name], per_call_us=wall[name],
                                host_us=host[name])
@@ -188,7 +172,7 @@ def main() -> None:
                 mlp = model.mlps[0]
                 print(json.dumps(dict(layers=layers, M=M, choices={op: f"{c.short()} ({mlp.config_sources(M)[op]})"
                                                                     for op, c in mlp.config_for(M).items()},
-                                      launch_hooks=_launch_hooks())), flush=True)
+                                      launch_hooks=launch_hooks())), flush=True)
                 # The plain module first: a profiler may leave launch hooks behind, which bound launches decline.
                 for name in ("autofuse", "autofuse, compile reduce-overhead",
                              "eager nn.Module, compile reduce-overhead"):

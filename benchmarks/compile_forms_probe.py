@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import triton
 
-from autofuse.timing import host_us_sample, plain_call_us
+from autofuse.timing import host_us_sample, plain_call_us, round_robin
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_bench import D_MODEL, _EagerStack, _in_function, _models, _round_robin  # noqa: E402
+from compile_bench import D_MODEL, _EagerStack, _in_function, _models  # noqa: E402
 
 EVENTS = ("TorchDynamo Cache Lookup", "AOTDispatcher Runtime Wrapper Prologue", "Pregraph bytecode",
           "aten::_foreach_copy_", "cudaGraphLaunch", "cudaLaunchKernel")
@@ -104,7 +104,7 @@ def main() -> None:
                 fn(x)
         calls = {name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}
         wall = plain_call_us(calls, rounds=args.rounds, warmup=0)
-        host = _round_robin(calls, host_us_sample, 5 * args.rounds)
+        host = round_robin(calls, host_us_sample, 5 * args.rounds)
         rows = {name: dict(per_call_us=wall[name], host_us=host[name], events_us=_event_us(calls[name]))
                 for name in fns}
     print(json.dumps({"form": args.form, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

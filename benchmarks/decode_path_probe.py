@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
@@ -20,16 +19,7 @@ import autofuse
 from autofuse.ops.gated_act import pairs_activation
 from autofuse.ops.gated_pairs import pairs_of
 from autofuse.reference import eager_mlp
-from autofuse.timing import graph_replay_round_robin, host_us_sample, plain_call_us
-
-
-def host_us(fns: dict, calls: int = 20, rounds: int = 30) -> dict[str, float]:
-    """Host time alone (timing.host_us_sample: `calls` calls queued, not awaited), medians of rounds in turn."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(host_us_sample(fn, calls))
-    return {name: statistics.median(v) for name, v in samples.items()}
+from autofuse.timing import graph_replay_round_robin, host_us_sample, plain_call_us, round_robin
 
 
 def main() -> None:
@@ -62,7 +52,9 @@ def main() -> None:
     with torch.inference_mode():
         mlp(x)
         rows = {"choices": {op: c.short() for op, c in mlp.config_for(1).items()},
-                "plain_us": plain_call_us(fns, calls=300), "host_us": host_us(fns),
+                "plain_us": plain_call_us(fns, calls=300),
+                # Host time alone: 20 calls queued, not awaited (timing.host_us_sample), medians of 30 rounds.
+                "host_us": round_robin(fns, lambda fn: host_us_sample(fn, 20), 30),
                 "graph_us": graph_replay_round_robin({k: v for k, v in fns.items()})}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -33,7 +33,7 @@ import triton
 
 import autofuse
 from autofuse.reference import eager_linear, eager_mlp
-from autofuse.timing import graph_replay_round_robin, plain_call_us
+from autofuse.timing import graph_replay_round_robin, launch_hooks, plain_call_us
 
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
@@ -149,14 +149,8 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
                    # (which bound launches decline, autofuse/bound.py) was set: where the two plain times differ.
                    plain_alone_us=plain_call_us({"autofuse": lambda: providers["autofuse"](x)}, calls=100,
                                                 rounds=3)["autofuse"],
-                   launch_hooks=_launch_hooks())
+                   launch_hooks=sum(launch_hooks().values()))
     return row
-
-
-def _launch_hooks() -> int:
-    from triton import knobs
-    return sum(len(getattr(getattr(knobs.runtime, name, None), "calls", None) or [])
-               for name in ("launch_enter_hook", "launch_exit_hook"))
 
 
 # Up to this M the plain call's time (host included, un-graphed) is measured too.

@@ -87,3 +87,36 @@ def test_plain_call_timing_rotated_starts_each_round_one_function_later(monkeypa
     result = timing.plain_call_us(fns, calls=1, rounds=4, warmup=0, rotate=True)
     assert "".join(order) == "abc" + "bca" + "cab" + "abc"
     assert set(result) == set("abc") and all(t > 0 for t in result.values())
+
+
+def test_round_robin_samples_each_function_in_turn_and_returns_medians():
+    from autofuse import timing
+
+    order = []
+    samples = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    fns = {name: (lambda name=name: name) for name in "ab"}
+
+    def sample(fn):
+        name = fn()
+        order.append(name)
+        return next(samples[name])
+    assert timing.round_robin(fns, sample, rounds=3) == {"a": 3.0, "b": 4.0}
+    assert "".join(order) == "ababab"
+
+
+def test_launch_hooks_counts_the_hooks_triton_holds():
+    from triton import knobs
+
+    from autofuse import timing
+
+    before = timing.launch_hooks()
+    assert set(before) == {"launch_enter_hook", "launch_exit_hook"}
+
+    def hook(metadata):
+        return None
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert timing.launch_hooks() == {**before, "launch_enter_hook": before["launch_enter_hook"] + 1}
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert timing.launch_hooks() == before
