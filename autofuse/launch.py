@@ -62,8 +62,7 @@ def memoised_launch(key: tuple, tensors: dict, build: Callable[[], tuple]) -> No
     table binds (the pointwise passes of library paths and of the backward, op rms_norm), run on every
     un-graphed call, where the JIT's binding and the kernel spec's construction cost more host time than the
     launch. `key` must hold everything the launch depends on but the per-call tensors' addresses: the op and
-    its source flags, dtype, sizes, device, constexpr values, the other operands' addresses (fixed_addresses)
-    and whether the interpreter runs."""
+    its source flags, dtype, sizes, device, constexpr values and the other operands' addresses (fixed_addresses)."""
     bound = _memo.get(key)
     if bound is not None and _recorded.get() is None and bound(tensors):
         return
@@ -85,7 +84,9 @@ def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N:
                      has_bias: bool = False, has_residual: bool = False) -> None:
     """One pass over an [M, N] problem with one fixed tile shape (nothing to tune), memoised (memoised_launch)."""
     device = next(iter(tensors.values())).device
-    key = (op, activation, dtype, has_bias, has_residual, M, N, device, fixed_addresses(op, tensors), interpreting())
+    # Not whether the interpreter runs (an environment read per pass): that is fixed once Triton is imported
+    # (device.check_interpreter_consistency), before any launch is memoised.
+    key = (op, activation, dtype, has_bias, has_residual, M, N, device, fixed_addresses(op, tensors))
 
     def build() -> tuple:
         # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.

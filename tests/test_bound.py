@@ -349,7 +349,13 @@ def test_pointwise_passes_replay_a_bound_launch_per_size_and_dtype(device, dtype
     gu = _rand(3, 2 * N, dtype=dtype, device=device)
     first = pairs_activation(gu, "silu")
     assert not replays and len(launch._memo) == 1
-    again = pairs_activation(gu.clone(), "silu")
+
+    def environment_read():
+        raise AssertionError("a replayed pointwise pass read the environment")
+
+    with monkeypatch.context() as patched:  # a replay builds its key without reading TRITON_INTERPRET
+        patched.setattr(launch, "interpreting", environment_read)
+        again = pairs_activation(gu.clone(), "silu")
     assert replays == [True]
     _assert_same(again, first, atomic=False)
     wide = _rand(3, 4 * N, dtype=dtype, device=device)
