@@ -6,7 +6,9 @@
 # adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py); TESTS=0 skips the
 # tests. Carry .whl.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl || exit 1
+# The wheels once per call: device_runner_ups.sh installs them before it runs this script (WHEELS=0).
+[ "${WHEELS:-1}" = 1 ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target .site .whl/*.whl || exit 1; }
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \

@@ -13,4 +13,4 @@ esac
 PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout "${RETUNE_S:-300}" \
     python3 benchmarks/runner_ups_shipped.py "$file" --out "$OUT" 2>&1 | grep -v "warn" | tee "$OUT/runner_ups.txt" | tail -3
 cp "$file" "$OUT/"
-bash benchmarks/device_plain.sh
+WHEELS=0 bash benchmarks/device_plain.sh
