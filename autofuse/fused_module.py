@@ -16,6 +16,8 @@ from .resolve import Choice, generation
 from .shapes import DTYPES
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# torch.Tensor as _rows_of reads it: one object for a compiled forward's guards, not torch and its attribute.
+_TENSOR = torch.Tensor
 
 
 def check_dtype(dtype: object) -> torch.dtype:
@@ -69,7 +71,7 @@ class FusedModule(nn.Module):
         """How many rows x holds, after the checks that protect users. Runs on every forward: only
         what depends on x. Whether autofuse can run on the weights' dtype and device is checked when
         a config table entry is built (_config_table)."""
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, _TENSOR):
             raise AutofuseError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
         shape = x.shape
         if not shape or shape[-1] != self.in_features:

@@ -25,6 +25,13 @@ from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
 from .training import LinearFunction, MLPFunction, TrainingLaunches
 
+# Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
+# call: `torch.compiler.is_compiling` is three guarded objects, `torch.ops.autofuse.mlp` five. Bound here, each
+# is one.
+_compiling = torch.compiler.is_compiling
+_LINEAR_OP = torch.ops.autofuse.linear.default
+_MLP_OP = torch.ops.autofuse.mlp.default
+
 
 class FusedLinear(FusedModule):
     """y = act(x @ weight.T + bias) [+ residual] in one kernel."""
@@ -70,9 +77,9 @@ class FusedLinear(FusedModule):
         out_shape = (shape[0], self.out_features) if len(shape) == 2 else (*shape[:-1], self.out_features)
         if residual is not None:
             self._check_residual(residual, x, out_shape)
-        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
+        if _compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             r2d = None if residual is None else residual.reshape(-1, self.out_features)
-            return torch.ops.autofuse.linear(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
+            return _LINEAR_OP(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
                                              self.tuned).reshape(out_shape)
         if needs_grad(x, weight, bias, residual):
             r2d = None if residual is None else residual.reshape(-1, self.out_features)
@@ -195,9 +202,9 @@ class FusedMLP(FusedModule):
         M = self._rows_of(x, "d_model", wg)
         out_shape = (*x.shape[:-1], self.d_model)
         activation = self.activation
-        if torch.compiler.is_compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
+        if _compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             self._check_parameters()
-            return torch.ops.autofuse.mlp(x.reshape(-1, self.d_model), *params, activation,
+            return _MLP_OP(x.reshape(-1, self.d_model), *params, activation,
                                           self.tuned).reshape(out_shape)
         if needs_grad(x, *params):
             self._check_parameters()
