@@ -84,11 +84,16 @@ def main() -> None:
     parser.add_argument("--form", default=None, help="one form, timed beside the eager function in the same mode; "
                         "without it, each form in a process of its own (compiled forms of one module share its "
                         "code objects' Dynamo caches and one CUDA-graph tree, and disturb each other)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="processes per form; every second one compiles the form before the eager function")
+    parser.add_argument("--form-first", action="store_true", help="with --form: compile the form first")
     args = parser.parse_args()
     if args.form is None:
         for form in (f for f in FORMS if re.search(args.only, f)):
-            subprocess.run([sys.executable, __file__, "--out", args.out, "--rounds", str(args.rounds), "--form", form],
-                           check=False)
+            for repeat in range(args.repeats):
+                # Which of the two is compiled and captured first alternates: neither gets the first place always.
+                subprocess.run([sys.executable, __file__, "--out", args.out, "--rounds", str(args.rounds), "--form",
+                                form, *(["--form-first"] if repeat % 2 else [])], check=False)
         return
     torch.manual_seed(0)
     stack, eager = _models(1)
@@ -97,6 +102,8 @@ def main() -> None:
         torch._dynamo.config.inline_inbuilt_nn_modules = False
     fns = {"eager function": torch.compile(eager, mode="reduce-overhead"),
            args.form: _forms(stack, plain_stack)[args.form]()}
+    if args.form_first:
+        fns = dict(reversed(fns.items()))
     x = torch.randn(1, D_MODEL, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for fn in fns.values():
@@ -107,10 +114,10 @@ def main() -> None:
         host = round_robin(calls, host_us_sample, 5 * args.rounds)
         rows = {name: dict(per_call_us=wall[name], host_us=host[name], events_us=_event_us(calls[name]))
                 for name in fns}
-    print(json.dumps({"form": args.form, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "triton": triton.__version__, "rows": rows}), flush=True)
+    print(json.dumps({"form": args.form, "form_first": args.form_first, "gpu": torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "triton": triton.__version__, "rows": rows}), flush=True)
     with Path(args.out, "compile_forms.jsonl").open("a") as f:
-        f.write(json.dumps({"form": args.form, "rows": rows}) + "\n")
+        f.write(json.dumps({"form": args.form, "form_first": args.form_first, "rows": rows}) + "\n")
 
 
 if __name__ == "__main__":

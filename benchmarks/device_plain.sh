@@ -3,8 +3,8 @@
 # (tests/test_plain.py and the bound-launch tests), the host-cost table (benchmarks/host_cost.py), generate with
 # fuse(model) (benchmarks/host_profile.py; GENERATE=0 skips it) and the "never slower" sweep at decode M with plain calls
 # (benchmarks/never_slower.py, empty user cache; SWEEP_S seconds, 0 skips it; SWEEP_ARGS its arguments); FORMS=1
-# adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py); TESTS=0 skips the
-# tests. Carry .whl.
+# adds the forms of torch.compile(mode="reduce-overhead") (benchmarks/compile_forms_probe.py; FORMS_REPEATS processes
+# per form, FORMS_S seconds in all); TESTS=0 skips the tests. Carry .whl.
 set -uo pipefail
 # The wheels once per call: device_runner_ups.sh installs them before it runs this script (WHEELS=0).
 [ "${WHEELS:-1}" = 1 ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -19,8 +19,8 @@ AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 150 python3 benchmarks/host_cost.py --ou
     | tee "$OUT/host_cost.txt"
 [ "${GENERATE:-1}" = 1 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 200 python3 benchmarks/host_profile.py --out "$OUT" --rounds "${ROUNDS:-8}" \
     2>&1 | grep -v "warn" | grep "generate 64\|choices\|Error" | tee "$OUT/generate.txt"
-[ "${FORMS:-0}" = 1 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout 240 python3 benchmarks/compile_forms_probe.py \
-    --out "$OUT" --only "${FORMS_ONLY:-}" 2>&1 | grep '^{\|Error' | cut -c1-1500 | tee "$OUT/compile_forms.txt"
+[ "${FORMS:-0}" = 1 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout "${FORMS_S:-240}" python3 benchmarks/compile_forms_probe.py \
+    --out "$OUT" --only "${FORMS_ONLY:-}" --repeats "${FORMS_REPEATS:-1}" 2>&1 | grep '^{\|Error' | cut -c1-1500 | tee "$OUT/compile_forms.txt"
 [ "${SWEEP_S:-150}" -gt 0 ] && AUTOFUSE_CACHE_DIR=$(mktemp -d) timeout "${SWEEP_S:-150}" python3 \
     benchmarks/never_slower.py --out "$OUT" ${SWEEP_ARGS:---mlps 4 --linears 3 --tokens 1,2,5,16} 2>&1 \
     | grep -v warn | tee "$OUT/never_slower.txt" | tail -30
