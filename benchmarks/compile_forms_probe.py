@@ -21,12 +21,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from autofuse.timing import host_us_sample, plain_call_us, round_robin
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_bench import D_MODEL, _EagerStack, _in_function, _models  # noqa: E402
+from compile_bench import ACTIVATION, D_MODEL, _EagerStack, _in_function, _models, _Stack  # noqa: E402
 
 EVENTS = ("TorchDynamo Cache Lookup", "AOTDispatcher Runtime Wrapper Prologue", "Pregraph bytecode",
           "aten::_foreach_copy_", "cudaGraphLaunch", "cudaLaunchKernel")
@@ -51,10 +52,26 @@ def _event_us(fn, calls: int = 50) -> dict[str, float]:
     return found
 
 
+class _EagerMLP(torch.nn.Module):
+    """A Hugging Face gated MLP (gate_proj, up_proj, down_proj as nn.Linear, act(gate) * up) over an autofuse MLP's
+    parameter objects: what a user's eager model is, in the same module structure as autofuse's."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            linear = torch.nn.Linear(1, 1, bias=False, device="meta")
+            linear.weight = getattr(mlp, name).weight
+            setattr(self, name, linear)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate=ACTIVATION.removeprefix("gelu_")) * self.up_proj(x))
+
+
+BOTH = "autofuse stack and the eager module stack, each called from a function"
 FORMS = ("eager nn.Module", "autofuse stack (nn.Module at the top)", "autofuse stack called from a function",
          "autofuse FusedMLP at the top (no residual)", "autofuse FusedMLP called from a function (no residual)",
          "autofuse stack, its forward method compiled", "autofuse stack (nn.Module at the top), plain weights",
-         "autofuse stack (nn.Module at the top), nn.Modules not inlined")
+         "autofuse stack (nn.Module at the top), nn.Modules not inlined", BOTH)
 
 
 def _forms(stack, plain_stack=None) -> dict:
@@ -73,6 +90,11 @@ def _forms(stack, plain_stack=None) -> dict:
         # Dynamo's older treatment of nn.Modules: parameters as constants of the graph, not inputs.
         "autofuse stack (nn.Module at the top), nn.Modules not inlined": lambda: torch.compile(
             stack, mode="reduce-overhead"),
+        # Three functions in one process: the eager function, autofuse's stack and the same stack of eager modules.
+        BOTH: lambda: {"autofuse stack called from a function": torch.compile(_in_function(stack),
+                                                                              mode="reduce-overhead"),
+                       "eager module stack called from a function": torch.compile(
+                           _in_function(_Stack([_EagerMLP(m) for m in stack.mlps])), mode="reduce-overhead")},
     }
 
 
@@ -100,8 +122,9 @@ def main() -> None:
     plain_stack = _models(1, interleaved=False)[0] if "plain weights" in args.form else None
     if "not inlined" in args.form:
         torch._dynamo.config.inline_inbuilt_nn_modules = False
+    made = _forms(stack, plain_stack)[args.form]()
     fns = {"eager function": torch.compile(eager, mode="reduce-overhead"),
-           args.form: _forms(stack, plain_stack)[args.form]()}
+           **(made if isinstance(made, dict) else {args.form: made})}
     if args.form_first:
         fns = dict(reversed(fns.items()))
     x = torch.randn(1, D_MODEL, device="cuda", dtype=torch.bfloat16)
