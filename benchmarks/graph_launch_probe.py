@@ -1,7 +1,7 @@
 """Probe: the host cost of one CUDA-graph replay, autofuse's stack against the eager function (issue 15). One
 gemma-2b MLP (compile_bench.py's model, 1 layer) at M=1 and a tiny one, each captured with torch.cuda.graph; per
-graph the wall time of the replay() call alone with the GPU idle before it (synchronised, median of N), the
-same queued back to back, and the graph's nodes by kind (CUDAGraph.debug_dump).
+graph the wall time of the replay() call alone with the GPU idle before it (synchronised, median of N), and
+the same queued back to back.
 
   python benchmarks/graph_launch_probe.py --out DIR
 """
@@ -9,13 +9,10 @@ same queued back to back, and the graph's nodes by kind (CUDAGraph.debug_dump).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,23 +43,9 @@ def _capture(fn, x):
             fn(static)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         fn(static)
     return graph
-
-
-def _nodes(graph) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "graph.dot")
-        graph.debug_dump(str(path))
-        if not path.exists():  # a build of torch that keeps no graph to dump
-            return {}
-        text = path.read_text()
-    kinds = collections.Counter(re.findall(r"\b(KERNEL|MEMSET|MEMCPY|HOST|EMPTY|EVENT_RECORD|WAIT_EVENT|MEM_ALLOC|"
-                                           r"MEM_FREE|CONDITIONAL)\b", text))
-    names = re.findall(r"name\\<([^\\]+)\\>", text) or re.findall(r"name<([^>]+)>", text)
-    return {"kinds": dict(kinds), "kernels": [n[:80] for n in names]}
 
 
 def _replay_us(graph, calls: int) -> dict:
@@ -102,10 +85,8 @@ def main() -> None:
                     row = result.setdefault(f"{label} {name}", {"idle_replay_us": [], "queued_replay_us": []})
                     for key, value in _replay_us(graph, args.calls).items():
                         row[key].append(round(value, 2))
-            for name, graph in graphs.items():
-                result[f"{label} {name}"]["nodes"] = _nodes(graph)
     for name, row in result.items():
-        print(f"{name:20s} idle {row['idle_replay_us']} queued {row['queued_replay_us']} {row['nodes']}")
+        print(f"{name:20s} idle {row['idle_replay_us']} queued {row['queued_replay_us']}")
     Path(args.out, "graph_launch_probe.json").write_text(json.dumps(result, indent=1))
 
 
