@@ -80,7 +80,7 @@ class FusedLinear(FusedModule):
         if _compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             r2d = None if residual is None else residual.reshape(-1, self.out_features)
             return _LINEAR_OP(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
-                                             self.tuned).reshape(out_shape)
+                              self.tuned).reshape(out_shape)
         if needs_grad(x, weight, bias, residual):
             r2d = None if residual is None else residual.reshape(-1, self.out_features)
             config = self._config_table(M, r2d is not None)["linear"].kernel
@@ -204,8 +204,7 @@ class FusedMLP(FusedModule):
         activation = self.activation
         if _compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             self._check_parameters()
-            return _MLP_OP(x.reshape(-1, self.d_model), *params, activation,
-                                          self.tuned).reshape(out_shape)
+            return _MLP_OP(x.reshape(-1, self.d_model), *params, activation, self.tuned).reshape(out_shape)
         if needs_grad(x, *params):
             self._check_parameters()
             if self._layout is not None and not capturing(wg.device):

@@ -70,9 +70,10 @@ class Winner:
         if not isinstance(record, dict):
             raise ValueError("a record must be a JSON object")
         expected = {"key", "config", "time_ms", "baseline_ms", "heuristic_ms", "trials", "tune_seconds", "policy"}
-        if not expected <= set(record) <= expected | {"runner_up"}:
+        allowed = expected | {"runner_up"}
+        if not expected <= set(record) <= allowed:
             raise ValueError(f"record fields wrong: missing {sorted(expected - set(record))}, "
-                             f"unknown {sorted(set(record) - expected - {'runner_up'})}")
+                             f"unknown {sorted(set(record) - allowed)}")
         key = TuningKey.from_dict(record["key"])
         config = choice_from_json(record["config"])
         if isinstance(config, Library) and config.name not in key.spec.library_for(key.activation, key.bias,
