@@ -107,7 +107,7 @@ def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25
     return text.getvalue()
 
 
-def _captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
+def captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
     """`calls_per_graph` back-to-back calls of fn captured in a CUDA graph, warmed up.
 
     The warm-up runs on the caller's stream and the capture on torch.cuda.graph's one capture stream, so
@@ -160,10 +160,10 @@ def graph_side_by_side_ms(fns: dict[str, Callable[[], object]], budget_ms: float
     between near-equal candidates must be decided on. `budget_ms` is each function's share."""
     graphs, one_us = {}, {}
     for name, fn in fns.items():
-        single = _captured(fn, 1)
+        single = captured(fn, 1)
         one_us[name] = statistics.median(_replay_us(single, 1) for _ in range(3))
         calls = max(1, min(max_calls_per_graph, math.ceil(min_replay_us / max(one_us[name], 1e-3))))
-        graphs[name] = (single if calls == 1 else _captured(fn, calls), calls)
+        graphs[name] = (single if calls == 1 else captured(fn, calls), calls)
         del single
     replays = max(5, min(100, int(budget_ms * 1e3 / max(one_us[n] * c for n, (_, c) in graphs.items()))))
     return {name: us / 1e3 for name, us in _replayed_in_turn(graphs, replays).items()}
@@ -174,7 +174,7 @@ def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int 
     """graph_replay_us of several functions side by side: every graph is captured first, then each is
     replayed once per round, so that a drift of clocks or temperature during the measurement falls on
     all of them alike instead of on whichever was timed last."""
-    graphs = {name: (_captured(fn, calls_per_graph), calls_per_graph) for name, fn in fns.items()}
+    graphs = {name: (captured(fn, calls_per_graph), calls_per_graph) for name, fn in fns.items()}
     return _replayed_in_turn(graphs, replays)
 
 

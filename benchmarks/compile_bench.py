@@ -62,11 +62,11 @@ class _EagerStack(torch.nn.Module):
         return x
 
 
-def _models(layers: int, interleaved: bool = True):
+def _models(layers: int, interleaved: bool = True, d_model: int = D_MODEL, d_ff: int = D_FF):
     """(autofuse model, eager function over the same weights)."""
     mlps = []
     for _ in range(layers):
-        mlp = autofuse.get_mlp(D_MODEL, D_FF, activation=ACTIVATION, dtype=torch.bfloat16, device="cuda",
+        mlp = autofuse.get_mlp(d_model, d_ff, activation=ACTIVATION, dtype=torch.bfloat16, device="cuda",
                                interleaved=interleaved)
         with torch.no_grad():
             for p in mlp.parameters():

@@ -1,5 +1,5 @@
 """Probe: the host cost of one CUDA-graph replay, autofuse's stack against the eager function (issue 15). One
-gemma-2b MLP (compile_bench.py's model, 1 layer) at M=1 and a tiny one, each captured with torch.cuda.graph; per
+gemma-2b MLP (compile_bench.py's model, 1 layer) at M=1 and a tiny one, each captured (timing.captured); per
 graph the wall time of the replay() call alone with the GPU idle before it (synchronised, median of N), and
 the same queued back to back.
 
@@ -18,34 +18,17 @@ from pathlib import Path
 
 import torch
 
-import autofuse
-from autofuse.reference import eager_mlp
+from autofuse.timing import captured
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compile_bench import ACTIVATION  # noqa: E402
+from compile_bench import _models  # noqa: E402
 
 
-def _model(d: int, f: int):
-    mlp = autofuse.get_mlp(d, f, activation=ACTIVATION, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    return (lambda x: x + mlp(x)), (lambda x: x + eager_mlp(x, *w, activation=ACTIVATION))
-
-
-def _capture(fn, x):
+def _capture(fn, x) -> tuple:
+    """(fn(x) captured in a CUDA graph over a static copy of x (timing.captured: warmed up, replayed), that copy:
+    the graph reads its address, so the caller keeps it alive while it replays)."""
     static = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(static)
-    return graph
+    return captured(lambda: fn(static), 1), static
 
 
 def _replay_us(graph, calls: int) -> dict:
@@ -75,11 +58,10 @@ def main() -> None:
     result = {}
     with torch.no_grad():
         for label, (d, f) in {"gemma-2b": (2048, 16384), "tiny": (64, 128)}.items():
-            autofused, eager = _model(d, f)
+            autofused, eager = _models(1, d_model=d, d_ff=f)
             x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
-            graphs = {"eager": _capture(eager, x), "autofuse": _capture(autofused, x)}
-            for name, graph in graphs.items():
-                graph.replay()
+            captures = {"eager": _capture(eager, x), "autofuse": _capture(autofused, x)}
+            graphs = {name: graph for name, (graph, _) in captures.items()}
             for turn in range(3):  # in turn: neither always first
                 for name, graph in (graphs.items() if turn % 2 == 0 else reversed(graphs.items())):
                     row = result.setdefault(f"{label} {name}", {"idle_replay_us": [], "queued_replay_us": []})

@@ -186,7 +186,7 @@ def test_optimizers_step_an_interleaved_module_like_a_plain_one(optimizer):
 
 def test_timing_leaves_no_cublas_workspace_per_measurement():
     """cuBLAS keeps a workspace per (handle, stream) for the life of the process: every measurement warms
-    up on the caller's stream and captures on torch.cuda.graph's one capture stream (timing._captured), so a
+    up on the caller's stream and captures on torch.cuda.graph's one capture stream (timing.captured), so a
     second, third ... measurement of a GEMM allocates nothing that outlives it (a new stream per measurement
     had kept 32 MiB each)."""
     from autofuse.timing import graph_median_ms, graph_side_by_side_ms
