@@ -2,21 +2,17 @@
 
 Jinja decides structure (bias, residual, activation, masked K, interpreter upcasts); block sizes,
 GROUP_M, warps and stages stay constexprs and launch options. A kernel's parameter list comes from
-its op's operands (ops/spec.py), written by the `signature` macro of _common.py.jinja. The rendered
-source is written to a file named by its content hash and imported from there: Triton reads a
-kernel's source back from its file, and one file per distinct source means each kernel is generated
-once per process and compiled once per config by Triton's own cache.
+its op's operands (opspec.py), written by the `signature` macro of _common.py.jinja. The rendered
+source is compiled from memory once per distinct source (load_source: no kernel file is written), and
+Triton's own cache compiles it once per config.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
-import os
-import shutil
+import linecache
 import sys
-import tempfile
 import types
 from functools import cache
 from pathlib import Path
@@ -25,7 +21,7 @@ import jinja2
 
 from .device import check_interpreter_consistency, interpreting
 from .opspec import OpSpec, Parameter, parameters, signature_lines
-from .resources import templates_dir, user_cache_dir
+from .resources import templates_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +101,6 @@ def hash_template_files(op: OpSpec, folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def generated_dir() -> Path:
-    """Folder for rendered kernel files: the user's autofuse folder / kernels."""
-    return user_cache_dir() / "kernels"
-
-
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """A loaded kernel: the Triton JIT function, its positional parameters (what to pass, in order),
@@ -134,67 +125,37 @@ _loaded: dict[str, object] = {}
 
 
 def load_source(source: str, name: str):
-    """The Triton JIT function `name` defined in `source`, written to a file (Triton reads a kernel's
-    source back from its file) and imported once per distinct source. Also for hand-written variants
-    (benchmarks/explore_bwd.py).
+    """The Triton JIT function `name` defined in `source`, compiled once per distinct source (also for
+    hand-written variants in benchmarks).
 
-    What runs is `source` itself, compiled here: never bytecode found beside the file (a __pycache__
-    another user planted), and the file lies in a folder only this user can write (_kernel_folder),
-    so the text Triton reads back is the text compiled."""
+    The source never touches the disk. Triton reads a kernel's text back through `inspect` (the JIT when
+    the decorator runs, the interpreter again at the first launch), which reads `linecache` before any
+    file: the text is registered there under a name no file can stand in for (`<...>`: linecache never
+    opens such a name), with no modification time, so no cache check drops it. A kernel file on disk
+    could be swapped between the compile and that read, by this user or, through a parent folder, by
+    another; without one, the text Triton reads is the text compiled here."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     # Interpreted and compiled kernels differ in kind even for equal source: key on the mode too.
     interpret = interpreting()
     key = f"{name}-{digest}-{int(interpret)}"
     if key not in _loaded:
         check_interpreter_consistency()
-        path = _write_once(source, f"{name}_{digest}.py")
+        filename = source_name(name, digest)
+        register_source(filename, source)
         module_name = f"autofuse._generated.{name}_{digest}_{int(interpret)}"
         module = types.ModuleType(module_name)
-        module.__file__ = str(path)
+        module.__file__ = filename
         sys.modules[module_name] = module
-        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - autofuse's own rendered source
+        exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - autofuse's own rendered source
         _loaded[key] = getattr(module, name)
     return _loaded[key]
 
 
-def _private(folder: Path) -> bool:
-    """Whether `folder` is this user's and nobody else can write it (or it can be made so)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        info = folder.stat()
-    except OSError:
-        return False
-    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+def source_name(name: str, digest: str) -> str:
+    """The name a generated kernel's code carries (tracebacks, Triton's locations): not a path."""
+    return f"<autofuse kernel {name}_{digest}>"
 
 
-_process_folder: Path | None = None
-
-
-def _kernel_folder() -> Path:
-    """The user's kernels folder where it is private; else a private folder of this process's own
-    (never a shared, predictable one such as /tmp/autofuse-kernels, where another user could plant
-    a kernel)."""
-    global _process_folder
-    folder = generated_dir()
-    if _private(folder):
-        return folder
-    if _process_folder is None or not _private(_process_folder):
-        _process_folder = Path(tempfile.mkdtemp(prefix="autofuse-kernels-"))
-        # This process's alone: removed when it exits, so that runs do not pile folders up in /tmp.
-        atexit.register(shutil.rmtree, _process_folder, ignore_errors=True)
-    return _process_folder
-
-
-def _write_once(source: str, filename: str) -> Path:
-    """Write `source` under the kernel folder unless an identical file is there. Written to a
-    temporary file and renamed, so a killed process or a concurrent writer never leaves a
-    half-written kernel behind."""
-    folder = _kernel_folder()
-    path = folder / filename
-    if path.is_file() and path.read_text() == source:
-        return path
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.replace(tmp, path)
-    return path
+def register_source(filename: str, source: str) -> None:
+    """Make `source` what inspect and linecache return for `filename` for the rest of the process."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)

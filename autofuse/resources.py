@@ -31,7 +31,7 @@ def shipped_cache_dir() -> Path:
 
 
 def user_cache_dir() -> Path:
-    """The user's autofuse folder (tuned configs, generated kernels): AUTOFUSE_CACHE_DIR, else
+    """The user's autofuse folder (tuned configs, tuning journals): AUTOFUSE_CACHE_DIR, else
     $XDG_CACHE_HOME/autofuse, else ~/.cache/autofuse. Read on every call, so tests may change it."""
     root = os.environ.get("AUTOFUSE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "autofuse"

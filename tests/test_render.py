@@ -1,6 +1,7 @@
 """Templates render strictly, generated kernels are visible, and each distinct source is generated once."""
 
 import ast
+import os
 
 import jinja2
 import pytest
@@ -65,7 +66,7 @@ def test_show_kernel_returns_the_source_that_runs():
     assert "def autofuse_gated_up_silu_bias(" in source
     assert "acc_gate" in source and "acc_up" in source
     assert source == render.render(KernelSpec(GATED_UP, "silu", has_bias=True, even_k=True,
-                                              upcast_operands=render.os.environ.get("TRITON_INTERPRET") == "1"))
+                                              upcast_operands=os.environ.get("TRITON_INTERPRET") == "1"))
 
 
 def test_show_kernel_bad_input():
@@ -75,16 +76,13 @@ def test_show_kernel_bad_input():
         autofuse.show_kernel("gated_up", residual=True)
 
 
-def test_generated_once_per_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOFUSE_CACHE_DIR", str(tmp_path))
+def test_generated_once_per_source(monkeypatch):
     monkeypatch.setattr(render, "_loaded", {})  # other tests in this process may have loaded this variant
     render.load_kernel.cache_clear()
     spec = KernelSpec(LINEAR, "relu", has_bias=True)
     first = render.load_kernel(spec)
-    assert render.load_kernel(spec) is first
-    files = list((tmp_path / "kernels").glob("*.py"))
-    assert len(files) == 1 and files[0].read_text() == render.render(spec)
-    assert not list((tmp_path / "kernels").glob("*.tmp"))  # no half-written leftovers
+    render.load_kernel.cache_clear()
+    assert render.load_kernel(spec).fn is first.fn  # rendered again, the same source: not compiled again
 
 
 def test_template_hash_changes_with_the_template(tmp_path):
@@ -106,23 +104,3 @@ def test_interpreted_kernel_matches_torch_for_float32():
     x = torch.randn(3, 16, device=device)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
-
-
-def test_a_process_kernel_folder_is_removed_when_the_process_exits():
-    """Where the user's kernels folder is not private, a process writes its kernels to a private temporary
-    folder of its own; that folder must not outlive the process (runs would pile them up in /tmp)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (
-        "from pathlib import Path\n"
-        "import autofuse.render as r\n"
-        "r.generated_dir = lambda: Path('/proc/autofuse-not-writable')\n"
-        "folder = r._kernel_folder()\n"
-        "assert folder.is_dir() and folder.name.startswith('autofuse-kernels-')\n"
-        "print(folder)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert not Path(done.stdout.strip()).exists()

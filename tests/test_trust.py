@@ -1,5 +1,5 @@
 """Nothing from disk is trusted (issue 18): cache rows that are not plain JSON, files named outside
-the cache, generated kernels planted in shared folders, records that validate but cannot run, and
+the cache, kernel files swapped or planted on disk, records that validate but cannot run, and
 JSON files that are not valid for reasons other than syntax."""
 
 import json
@@ -84,26 +84,59 @@ def _fresh_kernel_loads(monkeypatch):
     from autofuse import render
 
     monkeypatch.setattr(render, "_loaded", {})
-    monkeypatch.setattr(render, "_process_folder", None)
     render.load_kernel.cache_clear()
     return render
 
 
-def test_kernels_are_never_imported_from_a_folder_others_can_write(tmp_path, monkeypatch):
+def _silu_linear_runs_right():
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    with torch.no_grad():
+        lin = autofuse.get_linear(16, 8, bias=False, activation="silu", dtype=torch.float32, device="cpu",
+                                  tuned=False)
+        lin.weight.copy_(w)
+        torch.testing.assert_close(lin(x), torch.nn.functional.silu(x @ w.T), rtol=1e-5, atol=1e-5)
+
+
+def test_no_kernel_file_is_written_and_triton_reads_the_compiled_text(tmp_path, monkeypatch):
+    import inspect
+
     render = _fresh_kernel_loads(monkeypatch)
-    shared = user_cache_dir() / "kernels"
-    shared.mkdir(parents=True)
-    shared.chmod(0o777)  # like /tmp: anyone may plant a file here
+    monkeypatch.chdir(tmp_path)
     spec = render.KernelSpec(autofuse.ops.get("linear"), "relu", has_bias=True)
     kernel = render.load_kernel(spec)
-    compiled_from = Path(kernel.fn.fn.__code__.co_filename)  # the file Triton reads the kernel's source from
-    assert not list(shared.glob("*.py"))  # nothing written to, or read from, the shared folder
-    private = render._process_folder
-    assert private is not None and private.stat().st_uid == os.getuid() and not private.stat().st_mode & 0o077
-    assert compiled_from.parent == private and compiled_from.read_text() == render.render(spec)
+    name = kernel.fn.fn.__code__.co_filename
+    assert not Path(name).exists() and not list(tmp_path.rglob("*.py")) and not user_cache_dir().exists()
+    assert "".join(inspect.getsourcelines(kernel.fn.fn)[0]) in render.render(spec)  # what Triton reads
 
 
-def test_planted_bytecode_beside_a_kernel_never_runs(tmp_path, monkeypatch):
+def test_a_kernel_source_swapped_on_disk_never_runs(tmp_path, monkeypatch):
+    """Triton's interpreter reads a kernel's text again at its first launch. A file put where the kernel's
+    code says it came from, between the compile and that launch (a swap by this user, or by whoever can
+    rename a parent folder), must not be what runs."""
+    import linecache
+
+    render = _fresh_kernel_loads(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # a relative name would be looked up here
+    marker = tmp_path / "swapped-code-ran"
+    load_source = render.load_source
+
+    def load_then_swap(source, name):
+        fn = load_source(source, name)
+        lines = source.splitlines(keepends=True)
+        body = lines.index("):\n") + 1  # the kernel's first statement, after its parameter list
+        lines[body] = lines[body].rstrip("\n") + f"; open({str(marker)!r}, 'w').close()\n"  # same line count
+        path = Path(fn.fn.__code__.co_filename)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(lines))
+        linecache.checkcache()  # what a traceback printed meanwhile would do
+        return fn
+
+    monkeypatch.setattr(render, "load_source", load_then_swap)
+    _silu_linear_runs_right()
+    assert not marker.exists()
+
+
+def test_planted_bytecode_in_the_kernels_folder_never_runs(tmp_path, monkeypatch):
     import hashlib
     import importlib.util
     from importlib._bootstrap_external import _code_to_timestamp_pyc
@@ -111,25 +144,18 @@ def test_planted_bytecode_beside_a_kernel_never_runs(tmp_path, monkeypatch):
     render = _fresh_kernel_loads(monkeypatch)
     spec = render.KernelSpec(autofuse.ops.get("linear"), "silu")
     source = render.render(spec)
-    folder = user_cache_dir() / "kernels"
-    folder.mkdir(parents=True, mode=0o700)
+    folder = user_cache_dir() / "kernels"  # where kernel files were once written
+    folder.mkdir(parents=True, mode=0o777)
     path = folder / f"{spec.kernel_name}_{hashlib.sha256(source.encode()).hexdigest()[:20]}.py"
-    path.write_text(source)  # the right source, as an earlier run of this user wrote it
+    path.write_text(source)
     marker = tmp_path / "planted-code-ran"
     evil = compile(f"open({str(marker)!r}, 'w').close()\n" + source, str(path), "exec")
     stat = path.stat()
     pyc = Path(importlib.util.cache_from_source(str(path)))
     pyc.parent.mkdir(exist_ok=True)
     pyc.write_bytes(_code_to_timestamp_pyc(evil, stat.st_mtime, stat.st_size))  # valid for that source
-    kernel = render.load_kernel(spec)
+    _silu_linear_runs_right()
     assert not marker.exists()
-    x, w = torch.randn(5, 16), torch.randn(8, 16)
-    with torch.no_grad():
-        lin = autofuse.get_linear(16, 8, bias=False, activation="silu", dtype=torch.float32, device="cpu",
-                                  tuned=False)
-        lin.weight.copy_(w)
-        torch.testing.assert_close(lin(x), torch.nn.functional.silu(x @ w.T), rtol=1e-5, atol=1e-5)
-    assert kernel is not None and not marker.exists()
 
 
 def _export_with(tmp_path, change):
@@ -362,15 +388,3 @@ def _tiny_shapes(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps({"tokens": [3], "linears": [{"in_features": 40, "out_features": 56}]}))
     return path
-
-
-def test_a_kernels_folder_owned_by_another_user_is_not_used(monkeypatch):
-    if os.getuid() != 0:
-        pytest.skip("making a folder another user's needs root")
-    render = _fresh_kernel_loads(monkeypatch)
-    theirs = user_cache_dir() / "kernels"
-    theirs.mkdir(parents=True, mode=0o755)
-    os.chown(theirs, 54321, 54321)  # another local user pre-created it, writable by them alone
-    kernel = render.load_kernel(render.KernelSpec(autofuse.ops.get("linear"), "gelu"))
-    assert Path(kernel.fn.fn.__code__.co_filename).parent == render._process_folder != theirs
-    assert not list(theirs.glob("*.py"))
