@@ -88,14 +88,14 @@ def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype,
         logger.warning("autofuse: could not check %s's %s config (%s: %s); running its eager library path", op,
                        choice.source.split(":")[0], type(e).__name__, e)
         return Choice(Library("eager"), CHECK_FAILED)
+    logger.info("autofuse: checked %s (n=%d, k=%d, M bucket %d): %s %s (library %s)", op, N, K, key.m_bucket,
+                winner.config.short(), _ms(winner.time_ms), _ms(winner.baseline_ms))
     try:
-        Store().put_winner(winner)
+        winner = Store().put_winner(winner)  # a record tuned meanwhile stays, and is what runs
     except AutofuseError as e:  # an unwritable cache: the decision holds for this process
         logger.warning("autofuse: could not store a checked decision: %s", e)
     resolve.remember(winner)
-    logger.info("autofuse: checked %s (n=%d, k=%d, M bucket %d): %s %s (library %s)", op, N, K, key.m_bucket,
-                winner.config.short(), _ms(winner.time_ms), _ms(winner.baseline_ms))
-    return Choice.of(winner, CHECKED)
+    return Choice.of(winner, CHECKED if winner.policy == CHECKED else "user-cache")
 
 
 def _cannot_time(device: torch.device) -> bool:

@@ -141,10 +141,3 @@ def parse_document(document, source: str) -> list[Winner]:
 
 def read_export(path: Path | str) -> list[Winner]:
     return parse_document(read_json(path, "config export"), Path(path).name)
-
-
-def import_winners(store: Store, path: Path | str) -> list[Winner]:
-    """Validate the whole file first, then write every record in one transaction."""
-    winners = read_export(path)
-    store.put_winners(winners)
-    return winners

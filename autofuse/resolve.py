@@ -28,14 +28,13 @@ from .errors import AutofuseError
 from .key import current_environment, m_bucket, make_key
 from .opspec import OpSpec
 from .resources import shipped_cache_dir, user_cache_dir
+from .store import CHECKED, open_store
 from .store import exists as store_exists
-from .store import open_store
 
 logger = logging.getLogger("autofuse")
 
-# The policy of a user-cache record that a first-use check made (autofuse/checked.py), and the source
-# of a choice read from one.
-CHECKED = "checked"
+# CHECKED (store.py): the policy of a user-cache record that a first-use check made, and the source of
+# a choice read from one.
 
 __all__ = ["Choice", "heuristic_for", "invalidate", "resolve", "resolve_tuned"]
 

@@ -157,6 +157,23 @@ class TrialRecord:
                    None if time_ms is None else float(time_ms), data["detail"])
 
 
+# The policy of a record that a first-use check wrote (not a tuning run): it compared one kernel config
+# with the op's library paths, briefly.
+CHECKED = "checked"
+
+
+def outranked_by(new: Winner, stored: Winner) -> str | None:
+    """Why `stored` must stay where `new` would replace it, or None. A tuned record outranks a checked
+    one (a check compares one config, a tuning run many); between two tuned records the faster stays,
+    so tuning again with fewer trials, or importing an older file, never silently loses a better one."""
+    if new.policy == CHECKED and stored.policy != CHECKED:
+        return "a first-use check never replaces a tuned record"
+    if new.policy != CHECKED and stored.policy != CHECKED and stored.time_ms < new.time_ms:
+        return (f"it is faster ({stored.config.short()} {stored.time_ms:.4g} ms against {new.config.short()} "
+                f"{new.time_ms:.4g} ms); replace it on purpose with --replace")
+    return None
+
+
 class DamagedCache(AutofuseError):
     """The user cache's database cannot be read: the runtime goes on without it, the CLI says so."""
 
@@ -272,14 +289,24 @@ class Store:
         except ValueError:
             return None  # a corrupt entry is ignored, never trusted
 
-    def put_winner(self, winner: Winner) -> None:
-        self._cache.set(winner.key.id(), winner.to_record())
-
-    def put_winners(self, winners: list[Winner]) -> None:
-        """All or nothing, in one transaction."""
+    def put_winner(self, winner: Winner, *, replace: bool = False) -> Winner:
+        """Store `winner` unless the key's stored record outranks it (`outranked_by`; `replace` stores it
+        anyway); returns the record the key holds afterwards. The read and the write are one transaction,
+        so a first-use check that started before a tune stored its winner cannot overwrite it later."""
         with self._cache.transact():
-            for winner in winners:
-                self.put_winner(winner)
+            stored = self.get_winner(winner.key)
+            why = None if replace or stored is None else outranked_by(winner, stored)
+            if why is not None:
+                logger.warning("autofuse: kept the stored record of %s (n=%d, k=%d, M bucket %d): %s", winner.key.op,
+                               winner.key.n, winner.key.k, winner.key.m_bucket, why)
+                return stored
+            self._cache.set(winner.key.id(), winner.to_record())
+        return winner
+
+    def put_winners(self, winners: list[Winner], *, replace: bool = False) -> list[Winner]:
+        """All or nothing, in one transaction; returns the records the keys hold afterwards."""
+        with self._cache.transact():
+            return [self.put_winner(winner, replace=replace) for winner in winners]
 
     def winners(self) -> Iterator[Winner]:
         for name in self._names(self._cache):

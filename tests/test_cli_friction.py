@@ -179,3 +179,31 @@ def test_readme_explains_before_it_uses_and_points_the_right_way():
     bench = next(line for line in commands.splitlines() if "autofuse bench" in line)
     assert "below" in bench and readme.index("## Speed") > readme.index("## Command line")
     assert "--resume" not in readme  # resuming is the default; --fresh starts over
+
+
+def test_cache_clear_counts_tuned_and_checked_keys_and_needs_an_answer_or_yes():
+    import torch
+
+    from autofuse.configs import Library
+    from autofuse.key import current_environment, make_key
+    from autofuse.store import CHECKED, Winner
+
+    env = current_environment(torch.device("cpu"))
+    for bucket, policy in ((1, "optuna"), (4, CHECKED), (16, CHECKED)):
+        key = make_key("linear", 56, 40, bucket, torch.float32, "none", False, False, env)
+        Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0, policy=policy))
+    no_input = CliRunner().invoke(main, ["cache", "clear"], input="")
+    assert no_input.exit_code == 2 and "nothing removed; pass --yes to clear without asking" in no_input.output
+    assert "Aborted" not in no_input.output and len(list(Store().winners())) == 3
+    cleared = CliRunner().invoke(main, ["cache", "clear", "--yes"])
+    assert cleared.exit_code == 0 and "removed 1 tuned key and 2 checked keys" in cleared.output
+
+
+def test_a_rejected_import_creates_nothing(tmp_path):
+    from autofuse.resources import user_cache_dir
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    result = CliRunner().invoke(main, ["cache", "import", str(bad)])
+    assert result.exit_code == 2 and "not an autofuse config export" in result.output
+    assert not user_cache_dir().exists()

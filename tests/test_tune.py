@@ -260,7 +260,7 @@ def test_a_killed_run_resumes_without_repeating_work(tmp_path):
     before = key_trials()
     assert 2 <= before < 24 and len(list(Store(cache).winners())) < 2  # trials kept, the run unfinished
 
-    resumed = _tune_process(shapes, cache, "--trials", "6", "--policy", "random", "--resume")
+    resumed = _tune_process(shapes, cache, "--trials", "6", "--policy", "random")
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert key_trials() == 24  # 6 per key (gated_up, gated_pairs, down, mlp), the killed run's included
@@ -291,7 +291,7 @@ def test_cache_show_clear_and_kernel(tmp_path):
     assert CliRunner().invoke(main, ["cache", "show", "op=nonsense"]).exit_code == 2
     assert "at least 4 characters" in CliRunner().invoke(main, ["cache", "show", "ab"]).output
     clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
-    assert clear.exit_code == 0 and "removed 5 tuned configs" in clear.output
+    assert clear.exit_code == 0 and "removed 5 tuned keys and 0 checked keys" in clear.output
     assert list(Store().winners()) == []
 
 

@@ -9,11 +9,11 @@ import sqlite3
 import click
 
 from .. import resolve as resolve_module
-from ..configfile import export_winners, import_winners
+from ..configfile import export_winners, read_export
 from ..errors import AutofuseError
 from ..key import TuningKey
 from ..resources import user_cache_dir
-from ..store import DamagedCache, Store, Winner
+from ..store import CHECKED, DamagedCache, Store, Winner
 from ..store import exists as store_exists
 from ..tune.progress import plural
 from .common import main
@@ -33,7 +33,7 @@ def _all_winners() -> list[tuple[Winner, str]]:
     """(winner, source) for every config this process can see: the user cache, then shipped files and
     AUTOFUSE_CACHE_PATH's (those a user-cache record overrides are left out)."""
     index = resolve_module.tuned_index()
-    rows = [(w, "checked" if w.policy == resolve_module.CHECKED else "user-cache") for w in index.user.values()]
+    rows = [(w, "checked" if w.policy == CHECKED else "user-cache") for w in index.user.values()]
     rows += [(w, f"shipped:{name}") for key, (w, name) in index.shipped.items() if key not in index.user]
     return sorted(rows, key=lambda r: (r[0].key.gpu, r[0].key.op, r[0].key.n, r[0].key.k, r[0].key.m_bucket))
 
@@ -97,16 +97,22 @@ def cache_export(output, gpu):
 
 @cache.command("import")
 @click.argument("file", type=click.Path(dir_okay=False))
-def cache_import(file):
+@click.option("--replace", is_flag=True,
+              help="Store the file's records even where the cache holds a faster tuned record of a key (default: "
+                   "keep that one and say so).")
+def cache_import(file, replace):
     """Validate an export and add its configs to the user cache (all or nothing)."""
+    winners = read_export(file)  # validated before the cache is opened: a rejected file writes nothing
     store = Store(user_cache_dir())
     before = {w.key: w for w in store.winners()}
-    winners = import_winners(store, file)
+    stored = store.put_winners(winners, replace=replace)
     resolve_module.invalidate()
     new = sum(w.key not in before for w in winners)
     same = sum(before.get(w.key) == w for w in winners)
+    kept = sum(s is not w for s, w in zip(stored, winners))
     click.echo(f"imported {plural(len(winners), 'config')} from {file}: {new} new, {same} already there unchanged, "
-               f"{len(winners) - new - same} replaced")
+               f"{len(winners) - new - same - kept} replaced, {kept} kept the stored record (faster, or tuned where "
+               "the file's was a first-use check; --replace stores the file's)")
 
 
 @cache.command("clear")
@@ -114,12 +120,20 @@ def cache_import(file):
 def cache_clear(yes):
     """Delete every tuned config and trial from the user cache (and repair a damaged one)."""
     directory = user_cache_dir()
-    if not yes and not click.confirm(f"delete every tuned config in {directory}?"):
-        click.echo("nothing removed")
-        return
+    if not yes:
+        try:
+            confirmed = click.confirm(f"delete every tuned config in {directory}?")
+        except click.Abort:  # no answer: input ended (no terminal) or Ctrl-C
+            click.echo(err=True)  # end the prompt's line
+            raise AutofuseError("no answer to the confirmation, nothing removed; pass --yes to clear without "
+                                "asking") from None
+        if not confirmed:
+            click.echo("nothing removed")
+            return
     try:
         store = Store(directory)
-        removed = store.clear()
+        records = list(store.winners())
+        store.clear()
         store.close()
     except (DamagedCache, sqlite3.DatabaseError) as e:
         Store.repair(directory)
@@ -128,4 +142,5 @@ def cache_clear(yes):
         click.echo(f"the cache was damaged ({str(e)[:120]}); started it afresh in {directory}")
         return
     resolve_module.invalidate()
-    click.echo(f"removed {removed} tuned configs")
+    checked = sum(w.policy == CHECKED for w in records)
+    click.echo(f"removed {plural(len(records) - checked, 'tuned key')} and {plural(checked, 'checked key')}")

@@ -46,7 +46,9 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--fresh", is_flag=True,
               help="Discard the trials an earlier or interrupted run of these keys stored (default: keep them and "
                    "run only the rest).")
-@click.option("--resume", is_flag=True, hidden=True, help="Kept for old scripts: resuming is the default.")
+@click.option("--replace", is_flag=True,
+              help="Store this run's winners even where the cache holds a faster tuned record of the key (default: "
+                   "keep that one and say so).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
 @click.option("--ops", "only", default=None,
@@ -60,13 +62,13 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--stale-after", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds without a heartbeat after which another worker takes over a key.")
 @click.option("--worker", default=None, hidden=True, help="Internal: run as one worker of a --devices run.")
-def tune_command(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, fresh, resume, seed, train,
+def tune_command(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, fresh, replace, seed, train,
                  only, devices, storage, stale_after, worker):
     """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache.
     A run that was interrupted continues where it stopped when started again (--fresh starts over)."""
     try:
-        _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, not fresh, seed, train, only,
-              devices, storage, stale_after, worker)
+        _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, not fresh, replace, seed, train,
+              only, devices, storage, stale_after, worker)
     except TuningInterrupted as e:
         _interrupted(f"after {e.done} of {e.total} key{'s' if e.total != 1 else ''}")
     except KeyboardInterrupt:
@@ -80,8 +82,8 @@ def _interrupted(progress: str) -> None:
     sys.exit(130)
 
 
-def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, seed, train, only, devices,
-          storage, stale_after, worker):
+def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, replace, seed, train, only,
+          devices, storage, stale_after, worker):
     if shapes_path is not None and model_path is not None:
         raise click.UsageError("give only one of --shapes FILE or --model CONFIG")
     if shapes_path is None and model_path is None:
@@ -95,7 +97,7 @@ def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, r
     only = _parse_ops(only, train)
     start = time.perf_counter()
     options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
-    run = dict(shapes=shapes, train=train, only=only, options=options, resume=resume)
+    run = dict(shapes=shapes, train=train, only=only, options=options, resume=resume, replace=replace)
     if devices is not None or storage is not None or worker is not None:
         source = dict(shapes_path=shapes_path, model_path=model_path, dtype=dtype, tokens=tokens)
         coordinated = _tune_distributed(run, source, devices, storage, stale_after, worker)
@@ -105,9 +107,9 @@ def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, r
     else:
         device = select_device()
         interpret = device == "cpu"
-        results = tune_shapes(shapes, torch.device(device), train=train, only=only, resume=resume,
+        results = tune_shapes(shapes, torch.device(device), train=train, only=only, resume=resume, replace=replace,
                               progress_for=RunProgress().for_key, **options)
-        rows = [(job, r.winner, r.resumed, r.failures) for job, r in results]
+        rows = [(job, r.winner, r.resumed, r.failures, r.not_stored) for job, r in results]
     _print_table(rows, interpret, time.perf_counter() - start)
 
 
@@ -118,12 +120,19 @@ def _print_table(rows, interpret: bool, seconds: float) -> None:
     else:
         click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'library':>9} {'speedup':>7} "
                    f"{'trials':>6} {'resumed':>7}  failures")
-    for job, w, resumed, failures in rows:
+    for job, w, resumed, failures, _ in rows:
         fails = ", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "-"
         speed = "" if interpret else f" {w.baseline_ms:>9.4f} {w.baseline_ms / w.time_ms:>6.2f}x"
         click.echo(f"{job.label:<32} {job.M:>6} {w.config.short():<28} {w.time_ms:>9.4f}{speed} {w.trials:>6} "
                    f"{resumed:>7}  {fails}")
     click.echo(f"tuned {plural(len(rows), 'key')} in {duration(seconds)}")
+    kept = [(job, w, found) for job, w, _, _, found in rows if found is not None]
+    if kept:
+        click.echo(f"{plural(len(kept), 'key')} kept the record already stored, faster than this run's winner "
+                   "(--replace stores this run's):")
+        for job, w, found in kept:
+            click.echo(f"  {job.label} M={job.M}: stored {w.config.short()} {w.time_ms:.4f} ms, this run "
+                       f"{found.config.short()} {found.time_ms:.4f} ms")
 
 
 def _devices_or_default(devices: str | None) -> list[str]:
@@ -144,6 +153,7 @@ def _worker_args(run: dict, source: dict, storage: str, stale_after: float) -> l
     args += ["--train"] if run["train"] else []
     args += ["--ops", ",".join(sorted(run["only"]))] if run["only"] else []
     args += [] if run["resume"] else ["--fresh"]
+    args += ["--replace"] if run["replace"] else []
     return args
 
 
@@ -159,7 +169,7 @@ def _tune_distributed(run: dict, source: dict, devices, storage, stale_after, wo
         store = Store(user_cache_dir())
         try:
             worklist.work(storage, worklist.run_name(jobs, settings), jobs, store, device, worker,
-                          stale_after_s=stale_after, resume=run["resume"], **options)
+                          stale_after_s=stale_after, resume=run["resume"], replace=run["replace"], **options)
         finally:
             store.close()
         return None
@@ -171,7 +181,7 @@ def _tune_distributed(run: dict, source: dict, devices, storage, stale_after, wo
         jobs = jobs_for_shapes(shapes, env_device, train=train, only=only)
         return jobs, worklist.run_name(jobs, settings)
 
-    jobs, found = run_workers(device_list, _worker_args(run, source, storage, stale_after), plan, storage,
-                              user_cache_dir() / "workers")
-    winners = {w.key: w for w in found}
-    return [(job, winners[job.key], 0, {}) for job in jobs], all(d == "cpu" for d in device_list)
+    jobs, stored = run_workers(device_list, _worker_args(run, source, storage, stale_after), plan, storage,
+                               user_cache_dir() / "workers", replace=run["replace"])
+    winners = {w.key: w for w in stored}
+    return [(job, winners[job.key], 0, {}, None) for job in jobs], all(d == "cpu" for d in device_list)

@@ -76,9 +76,11 @@ def _show_progress(procs: list, work_list, total: int, poll_s: float) -> None:
 
 
 def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, log_dir: Path,
-                poll_s: float = 0.5) -> tuple[list[Job], list[Winner]]:
+                poll_s: float = 0.5, replace: bool = False) -> tuple[list[Job], list[Winner]]:
     """Start one worker per device, then (while they start up) `plan()` -> (jobs, run name) here; show
-    their progress until all have exited; merge the winners into this machine's cache."""
+    their progress until all have exited; merge the winners into this machine's cache (where a stored
+    record outranks one, store.outranked_by, it stays unless `replace`). Returns the jobs and the
+    records their keys hold now."""
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = [_start_worker(i, device, worker_args, log_dir) for i, device in enumerate(devices)]
     jobs, run = plan()
@@ -98,8 +100,7 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     found = work_list.winners()
     store = Store(user_cache_dir())
     try:
-        for winner in found:
-            store.put_winner(winner)
+        found = [store.put_winner(winner, replace=replace) for winner in found]
     finally:
         store.close()
     failed = [f"{name} (exit {p.returncode})" for name, p, _ in procs if p.returncode != 0]

@@ -79,10 +79,12 @@ class Progress:
 
 @dataclasses.dataclass
 class KeyResult:
-    winner: Winner
+    winner: Winner  # the record the key holds after the run
     resumed: int  # trials found from an earlier run
     new: int  # trials run now
     failures: dict[str, int]
+    # This run's winner, where the stored record outranked it and was kept (store.outranked_by).
+    not_stored: Winner | None = None
 
 
 class _Budget:
@@ -172,8 +174,9 @@ def _policy(name: str, key: TuningKey, problem: Problem, limit: int, interpret: 
 
 def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
              time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
-             progress: Callable[[Progress], None] | None = None) -> KeyResult:
-    """Run one key's trials, then choose and store its winner."""
+             progress: Callable[[Progress], None] | None = None, replace: bool = False) -> KeyResult:
+    """Run one key's trials, then choose its winner and store it, unless the stored record outranks it
+    (store.outranked_by: e.g. a faster tuned record) and `replace` is off."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     start = time.perf_counter()
@@ -183,17 +186,17 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
     winner = choose_winner(job.key, done, library_ms, heuristic, time.perf_counter() - start, policy,
                            times_mean_speed=not interpreting(), confirmed=confirmed,
                            kernel_margin=kernel_margin(library_ms, 0.0))
-    store.put_winner(winner)
+    stored = store.put_winner(winner, replace=replace)
     failures: dict[str, int] = {}
     for t in done.values():
         if t.status != "ok":
             failures[t.status] = failures.get(t.status, 0) + 1
-    return KeyResult(winner, resumed, len(done) - resumed, failures)
+    return KeyResult(stored, resumed, len(done) - resumed, failures, None if stored is winner else winner)
 
 
 def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, only: set[str] | None = None,
                 trials: int | None = 20, time_budget_s: float | None = None, policy: str = "optuna",
-                resume: bool = False, seed: int = 0,
+                resume: bool = False, seed: int = 0, replace: bool = False,
                 progress_for: Callable[[int, int], Callable[[Progress], None]] | None = None
                 ) -> list[tuple[Job, KeyResult]]:
     """Tune every key of `shapes` (only the ops in `only` when given) into the user cache; the runtime
@@ -209,7 +212,7 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, 
         for i, job in enumerate(jobs, 1):
             progress = progress_for(i, len(jobs)) if progress_for else None
             result = tune_key(job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s,
-                              resume=resume, seed=seed, progress=progress)
+                              resume=resume, seed=seed, progress=progress, replace=replace)
             logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
             results.append((job, result))
     except KeyboardInterrupt:

@@ -160,7 +160,8 @@ def work(storage_url: str, run: str, jobs: list[Job], store: Store, device, work
                           best_ms=progress.best_ms, baseline_ms=progress.baseline_ms)
 
         result = tune_key(job, store, device, resume=takeover or resume, progress=beat, **tune_options)
-        work_list.set(study_id, done=True, heartbeat=time.time(), winner=result.winner.to_record(),
+        found = result.not_stored or result.winner  # this run's winner: each machine's cache ranks it itself
+        work_list.set(study_id, done=True, heartbeat=time.time(), winner=found.to_record(),
                       trials_done=result.winner.trials)
         finished.append(index)
 

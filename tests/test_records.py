@@ -1,0 +1,106 @@
+"""A stored record is never replaced by a lesser kind or a slower one without saying so: a first-use
+check that ends after `autofuse tune` stored a winner, tuning again with fewer trials, an older import."""
+
+import json
+import logging
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from autofuse import checked, resolve
+from autofuse.cli import main
+from autofuse.configfile import build_document
+from autofuse.configs import KernelConfig, Library
+from autofuse.key import current_environment, make_key
+from autofuse.store import CHECKED, Store, Winner
+from autofuse.shapes import load_shapes
+from autofuse.tune.driver import Job, jobs_for_shapes, tune_key
+
+KEY = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+TUNED = Winner(KEY, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0, trials=20, policy="optuna")
+
+
+def _ranked(stored: Winner, new: Winner, replace: bool = False) -> Winner:
+    store = Store()
+    store.put_winner(stored)
+    held = store.put_winner(new, replace=replace)
+    assert Store().get_winner(KEY) == held  # what put_winner returns is what the cache holds
+    return held
+
+
+def test_a_check_never_replaces_a_tuned_record(caplog):
+    check = Winner(KEY, Library("eager"), 0.5, 0.5, policy=CHECKED)
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        assert _ranked(TUNED, check) == TUNED
+    assert "a first-use check never replaces a tuned record" in caplog.text
+
+
+def test_a_slower_tuned_record_is_kept_out_unless_replace():
+    slower = Winner(KEY, KernelConfig(32, 16, 16, group_m=1, num_stages=1), 1.5, 2.0, trials=2, policy="optuna")
+    assert _ranked(TUNED, slower) == TUNED
+    Store().clear()
+    assert _ranked(TUNED, slower, replace=True) == slower
+
+
+@pytest.mark.parametrize("new_policy", ["optuna", CHECKED])
+def test_what_replaces_a_checked_record(new_policy):
+    check = Winner(KEY, Library("eager"), 0.5, 0.5, policy=CHECKED)
+    new = Winner(KEY, TUNED.config, 0.9, 2.0, policy=new_policy)  # slower, but a check decides only briefly
+    assert _ranked(check, new) == new
+
+
+def test_a_check_that_ends_after_tune_stored_its_winner_keeps_the_tuned_record(monkeypatch):
+    """The race: the check starts (nothing stored yet), `autofuse tune` stores its winner, the check ends."""
+    monkeypatch.setenv("AUTOFUSE_CHECK", "1")
+    resolve.invalidate()
+    check_result = Winner(KEY, Library("eager"), 0.5, 0.5, policy=CHECKED)
+
+    def compare_while_tune_stores(key, M, choice, device):
+        Store().put_winner(TUNED)  # the tune process, meanwhile
+        return check_result
+
+    monkeypatch.setattr(checked, "_compare", compare_while_tune_stores)
+    choice = checked.checked("linear", resolve.Choice(TUNED.config, "heuristic"), 3, 56, 40, torch.float32,
+                             torch.device("cpu"), activation="gelu", bias=True)
+    assert Store().get_winner(KEY) == TUNED
+    assert choice.config == TUNED.config and choice.source == "user-cache"  # the tuned record is what runs
+
+
+def test_tuning_again_with_fewer_trials_keeps_a_faster_imported_record(tmp_path):
+    faster = Winner(KEY, Library("eager"), 1e-9, 1e-9, trials=40, policy="optuna")  # nothing on a CPU beats it
+    path = tmp_path / "export.json"
+    path.write_text(json.dumps(build_document([faster])))
+    assert CliRunner().invoke(main, ["cache", "import", str(path)]).exit_code == 0
+    result = tune_key(Job(KEY, 3, "lin"), Store(), torch.device("cpu"), policy="random", trials=1)
+    assert result.winner == faster and result.not_stored is not None
+    assert Store().get_winner(KEY) == faster
+
+
+def test_tune_says_which_keys_kept_their_record(tmp_path):
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"dtype": "float32", "tokens": [3],
+                                  "linears": [{"in_features": 40, "out_features": 56, "activation": "gelu"}]}))
+    (job,) = jobs_for_shapes(load_shapes(shapes), torch.device("cpu"))
+    faster = Winner(job.key, Library("eager"), 1e-9, 1e-9, trials=40, policy="optuna")
+    Store().put_winner(faster)
+    out = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1", "--policy", "random"])
+    assert out.exit_code == 0 and "1 key kept the record already stored" in out.output, out.output
+    assert Store().get_winner(job.key) == faster
+    again = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1", "--policy", "random",
+                                      "--replace"])
+    assert again.exit_code == 0 and "kept the record" not in again.output
+    assert Store().get_winner(job.key) != faster
+
+
+def test_an_older_slower_import_keeps_the_stored_record_and_says_so(tmp_path):
+    Store().put_winner(TUNED)
+    slower = Winner(KEY, KernelConfig(32, 16, 16, group_m=1, num_stages=1), 3.0, 2.0, trials=4, policy="optuna")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(build_document([slower])))
+    out = CliRunner().invoke(main, ["cache", "import", str(path)])
+    assert out.exit_code == 0 and "0 replaced, 1 kept the stored record" in out.output
+    assert Store().get_winner(KEY) == TUNED
+    forced = CliRunner().invoke(main, ["cache", "import", str(path), "--replace"])
+    assert forced.exit_code == 0 and "1 replaced, 0 kept" in forced.output
+    assert Store().get_winner(KEY) == slower
