@@ -13,8 +13,8 @@ from autofuse.cli import main
 from autofuse.configfile import build_document
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import current_environment, make_key
-from autofuse.store import CHECKED, Store, Winner
 from autofuse.shapes import load_shapes
+from autofuse.store import CHECKED, Store, Winner
 from autofuse.tune.driver import Job, jobs_for_shapes, tune_key
 
 KEY = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
