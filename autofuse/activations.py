@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import AutofuseError
+from .errors import AutofuseError, shown
 
 TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "none": lambda x: x,
@@ -38,7 +38,7 @@ def canonical_activation(name: object, allowed: tuple[str, ...]) -> str:
         raise AutofuseError(f"activation must be a string, got {type(name).__name__}")
     canonical = ALIASES.get(name, name)
     if canonical not in allowed:
-        raise AutofuseError(f"unknown activation {name!r}; choose one of {', '.join(allowed)}")
+        raise AutofuseError(f"unknown activation {shown(name)}; choose one of {', '.join(allowed)}")
     return canonical
 
 

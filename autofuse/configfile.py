@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ._version import __version__
-from .errors import AutofuseError
+from .errors import AutofuseError, shown
 from .jsonfile import read_json
 from .key import M_BUCKET_RULE, MAX_M_BUCKET
 from .store import Store, Winner
@@ -97,13 +97,13 @@ def parse_document(document, source: str) -> list[Winner]:
     if not isinstance(document, dict):
         bad("not an autofuse config export (expected a JSON object)")
     if document.get("format") != FORMAT:
-        bad(f"not an autofuse config export (format is {document.get('format')!r})")
-    if document.get("schema_version") != SCHEMA_VERSION:
-        bad(f"schema version {document.get('schema_version')!r} is not supported (this autofuse reads "
-            f"{SCHEMA_VERSION})")
+        bad(f"not an autofuse config export (format is {shown(document.get('format'))})")
+    version = document.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1 in Python: not a version
+        bad(f"schema version {shown(version)} is not supported (this autofuse reads {SCHEMA_VERSION})")
     if set(document) != _HEADER:
         bad(f"header fields wrong: missing {sorted(_HEADER - set(document))}, unknown "
-            f"{sorted(set(document) - _HEADER)}")
+            f"{shown(sorted(set(document) - _HEADER), 80)}")
     records = document["records"]
     if not isinstance(records, list):
         bad("'records' must be a list")
@@ -112,14 +112,15 @@ def parse_document(document, source: str) -> list[Winner]:
     if not isinstance(document["sha256"], str) or document["sha256"] != _checksum(records):
         bad("checksum mismatch: the records were changed or cut after export")
     for name in ("gpus", "tritons"):
-        if not isinstance(document[name], list) or not all(isinstance(v, str) for v in document[name]):
-            bad(f"'{name}' must be a list of strings")
+        if not isinstance(document[name], list) or not all(isinstance(v, str) and v.isprintable()
+                                                           for v in document[name]):
+            bad(f"'{name}' must be a list of printable strings")
     hashes = document["template_hashes"]
     if not isinstance(hashes, dict) or not all(isinstance(v, str) for v in hashes.values()):
         bad("'template_hashes' must map template names to hashes")
     rule = document["bucket_rule"]
     if not isinstance(rule, dict) or rule.get("name") != M_BUCKET_RULE:
-        bad(f"bucket rule {rule!r} is not {M_BUCKET_RULE!r}")
+        bad(f"bucket rule {shown(rule)} is not {M_BUCKET_RULE!r}")
     winners = []
     seen = set()
     for i, record in enumerate(records):
@@ -129,7 +130,7 @@ def parse_document(document, source: str) -> list[Winner]:
             bad(f"record {i}: {e}")
         key = winner.key
         if key.gpu not in document["gpus"] or key.triton not in document["tritons"]:
-            bad(f"record {i}: GPU {key.gpu!r} / Triton {key.triton!r} not in the header")
+            bad(f"record {i}: GPU {shown(key.gpu)} / Triton {shown(key.triton)} not in the header")
         if hashes.get(key.template) != key.template_hash:
             bad(f"record {i}: template hash {key.template_hash} differs from the header's")
         if key in seen:
@@ -139,5 +140,5 @@ def parse_document(document, source: str) -> list[Winner]:
     return winners
 
 
-def read_export(path: Path | str) -> list[Winner]:
-    return parse_document(read_json(path, "config export"), Path(path).name)
+def read_export(path: Path | str, *, only_regular: bool = False) -> list[Winner]:
+    return parse_document(read_json(path, "config export", only_regular=only_regular), Path(path).name)

@@ -11,9 +11,9 @@ from .checked import pending
 from .configs import KernelConfig, Library
 from .device import check_device
 from .dispatch import table_key
-from .errors import AutofuseError
+from .errors import AutofuseError, shown
 from .resolve import Choice, generation
-from .shapes import DTYPES
+from .shapes import DTYPES, MAX_SIZE
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # torch.Tensor as _rows_of reads it: one object for a compiled forward's guards, not torch and its attribute.
@@ -32,9 +32,21 @@ def check_dtype(dtype: object) -> torch.dtype:
 
 
 def check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AutofuseError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        raise AutofuseError(f"{name} must be a positive integer up to {MAX_SIZE}, got {shown(value)}")
     return value
+
+
+def allocated(build, what: str, elements: int, dtype: torch.dtype, device: torch.device):
+    """`build()`, a module whose parameters hold `elements` values; AutofuseError where the device has
+    no memory for them (a size the user mistyped, say), not PyTorch's allocator traceback."""
+    try:
+        return build()
+    except RuntimeError as e:  # torch.OutOfMemoryError is one; the CPU allocator raises a plain one
+        if not isinstance(e, torch.OutOfMemoryError) and "alloc" not in str(e).lower():
+            raise
+        gib = elements * torch.empty((), dtype=dtype).element_size() / 2**30
+        raise AutofuseError(f"cannot allocate {what}'s {gib:,.1f} GiB of parameters on {device}") from None
 
 
 def parse_device(device: object) -> torch.device:

@@ -17,6 +17,7 @@ import torch
 from . import ops
 from .configs import next_power_of_2
 from .device import cuda_index, interpreting
+from .errors import shown
 from .render import template_hash
 
 # How a token count M maps to a tuned bucket: M itself where a key was tuned for it, else the next
@@ -81,16 +82,16 @@ class TuningKey:
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, str) or self.op not in ops.names(tunable=True):
-            raise ValueError(f"op must be one of {', '.join(ops.names(tunable=True))}, got {self.op!r}")
+            raise ValueError(f"op must be one of {', '.join(ops.names(tunable=True))}, got {shown(self.op)}")
         spec = ops.get(self.op)
         if self.activation not in spec.activations:
-            raise ValueError(f"activation {self.activation!r} is not valid for op {self.op!r}")
+            raise ValueError(f"activation {shown(self.activation)} is not valid for op {self.op!r}")
         if self.dtype not in DTYPE_NAMES.values():
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES.values())}, got {shown(self.dtype)}")
         for name, most in (("n", MAX_DIM), ("k", MAX_DIM), ("m_bucket", MAX_DIM)):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= most:
-                raise ValueError(f"{name} must be an integer in 1..{most}, got {str(value)[:40]}")
+                raise ValueError(f"{name} must be an integer in 1..{most}, got {shown(value)}")
         for name in ("bias", "residual"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false")
@@ -98,9 +99,11 @@ class TuningKey:
             raise ValueError(f"op {self.op!r} takes no residual")
         for name in ("template_hash", "gpu", "capability", "triton", "cuda"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not value or "|" in value or len(value) > MAX_TEXT:
-                raise ValueError(f"{name} must be a non-empty string of at most {MAX_TEXT} characters without "
-                                 f"'|', got {str(value)[:40]!r}")
+            # Printed as it is (cache ls, kernel headers): printable, so a file cannot make lines of its own.
+            if (not isinstance(value, str) or not value or "|" in value or len(value) > MAX_TEXT
+                    or not value.isprintable()):
+                raise ValueError(f"{name} must be a non-empty string of at most {MAX_TEXT} printable characters "
+                                 f"without '|', got {shown(value)}")
 
     @property
     def spec(self) -> ops.OpSpec:
@@ -129,7 +132,7 @@ class TuningKey:
         names = {f.name for f in dataclasses.fields(cls)}
         if set(data) != names:
             missing, extra = names - set(data), set(data) - names
-            raise ValueError(f"key fields wrong: missing {sorted(missing)}, unknown {sorted(extra)}")
+            raise ValueError(f"key fields wrong: missing {sorted(missing)}, unknown {shown(sorted(extra), 80)}")
         return cls(**data)
 
     def id(self) -> str:

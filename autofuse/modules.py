@@ -19,7 +19,7 @@ from .checked import pending
 from .device import capturing
 from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_tables, resolve_checked
 from .errors import AutofuseError
-from .fused_module import FusedModule, check_dtype, check_size, needs_grad, parse_device
+from .fused_module import FusedModule, allocated, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
@@ -301,15 +301,12 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
                dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True) -> FusedLinear:
     """A fused `act(x @ W.T + b) [+ residual]` module; call it as `module(x, residual=None)`.
     `tuned=False` ignores tuned configs and uses the built-in heuristic."""
-    return FusedLinear(
-        check_size("in_features", in_features),
-        check_size("out_features", out_features),
-        bias=bool(bias),
-        activation=canonical_activation(activation, LINEAR_ACTIVATIONS),
-        dtype=check_dtype(dtype),
-        device=parse_device(device),
-        tuned=bool(tuned),
-    )
+    in_features, out_features = check_size("in_features", in_features), check_size("out_features", out_features)
+    activation, dtype = canonical_activation(activation, LINEAR_ACTIVATIONS), check_dtype(dtype)
+    device = parse_device(device)
+    return allocated(lambda: FusedLinear(in_features, out_features, bias=bool(bias), activation=activation,
+                                         dtype=dtype, device=device, tuned=bool(tuned)),
+                     "the Linear", (in_features + 1) * out_features, dtype, device)
 
 
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
@@ -323,14 +320,10 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
     `save_hidden` (training only): the forward keeps H = act(gate) * up for the backward, as torch.compile
     does (faster); False recomputes it in the backward and holds one [tokens, d_ff] activation less per
     module (the attribute of that name may be changed later)."""
-    return FusedMLP(
-        check_size("d_model", d_model),
-        check_size("d_ff", d_ff),
-        bias=bool(bias),
-        activation=canonical_activation(activation, GATED_ACTIVATIONS),
-        dtype=check_dtype(dtype),
-        device=parse_device(device),
-        tuned=bool(tuned),
-        interleaved=bool(interleaved),
-        save_hidden=bool(save_hidden),
-    )
+    d_model, d_ff = check_size("d_model", d_model), check_size("d_ff", d_ff)
+    activation, dtype = canonical_activation(activation, GATED_ACTIVATIONS), check_dtype(dtype)
+    device = parse_device(device)
+    return allocated(lambda: FusedMLP(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
+                                      device=device, tuned=bool(tuned), interleaved=bool(interleaved),
+                                      save_hidden=bool(save_hidden)),
+                     "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)

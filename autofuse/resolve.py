@@ -131,7 +131,7 @@ def _shipped_files(extra_paths: str) -> list[tuple[Path, Path | None]]:
 def _read_shipped(path: Path) -> tuple[tuple, str | None]:
     """(the file's winners, None), or ((), why it was skipped): a bad file never crashes a forward."""
     try:
-        return tuple(read_export(path)), None
+        return tuple(read_export(path, only_regular=True)), None
     except AutofuseError as e:
         return (), str(e)
 

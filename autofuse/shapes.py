@@ -15,18 +15,19 @@ Every problem is reported with the path of the offending field, e.g. `mlps[1].d_
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
-from .errors import AutofuseError
+from .errors import AutofuseError, printable_name, shown
 from .jsonfile import read_json
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TOKENS = (1, 16, 128, 1024, 4096, 16384)
 MAX_SIZE = 2**31 - 1  # the kernels' sizes are 32-bit
+# More token counts than any deployment's buckets: each one is a tuning key per op and shape.
+MAX_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,20 +62,26 @@ def _fail(path: str, problem: str):
 
 def _positive_int(value, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
-        _fail(path, f"must be a positive integer up to {MAX_SIZE}, got {json.dumps(value)[:40]}")
+        _fail(path, f"must be a positive integer up to {MAX_SIZE}, got {shown(value)}")
     return value
 
 
 def _fields(entry, path: str, required: tuple[str, ...], optional: dict) -> dict:
     if not isinstance(entry, dict):
-        _fail(path, f"must be an object, got {json.dumps(entry)}")
+        _fail(path, f"must be an object, got {shown(entry)}")
     unknown = set(entry) - set(required) - set(optional) - {"name"}
     if unknown:
-        _fail(path, f"unknown field(s) {', '.join(sorted(unknown))}")
+        _fail(path, f"unknown field(s) {_names(unknown)}")
     for key in required:
         if key not in entry:
             _fail(path, f"missing field '{key}'")
     return {**optional, **entry}
+
+
+def _names(fields) -> str:
+    """Unknown field names as a message shows them: each cut short, at most five."""
+    names = sorted(shown(name, 24) for name in fields)
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _activation(value, path: str, allowed) -> str:
@@ -86,7 +93,7 @@ def _activation(value, path: str, allowed) -> str:
 
 def _bias(value, path: str) -> bool:
     if not isinstance(value, bool):
-        _fail(path, f"must be true or false, got {json.dumps(value)}")
+        _fail(path, f"must be true or false, got {shown(value)}")
     return value
 
 
@@ -96,13 +103,17 @@ def parse_shapes(data, source: str = "shapes") -> ShapeSet:
         _fail(source, "must be a JSON object with 'mlps' and/or 'linears'")
     unknown = set(data) - {"dtype", "tokens", "mlps", "linears"}
     if unknown:
-        _fail(source, f"unknown field(s) {', '.join(sorted(unknown))}")
+        model_config = "hidden_size" in data or "intermediate_size" in data or "architectures" in data
+        _fail(source, f"unknown field(s) {_names(unknown)}" + (
+            "; this looks like a Hugging Face config.json: pass it with --model instead of --shapes"
+            if model_config else ""))
     dtype_name = data.get("dtype", "bfloat16")
-    if dtype_name not in DTYPES:
-        _fail(f"{source}.dtype", f"must be one of {', '.join(DTYPES)}, got {json.dumps(dtype_name)}")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        _fail(f"{source}.dtype", f"must be one of {', '.join(DTYPES)}, got {shown(dtype_name)}")
     tokens = data.get("tokens", list(DEFAULT_TOKENS))
-    if not isinstance(tokens, list) or not tokens:
-        _fail(f"{source}.tokens", "must be a non-empty list of positive integers")
+    if not isinstance(tokens, list) or not 1 <= len(tokens) <= MAX_TOKENS:
+        _fail(f"{source}.tokens", f"must be a list of 1 to {MAX_TOKENS} positive integers"
+              + (f", got {len(tokens)}" if isinstance(tokens, list) and tokens else ""))
     tokens = tuple(sorted({_positive_int(t, f"{source}.tokens[{i}]") for i, t in enumerate(tokens)}))
 
     mlps, linears = [], []
@@ -115,7 +126,7 @@ def parse_shapes(data, source: str = "shapes") -> ShapeSet:
             if kind == "mlps":
                 e = _fields(entry, path, ("d_model", "d_ff"), {"activation": "gelu_tanh", "bias": False})
                 out.append(MLPShape(
-                    name=str(e.get("name", f"mlp{i}")),
+                    name=printable_name(e.get("name", f"mlp{i}"), f"{path}.name"),
                     d_model=_positive_int(e["d_model"], f"{path}.d_model"),
                     d_ff=_positive_int(e["d_ff"], f"{path}.d_ff"),
                     activation=_activation(e["activation"], f"{path}.activation", GATED_ACTIVATIONS),
@@ -124,7 +135,7 @@ def parse_shapes(data, source: str = "shapes") -> ShapeSet:
             else:
                 e = _fields(entry, path, ("in_features", "out_features"), {"activation": "none", "bias": True})
                 out.append(LinearShape(
-                    name=str(e.get("name", f"linear{i}")),
+                    name=printable_name(e.get("name", f"linear{i}"), f"{path}.name"),
                     in_features=_positive_int(e["in_features"], f"{path}.in_features"),
                     out_features=_positive_int(e["out_features"], f"{path}.out_features"),
                     activation=_activation(e["activation"], f"{path}.activation", LINEAR_ACTIVATIONS),

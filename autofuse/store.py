@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .configs import KernelConfig, Library, choice_from_json
-from .errors import AutofuseError
+from .errors import AutofuseError, shown
 from .jsondisk import REFUSED, RefusedRow, json_only_disk
 from .key import TuningKey
 from .resources import user_cache_dir
@@ -73,7 +73,7 @@ class Winner:
         allowed = expected | {"runner_up"}
         if not expected <= set(record) <= allowed:
             raise ValueError(f"record fields wrong: missing {sorted(expected - set(record))}, "
-                             f"unknown {sorted(set(record) - allowed)}")
+                             f"unknown {shown(sorted(set(record) - allowed), 80)}")
         key = TuningKey.from_dict(record["key"])
         config = choice_from_json(record["config"])
         if isinstance(config, Library) and config.name not in key.spec.library_for(key.activation, key.bias,

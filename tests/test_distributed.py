@@ -181,3 +181,47 @@ def test_a_run_whose_worker_failed_exits_non_zero(tmp_path, monkeypatch):
                                        "--storage", str(tmp_path / "j.log")])
     assert result.exit_code == 2 and "cpu1 (exit 3) failed" in result.output and "Traceback" not in result.output
     assert len(list(Store().winners())) > 0  # the other worker's keys are kept
+
+
+@pytest.mark.parametrize("content, url", [("garbage line\n", "{path}"), ("not a database\n", "sqlite:///{path}")])
+def test_a_storage_that_cannot_be_read_is_one_line(tmp_path, content, url):
+    path = tmp_path / "storage"
+    path.write_text(content)
+    shapes = write_json(tmp_path / "s.json", SHAPES)
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--trials", "1", "--devices", "cpu",
+                                       "--storage", url.format(path=path)])
+    assert result.exit_code == 2 and "the shared tuning storage cannot be used" in result.output
+    assert "Traceback" not in result.output
+
+
+def _poisoned(tmp_path, **attrs):
+    """A run of SHAPES whose key 0 holds a claim with `attrs`, as another party wrote it."""
+    from optuna.study import StudyDirection
+
+    from autofuse.tune.driver import jobs_for_shapes
+
+    jobs = jobs_for_shapes(load_shapes(write_json(tmp_path / "s.json", SHAPES)), torch.device("cpu"))
+    opened = worklist.open_storage(str(tmp_path / "shared.log"))
+    study_id = opened.create_new_study([StudyDirection.MINIMIZE], "autofuse/run/00000/0")
+    for key, value in attrs.items():
+        opened.set_study_user_attr(study_id, key, value)
+    return worklist.WorkList(opened, "run", jobs), jobs
+
+
+def test_another_keys_valid_winner_is_not_taken_for_this_key(tmp_path):
+    from autofuse.configs import Library
+    from autofuse.store import Winner
+    from autofuse.tune.driver import jobs_for_shapes
+
+    jobs = jobs_for_shapes(load_shapes(write_json(tmp_path / "s.json", SHAPES)), torch.device("cpu"))
+    foreign = Winner(jobs[1].key, Library("eager"), 1.0, 1.0)
+    work_list, _ = _poisoned(tmp_path, done=True, heartbeat=time.time(), winner=foreign.to_record())
+    claim = work_list.claims()[0]
+    assert not claim.attrs["done"] and work_list.winners() == []
+
+
+@pytest.mark.parametrize("heartbeat", [1e300, float("nan"), float("inf")])
+def test_a_forged_heartbeat_cannot_hold_a_key(tmp_path, heartbeat):
+    work_list, _ = _poisoned(tmp_path, done=False, heartbeat=heartbeat, worker="evil\n[1/1] spoof")
+    claim = work_list.claims()[0]
+    assert claim.attrs["heartbeat"] == 0 and claim.attrs["worker"] == "?"  # stale: another worker takes it over

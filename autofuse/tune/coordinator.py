@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import AutofuseError
+from ..errors import AutofuseError, shown
 from ..resources import user_cache_dir
 from ..store import Store, Winner
 from . import worklist
@@ -64,7 +64,7 @@ def _show_progress(procs: list, work_list, total: int, poll_s: float) -> None:
         try:
             done, running = work_list.status()
         except Exception as e:  # noqa: BLE001 - a storage hiccup must not stop the workers
-            running, done = [f"(storage unreadable: {type(e).__name__})"], 0
+            running, done = [f"(storage unreadable: {shown(str(e), 100)})"], 0
         eta = (time.monotonic() - started) / done * (total - done) if done else None
         line = f"[{done}/{total} keys done, run ETA {'?' if eta is None else duration(eta)}] " + " | ".join(running)
         if line != last:
@@ -82,15 +82,17 @@ def run_workers(devices: list[str], worker_args: list[str], plan, storage: str, 
     record outranks one, store.outranked_by, it stays unless `replace`). Returns the jobs and the
     records their keys hold now."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    # Opened once, before any worker starts (a storage that cannot be used ends the run here); a journal
+    # storage then reads only what was appended since the last poll.
+    shared = worklist.open_storage(storage)
     procs = [_start_worker(i, device, worker_args, log_dir) for i, device in enumerate(devices)]
-    jobs, run = plan()
-    # Opened once: a journal storage then reads only what was appended since the last poll.
-    work_list = worklist.WorkList(worklist.open_storage(storage), run, jobs)
-    logger.info("tuning %s on %s (%s), run %s, storage %s, worker logs in %s", plural(len(jobs), "key"),
-                plural(len(devices), "worker"), ", ".join(n for n, _, _ in procs), run, storage, log_dir)
     try:
+        jobs, run = plan()
+        work_list = worklist.WorkList(shared, run, jobs)
+        logger.info("tuning %s on %s (%s), run %s, storage %s, worker logs in %s", plural(len(jobs), "key"),
+                    plural(len(devices), "worker"), ", ".join(n for n, _, _ in procs), run, storage, log_dir)
         _show_progress(procs, work_list, len(jobs), poll_s)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or a storage that became unusable: no worker outlives the run
         for _, p, _ in procs:
             p.terminate()
         raise

@@ -14,12 +14,15 @@ the running trial is lost. Clocks of the machines sharing a storage are assumed 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable
 
+from ..errors import AutofuseError, shown
 from ..store import Store, Winner
 from .driver import Job, tune_key
 
@@ -27,6 +30,29 @@ _PREFIX = "autofuse"
 logger = logging.getLogger("autofuse")
 
 
+# A heartbeat this far ahead of this machine's clock is no time a worker wrote (clocks are in sync):
+# taken as stale, so that a forged one cannot hold a key forever.
+MAX_CLOCK_SKEW_S = 300.0
+
+
+def storage_errors(method):
+    """`method` of a WorkList (or open_storage), with whatever the storage raises for content it cannot
+    read (a journal line that is not JSON, a file that is not a database, a server gone) turned into one
+    AutofuseError line naming the storage."""
+    @functools.wraps(method)
+    def guarded(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except AutofuseError:
+            raise
+        except Exception as e:  # noqa: BLE001 - optuna, SQLAlchemy and the journal raise many kinds
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            raise AutofuseError(f"the shared tuning storage cannot be used ({type(e).__name__}: "
+                                f"{shown(first_line, 120)})") from None
+    return guarded
+
+
+@storage_errors
 def open_storage(url: str):
     """An Optuna storage for `url`: an RDB URL (sqlite:///..., postgresql://..., mysql://...) or a
     journal file path (optionally written journal:PATH), which works on any shared file system."""
@@ -65,6 +91,7 @@ class WorkList:
     def _name(self, index: int, generation: int) -> str:
         return f"{_PREFIX}/{self.run}/{index:05d}/{generation}"
 
+    @storage_errors
     def claims(self) -> dict[int, Claim]:
         """The newest claim of every claimed job. The storage may be shared with other people's runs
         and machines: a study of this run that is not what a worker writes (a key index that is no
@@ -85,23 +112,31 @@ class WorkList:
         if not (parts[2].isdigit() and parts[3].isdigit()) or int(parts[2]) >= len(self.jobs):
             self._skip(name, "its key index is not one of this run's keys")
             return None
+        index = int(parts[2])
         heartbeat = attrs.get("heartbeat", 0)
-        if isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)):
-            self._skip(name, f"its heartbeat {str(heartbeat)[:20]!r} is not a time: taken as stale")
+        if (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not math.isfinite(heartbeat)
+                or heartbeat > time.time() + MAX_CLOCK_SKEW_S):
+            self._skip(name, f"its heartbeat {shown(heartbeat, 24)} is not a time: taken as stale")
             attrs["heartbeat"] = 0
+        worker = attrs.get("worker")
+        if not isinstance(worker, str) or not worker.isprintable() or len(worker) > 64:  # printed in the progress
+            attrs["worker"] = "?"
         if attrs.get("done"):
             try:
                 attrs["winner"] = Winner.from_record(attrs.get("winner"))
+                if attrs["winner"].key != self.jobs[index].key:
+                    raise ValueError("it is another key's")
             except (ValueError, TypeError) as e:
-                self._skip(name, f"its winner is not valid ({e}): the key is tuned again")
+                self._skip(name, f"its winner is not valid ({shown(str(e), 120)}): the key is tuned again")
                 attrs["done"] = False
-        return Claim(int(parts[2]), int(parts[3]), attrs)
+        return Claim(index, int(parts[3]), attrs)
 
     def _skip(self, name: str, why: str) -> None:
         if (name, why) not in self._skipped:  # once per study and problem: the storage is polled
             self._skipped.add((name, why))
             logger.warning("autofuse: shared storage study %s: %s", name, why)
 
+    @storage_errors
     def try_claim(self, index: int, generation: int, worker: str) -> int | None:
         """The claim study's id if this worker got the job (generation 0: first claim, later: a takeover)."""
         from optuna.exceptions import DuplicatedStudyError  # see open_storage: optuna only where it is used
@@ -114,6 +149,7 @@ class WorkList:
         self.set(study_id, worker=worker, heartbeat=time.time(), done=False)
         return study_id
 
+    @storage_errors
     def set(self, study_id: int, **attrs) -> None:
         for key, value in attrs.items():
             self.storage.set_study_user_attr(study_id, key, value)
