@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -90,12 +91,38 @@ def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype,
         return Choice(Library("eager"), CHECK_FAILED)
     logger.info("autofuse: checked %s (n=%d, k=%d, M bucket %d): %s %s (library %s)", op, N, K, key.m_bucket,
                 winner.config.short(), _ms(winner.time_ms), _ms(winner.baseline_ms))
-    try:
-        winner = Store().put_winner(winner)  # a record tuned meanwhile stays, and is what runs
-    except AutofuseError as e:  # an unwritable cache: the decision holds for this process
-        logger.warning("autofuse: could not store a checked decision: %s", e)
+    winner = _stored(winner)
     resolve.remember(winner)
     return Choice.of(winner, CHECKED if winner.policy == CHECKED else "user-cache")
+
+
+# How long a forward waits for the user cache to take a checked decision. Another process may hold the
+# cache's write lock (a long import, a stuck writer): SQLite would make the forward wait a minute or more.
+STORE_WAIT_S = 2.0
+
+
+def _stored(winner: Winner) -> Winner:
+    """The record the key holds once `winner` is offered to the user cache (a record tuned meanwhile
+    stays, store.outranked_by, and is what runs), or `winner` itself where the cache cannot take it:
+    read-only, damaged, or locked past STORE_WAIT_S (the write then goes on in the background and lands
+    when the lock is free, unless the process ends first). The decision holds for this process either way."""
+    outcome: dict = {}
+
+    def write() -> None:
+        try:
+            outcome["record"] = Store(timeout=STORE_WAIT_S).put_winner(winner)
+        except AutofuseError as e:
+            outcome["error"] = e
+
+    writer = threading.Thread(target=write, name="autofuse-store-check", daemon=True)
+    writer.start()
+    writer.join(STORE_WAIT_S)
+    if writer.is_alive():
+        logger.warning("autofuse: the cache is locked by another process; a checked decision holds for this "
+                       "process and is stored once the lock is free")
+    elif "error" in outcome:
+        logger.warning("autofuse: could not store a checked decision: %s", outcome["error"])
+    return outcome.get("record", winner)
 
 
 def _cannot_time(device: torch.device) -> bool:

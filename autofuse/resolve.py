@@ -28,7 +28,7 @@ from .errors import AutofuseError
 from .key import current_environment, m_bucket, make_key
 from .opspec import OpSpec
 from .resources import shipped_cache_dir, user_cache_dir
-from .store import CHECKED, open_store
+from .store import CHECKED, read_winners
 from .store import exists as store_exists
 
 logger = logging.getLogger("autofuse")
@@ -104,12 +104,13 @@ _damaged_warned: set[str] = set()
 
 
 def _user_winners(cache_dir: str) -> dict:
-    """The user cache's winners by key id; none, with one warning, where its database is damaged:
-    the runtime runs without it rather than fail (the CLI names the problem and `cache clear` mends it)."""
+    """The user cache's winners by key id, read without writing or waiting (a read-only cache is read);
+    none, with one warning, where its database is damaged: the runtime runs without it rather than fail
+    (the CLI names the problem and `cache clear` mends it)."""
     try:
         if not store_exists(cache_dir):
             return {}
-        return {w.key.id(): w for w in open_store(cache_dir).winners()}
+        return {w.key.id(): w for w in read_winners(cache_dir)}
     except AutofuseError as e:  # a damaged database, a file where the folder should be
         if cache_dir not in _damaged_warned:
             _damaged_warned.add(cache_dir)

@@ -10,16 +10,19 @@ killed run leaves only whole entries behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import math
+import os
 import shutil
 import sqlite3
 import zlib
 from collections.abc import Iterator
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from .configs import KernelConfig, Library, choice_from_json
 from .errors import AutofuseError, shown
@@ -174,13 +177,82 @@ def outranked_by(new: Winner, stored: Winner) -> str | None:
     return None
 
 
-class DamagedCache(AutofuseError):
-    """The user cache's database cannot be read: the runtime goes on without it, the CLI says so."""
+class CacheUnavailable(AutofuseError):
+    """The user cache cannot be used now: read-only for this user, or locked by another process. Its
+    records are intact; the runtime reads them where it can and stores nothing, the CLI says so."""
 
 
-# What a damaged cache raises from SQLite, the file system or a corrupt value.
+class DamagedCache(CacheUnavailable):
+    """The user cache's database is damaged (not a database, malformed): `cache clear` starts it afresh."""
+
+
+# What a damaged, read-only or locked cache raises from SQLite, the file system or a corrupt value.
 _DAMAGE = (sqlite3.DatabaseError, OSError, zlib.error)
 _PARTS = ("configs", "trials")
+
+
+def _unavailable(directory: Path, error: BaseException) -> CacheUnavailable:
+    """The one-line error for `error` met while opening or using the cache at `directory`: damage only where
+    SQLite found no database or a malformed one; a permission, a read-only file or a held lock is not."""
+    detail = f"{type(error).__name__}: {shown(str(error), 120)}"
+    text = str(error).lower()
+    read_only = (isinstance(error, PermissionError) or getattr(error, "errno", None) == errno.EROFS
+                 or "readonly" in text or _not_writable(directory))
+    if read_only:
+        return CacheUnavailable(f"the autofuse cache at {directory} is read-only for this user ({detail}): its "
+                                "records are used, nothing new is stored; set AUTOFUSE_CACHE_DIR to a folder you "
+                                "can write to store tuning results")
+    if "locked" in text or type(error).__name__ == "Timeout":
+        return CacheUnavailable(f"the autofuse cache at {directory} is locked by another process ({detail}); try "
+                                "again when it has finished")
+    return DamagedCache(f"the autofuse cache at {directory} cannot be read ({detail}); `autofuse cache clear` "
+                        "starts it afresh")
+
+
+def _warn_if_empty(db: Path) -> None:
+    if db.is_file() and db.stat().st_size == 0:  # SQLite would take it as a new, empty database
+        logger.warning("autofuse: the cache database %s is empty (0 bytes): every config it held is lost", db)
+
+
+def _not_writable(directory: Path) -> bool:
+    """Whether this user may not write the cache folder, one of its databases' folders or files."""
+    paths = [directory, *(directory / part for part in _PARTS), *(directory / part / "cache.db" for part in _PARTS)]
+    return any(path.exists() and not os.access(path, os.W_OK) for path in paths)
+
+
+def read_winners(directory: Path | str | None = None) -> list[Winner]:
+    """Every valid winner of the cache at `directory`, read without writing anything and without waiting
+    for a writer: what the runtime reads. A read-only connection, so a cache this user may only read is
+    read; SQLite's WAL lets it read while another process holds the write lock (diskcache's own open
+    writes its settings and would wait up to a minute for that lock). Rows are decoded by the same
+    JSON-only rules as Store's; a refused or invalid row is skipped."""
+    directory = _folder(directory)
+    db = directory / "configs" / "cache.db"
+    if not db.is_file():
+        return []
+    _warn_if_empty(db)
+    disk = json_only_disk()(str(directory / "configs"), compress_level=0)
+    rows = None
+    for flags in ("mode=ro", "mode=ro&immutable=1"):  # immutable: a read-only folder holds no -shm file to open
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{quote(str(db))}?{flags}", uri=True, timeout=1.0)) as conn:
+                rows = conn.execute("SELECT key, raw, mode, filename, value FROM Cache").fetchall()
+            break
+        except sqlite3.OperationalError as e:
+            error = e
+        except sqlite3.DatabaseError as e:
+            raise _unavailable(directory, e) from None
+    if rows is None:
+        raise _unavailable(directory, error)
+    winners = []
+    for key, raw, mode, filename, value in rows:
+        try:
+            if disk.get(key, raw) is REFUSED:
+                continue
+            winners.append(Winner.from_record(disk.fetch(mode, filename, value, False)))
+        except (RefusedRow, ValueError, TypeError, OSError):
+            continue  # a corrupt or foreign row is ignored, never trusted
+    return winners
 
 
 def _folder(directory: Path | str | None) -> Path:
@@ -205,28 +277,25 @@ def exists(directory: Path | str | None = None) -> bool:
 class Store:
     """The tuning cache of one directory."""
 
-    def __init__(self, directory: Path | str | None = None) -> None:
+    def __init__(self, directory: Path | str | None = None, timeout: float = 60.0) -> None:
         import diskcache  # here, not at the top: `import autofuse` need not load SQLite
 
         self.directory = _folder(directory)
         self._refused = 0
         check_cache_dir(self.directory)
         for part in _PARTS:
-            db = self.directory / part / "cache.db"
-            if db.is_file() and db.stat().st_size == 0:  # SQLite would take it as a new, empty database
-                logger.warning("autofuse: the cache database %s is empty (0 bytes): every config it held is lost",
-                               db)
+            _warn_if_empty(self.directory / part / "cache.db")
         settings = dict(
             disk=json_only_disk(),
             disk_compress_level=0,
             eviction_policy="none",  # tuned results are never culled for space
-            timeout=60,
+            timeout=timeout,  # seconds a write waits for another process's lock
         )
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise AutofuseError(f"cannot create the autofuse cache folder {self.directory}: {e.strerror} (set "
-                                "AUTOFUSE_CACHE_DIR to a folder you can write)") from None
+            raise CacheUnavailable(f"cannot create the autofuse cache folder {self.directory}: {e.strerror} (set "
+                                   "AUTOFUSE_CACHE_DIR to a folder you can write)") from None
         try:
             self._cache = diskcache.Cache(str(self.directory / "configs"), **settings)
             self._trials = diskcache.Cache(str(self.directory / "trials"), **settings)
@@ -234,9 +303,8 @@ class Store:
         except _DAMAGE as e:
             raise self._damaged(e) from None
 
-    def _damaged(self, error: BaseException) -> DamagedCache:
-        return DamagedCache(f"the autofuse cache at {self.directory} cannot be read ({type(error).__name__}: "
-                            f"{str(error)[:120]}); `autofuse cache clear` starts it afresh")
+    def _damaged(self, error: BaseException) -> CacheUnavailable:
+        return _unavailable(self.directory, error)
 
     @staticmethod
     def repair(directory: Path | str | None = None) -> Path:
@@ -293,6 +361,22 @@ class Store:
         """Store `winner` unless the key's stored record outranks it (`outranked_by`; `replace` stores it
         anyway); returns the record the key holds afterwards. The read and the write are one transaction,
         so a first-use check that started before a tune stored its winner cannot overwrite it later."""
+        with self._writing():
+            return self._put_winner(winner, replace)
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """A write, with what SQLite or diskcache raise for a read-only, locked or damaged cache as one line."""
+        try:
+            yield
+        except _DAMAGE as e:
+            raise self._damaged(e) from None
+        except Exception as e:  # diskcache.Timeout: another process held the write lock past `timeout`
+            if type(e).__name__ != "Timeout":
+                raise
+            raise self._damaged(e) from None
+
+    def _put_winner(self, winner: Winner, replace: bool) -> Winner:
         with self._cache.transact():
             stored = self.get_winner(winner.key)
             why = None if replace or stored is None else outranked_by(winner, stored)
@@ -305,8 +389,8 @@ class Store:
 
     def put_winners(self, winners: list[Winner], *, replace: bool = False) -> list[Winner]:
         """All or nothing, in one transaction; returns the records the keys hold afterwards."""
-        with self._cache.transact():
-            return [self.put_winner(winner, replace=replace) for winner in winners]
+        with self._writing(), self._cache.transact():
+            return [self._put_winner(winner, replace) for winner in winners]
 
     def winners(self) -> Iterator[Winner]:
         for name in self._names(self._cache):
@@ -342,10 +426,6 @@ class Store:
 
     def clear(self) -> int:
         """Remove every winner and trial; returns how many winners there were."""
-        self._trials.clear()
-        return self._cache.clear()
-
-
-@lru_cache(maxsize=8)
-def open_store(directory: str) -> Store:
-    return Store(directory)
+        with self._writing():
+            self._trials.clear()
+            return self._cache.clear()

@@ -3,6 +3,7 @@ check that ends after `autofuse tune` stored a winner, tuning again with fewer t
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +15,11 @@ from autofuse.configfile import build_document
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import current_environment, make_key
 from autofuse.shapes import load_shapes
-from autofuse.store import CHECKED, Store, Winner
+from autofuse.store import CHECKED, Store, Winner, read_winners
 from autofuse.tune.driver import Job, jobs_for_shapes, tune_key
 
-KEY = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+KEY_ENV = current_environment(torch.device("cpu"))
+KEY = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, KEY_ENV)
 TUNED = Winner(KEY, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0, trials=20, policy="optuna")
 
 
@@ -104,3 +106,73 @@ def test_an_older_slower_import_keeps_the_stored_record_and_says_so(tmp_path):
     forced = CliRunner().invoke(main, ["cache", "import", str(path), "--replace"])
     assert forced.exit_code == 0 and "1 replaced, 0 kept" in forced.output
     assert Store().get_winner(KEY) == slower
+
+
+def test_a_held_write_lock_stalls_a_first_use_check_for_seconds_not_minutes(monkeypatch, caplog):
+    import sqlite3
+    import time
+
+    from autofuse.resources import user_cache_dir
+
+    Store().put_winner(TUNED)  # the cache exists; a second process now holds its write lock
+    monkeypatch.setenv("AUTOFUSE_CHECK", "1")
+    resolve.invalidate()
+    lock = sqlite3.connect(user_cache_dir() / "configs" / "cache.db", isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        other = make_key("linear", 56, 40, 16, torch.float32, "gelu", True, False, KEY_ENV)
+        monkeypatch.setattr(checked, "_compare",
+                            lambda key, M, choice, device: Winner(other, Library("eager"), 0.5, 0.5, policy=CHECKED))
+        start = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="autofuse"):
+            choice = checked.checked("linear", resolve.Choice(TUNED.config, "heuristic"), 16, 56, 40, torch.float32,
+                                     torch.device("cpu"), activation="gelu", bias=True)
+        waited = time.perf_counter() - start
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    assert waited < checked.STORE_WAIT_S + 1.5 and choice.config == Library("eager")
+    assert "locked by another process" in caplog.text
+
+
+def _make_read_only(folder: Path) -> list[Path]:
+    """Make the cache at `folder` read-only for this process: by its modes for a user, by the immutable
+    attribute for root (whom modes do not stop). Returns what to undo with chattr -i."""
+    import os
+    import subprocess
+
+    paths = [folder, *folder.rglob("*")]
+    if os.getuid() != 0:
+        for path in paths:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+        return []
+    done = subprocess.run(["chattr", "+i", *map(str, paths)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"root cannot be kept from writing here (chattr: {done.stderr.strip()[:80]})")
+    return paths
+
+
+def test_a_read_only_cache_is_read_not_called_damaged_and_clear_keeps_it(caplog):
+    import subprocess
+
+    from autofuse.resources import user_cache_dir
+
+    store = Store()
+    store.put_winner(TUNED)
+    store.close()  # no connection of this process keeps the files mapped: another process wrote them
+    undo = _make_read_only(user_cache_dir())
+    try:
+        resolve.invalidate()
+        with caplog.at_level(logging.WARNING, logger="autofuse"):
+            choice = resolve.resolve("linear", 3, 56, 40, torch.float32, torch.device("cpu"), activation="gelu",
+                                     bias=True)
+        assert choice.source == "user-cache" and choice.config == TUNED.config
+        assert "damaged" not in caplog.text and "cannot be read" not in caplog.text
+        clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
+        assert clear.exit_code == 2 and "read-only for this user" in clear.output, clear.output
+        assert [w.key for w in read_winners()] == [KEY]  # nothing deleted
+    finally:
+        if undo:
+            subprocess.run(["chattr", "-i", *map(str, undo)], check=True)
+        for path in [user_cache_dir(), *user_cache_dir().rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 
 import click
 
@@ -135,8 +134,11 @@ def cache_clear(yes):
         records = list(store.winners())
         store.clear()
         store.close()
-    except (DamagedCache, sqlite3.DatabaseError) as e:
-        Store.repair(directory)
+    except DamagedCache as e:  # damaged, not merely read-only or locked (store._unavailable tells them apart)
+        try:
+            Store.repair(directory)
+        except OSError as error:
+            raise AutofuseError(f"cannot repair the damaged cache at {directory}: {error.strerror}") from None
         Store(directory).close()
         resolve_module.invalidate()
         click.echo(f"the cache was damaged ({str(e)[:120]}); started it afresh in {directory}")
