@@ -96,9 +96,10 @@ def checked(op: str, choice: Choice, M: int, N: int, K: int, dtype: torch.dtype,
     return Choice.of(winner, CHECKED if winner.policy == CHECKED else "user-cache")
 
 
-# How long a forward waits for the user cache to take a checked decision. Another process may hold the
-# cache's write lock (a long import, a stuck writer): SQLite would make the forward wait a minute or more.
-STORE_WAIT_S = 2.0
+# How long a forward waits for the user cache to take a checked decision: a write takes milliseconds, but
+# another process may hold the cache's write lock (a long import, a stuck writer), for which SQLite would
+# make the forward wait a minute or more. Long enough for a write on a loaded machine.
+STORE_WAIT_S = 10.0
 
 
 def _stored(winner: Winner) -> Winner:

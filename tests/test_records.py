@@ -115,6 +115,7 @@ def test_a_held_write_lock_stalls_a_first_use_check_for_seconds_not_minutes(monk
     from autofuse.resources import user_cache_dir
 
     Store().put_winner(TUNED)  # the cache exists; a second process now holds its write lock
+    monkeypatch.setattr(checked, "STORE_WAIT_S", 1.0)
     monkeypatch.setenv("AUTOFUSE_CHECK", "1")
     resolve.invalidate()
     lock = sqlite3.connect(user_cache_dir() / "configs" / "cache.db", isolation_level=None)
