@@ -1,39 +1,43 @@
 """autofuse: tuned, fused Triton kernels for the MLP blocks of transformer models.
 
 Adding an op: CONTRIBUTING.md walks through the one module (autofuse/ops/<op>.py) and template an op needs.
+
+The public names load on first use, so that the command line parses (and answers --help) without
+importing PyTorch. Where PyTorch is already imported, `import autofuse` loads the runtime at once, which
+registers its torch.library ops (`torch.ops.autofuse.*`) as a loaded exported program expects.
 """
 
-from ._version import __version__
-from .configs import KernelConfig, Library
-from .errors import AutofuseError
-from .hf import FusedHFMLP, FuseReport, fuse
-from .modules import FusedLinear, FusedMLP, get_linear, get_mlp
-from .norm import FusedRMSNorm
-from .ops import show_kernel
+import importlib
+import sys
 
-__all__ = [
-    "AutofuseError",
-    "FuseReport",
-    "FusedHFMLP",
-    "FusedLinear",
-    "FusedMLP",
-    "FusedRMSNorm",
-    "KernelConfig",
-    "Library",
-    "__version__",
-    "fuse",
-    "get_linear",
-    "get_mlp",
-    "show_kernel",
-    "tune_model",
-]
+from ._version import __version__
+from .errors import AutofuseError
+
+# Each public name and the module that defines it. tune_model loads the tuner (and through it optuna)
+# only when asked for: the runtime imports nothing from autofuse/tune.
+_PUBLIC = {
+    "KernelConfig": ".configs", "Library": ".configs",
+    "FusedHFMLP": ".hf", "FuseReport": ".hf", "fuse": ".hf",
+    "FusedLinear": ".modules", "FusedMLP": ".modules", "get_linear": ".modules", "get_mlp": ".modules",
+    "FusedRMSNorm": ".norm",
+    "show_kernel": ".ops",
+    "tune_model": ".tune.model",
+}
+
+__all__ = ["AutofuseError", "__version__", *sorted(_PUBLIC)]
 
 
 def __getattr__(name: str):
-    # autofuse.tune_model loads the tuner (and through it optuna) only when asked for: the runtime
-    # imports nothing from autofuse/tune.
-    if name == "tune_model":
-        from .tune.model import tune_model
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    globals()[name] = value
+    return value
 
-        return tune_model
-    raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if "torch" in sys.modules:
+    from . import hf, modules, norm  # noqa: F401 - the runtime, and with it the torch.library ops

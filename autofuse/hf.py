@@ -47,6 +47,12 @@ _LAYOUTS = (("gate_proj", "up_proj", "down_proj", "act_fn"), ("wi_0", "wi_1", "w
 _MLP_HINTS = ("mlp", "denseactdense", "densereludense", "densegatedactdense", "feedforward", "ffn")
 
 
+# What fuse() reports, and a forward warns once, where the model sits on a CPU without the interpreter.
+CPU_NOTE = ("the model is on the CPU, where autofuse's kernels run only under Triton's interpreter (TRITON_INTERPRET=1 "
+            "before anything imports Triton): until it moves to a GPU, the replaced modules run their original "
+            "forwards")
+
+
 @dataclasses.dataclass
 class FuseReport:
     """What `fuse` did: the modules it replaced and those that looked like MLP blocks but were left alone."""
@@ -54,12 +60,14 @@ class FuseReport:
     replaced: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, description)
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (module path, reason)
     norms: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # RMSNorms replaced: (path, description)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what holds for every replaced block
 
     def __str__(self) -> str:
         lines = [f"autofuse.fuse: replaced {len(self.replaced)} MLP block(s) and {len(self.norms)} RMSNorm(s), "
                  f"skipped {len(self.skipped)}"]
         lines += [f"  replaced {path}: {what}" for path, what in self.replaced + self.norms]
         lines += [f"  skipped  {path}: {why}" for path, why in self.skipped]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -145,6 +153,16 @@ def _norm_form(module: nn.Module, weight: torch.Tensor, eps: float) -> str | Non
     return None
 
 
+_cpu_warned = False
+
+
+def _warn_cpu_once() -> None:
+    global _cpu_warned
+    if not _cpu_warned:
+        _cpu_warned = True
+        logger.warning("autofuse: %s", CPU_NOTE)
+
+
 class FusedHFMLP(nn.Module):
     """Stands in for a Hugging Face gated MLP: the same nn.Linear submodules under the same names,
     forward through an autofuse FusedMLP that uses those very parameters. Where the fused kernels
@@ -181,6 +199,7 @@ class FusedHFMLP(nn.Module):
         if x.dtype != weight.dtype or x.device != weight.device:
             return True
         if x.device.type == "cpu" and not interpreting():
+            _warn_cpu_once()
             return True
         if torch.is_autocast_enabled(x.device.type):
             return True
@@ -244,6 +263,9 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
                                       f"{' bias' if g.bias is not None else ''}"))
     if norms:
         _fuse_norms(model, report)
+    on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+    if (report.replaced or report.norms) and on_cpu and not interpreting():
+        report.notes.append(CPU_NOTE)
     logger.info("%s", report)
     if verbose:
         print(report)  # asked for: the report on the terminal, whatever the logging setup

@@ -179,15 +179,11 @@ class OpSpec:
     dims: Dims | None = None
     max_m: int | None = None  # keyed and run only up to this M
     training: bool = False  # keyed only when tuning for training (--train)
-    template_files: tuple[str, ...] = ()  # files whose text makes up the kernels; default below
     template_dir: Path | None = None  # None: autofuse's templates/; else searched first (ops added outside)
 
     def __post_init__(self) -> None:
         if self.library and next(iter(self.library)) != "eager":
             raise ValueError(f"op {self.name}: its first library candidate must be 'eager'")
-        if not self.template_files:
-            object.__setattr__(self, "template_files",
-                               (f"{self.template}.py.jinja", f"{self.template}_tma.py.jinja", "_common.py.jinja"))
 
     def library_for(self, activation: str, bias: bool, residual: bool) -> dict[str, Callable]:
         """The library candidates that compute this op for a key with these flags (eager always does)."""

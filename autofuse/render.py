@@ -18,6 +18,7 @@ from functools import cache
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 
 from .device import check_interpreter_consistency, interpreting
 from .opspec import OpSpec, Parameter, parameters, signature_lines
@@ -86,18 +87,49 @@ def render(spec: KernelSpec) -> str:
 
 @cache
 def template_hash(op: OpSpec) -> str:
-    """Hash of the source files of an op's kernels, so tuned configs can notice a changed template."""
+    """Hash of the templates an op's kernels render from, so tuned configs notice a changed template."""
     return hash_template_files(op, templates_dir())
 
 
+def entry_templates(op: OpSpec, folder: Path) -> list[str]:
+    """The templates `render` starts from for `op`'s variants (found in op.template_dir, then `folder`)."""
+    names = [f"{op.template}.py.jinja", f"{op.template}_tma.py.jinja"]
+    return [name for name in names if _find(op, folder, name) is not None]
+
+
+def _find(op: OpSpec, folder: Path, name: str) -> Path | None:
+    for where in (op.template_dir, folder):
+        if where is not None and (Path(where) / name).is_file():
+            return Path(where) / name
+    return None
+
+
+def template_closure(op: OpSpec, folder: Path) -> dict[str, Path]:
+    """Every template `op`'s kernels render from: its entry templates and, recursively, every template they
+    import, include or extend (read from the sources by Jinja's own parser, not kept by hand)."""
+    env = jinja2.Environment()
+    found: dict[str, Path] = {}
+    todo = entry_templates(op, folder)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        path = _find(op, folder, name)
+        if path is None:
+            raise ValueError(f"op {op.name}: template {name} not found")
+        found[name] = path
+        for referenced in jinja2.meta.find_referenced_templates(env.parse(path.read_text())):
+            if referenced is None:  # a name computed at render time: what it loads cannot be known here
+                raise ValueError(f"op {op.name}: {name} loads a template whose name is computed; name it literally")
+            todo.append(referenced)
+    return dict(sorted(found.items()))
+
+
 def hash_template_files(op: OpSpec, folder: Path) -> str:
-    """The hash of `op`'s template files as found in `op.template_dir`, then `folder`."""
+    """The hash of the templates in `op`'s closure (template_closure) as found in op.template_dir, then `folder`."""
     digest = hashlib.sha256()
-    for name in op.template_files:
-        for where in (op.template_dir, folder):
-            if where is not None and (Path(where) / name).is_file():  # not every family has a TMA variant
-                digest.update(name.encode() + (Path(where) / name).read_bytes())
-                break
+    for name, path in template_closure(op, folder).items():
+        digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

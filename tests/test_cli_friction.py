@@ -77,7 +77,7 @@ def test_progress_gives_the_runs_eta_and_total_time_and_says_when_a_space_ran_ou
     one = dict(TINY, tokens=[3])
     small = CliRunner().invoke(main, ["tune", "--shapes", str(_shapes(tmp_path, one)), "--trials", "100000",
                                       "--policy", "exhaustive", "--fresh"])
-    assert small.exit_code == 0 and "tuning 1 key with" in small.output and "tuned 1 key in" in small.output
+    assert small.exit_code == 0 and "tuning 1 key (float32) with" in small.output and "tuned 1 key in" in small.output
     assert "(search space exhausted)" in small.output
 
 
@@ -207,3 +207,27 @@ def test_a_rejected_import_creates_nothing(tmp_path):
     result = CliRunner().invoke(main, ["cache", "import", str(bad)])
     assert result.exit_code == 2 and "not an autofuse config export" in result.output
     assert not user_cache_dir().exists()
+
+
+def test_cache_ls_puts_the_users_keys_first_filters_and_shows_residual():
+    import torch
+
+    from autofuse import resolve
+    from autofuse.configs import Library
+    from autofuse.key import current_environment, make_key
+    from autofuse.store import Winner
+
+    env = current_environment(torch.device("cpu"))
+    for residual in (False, True):
+        key = make_key("linear", 56, 40, 4, torch.float32, "none", False, residual, env)
+        Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0, policy="optuna"))
+    resolve.invalidate()
+    listed = CliRunner().invoke(main, ["cache", "ls"]).output.splitlines()
+    rows = listed[1:]
+    assert rows[0].endswith("user-cache") and rows[1].endswith("user-cache")  # before the shipped rows
+    assert any("shipped:" in row for row in rows)
+    assert {"res=0", "res=1"} <= {part for row in rows[:2] for part in row.split()}
+    mine = CliRunner().invoke(main, ["cache", "ls", "--mine"]).output.splitlines()
+    assert mine[1].startswith("showing 2 of them") and len(mine) == 4
+    gated = CliRunner().invoke(main, ["cache", "ls", "--op", "gated_up"]).output.splitlines()[2:]
+    assert gated and all(" gated_up " in row for row in gated)

@@ -192,3 +192,25 @@ def test_fusing_a_lone_mlp_is_refused_clearly():
     mlp = _gemma().model.layers[0].mlp
     with pytest.raises(autofuse.AutofuseError, match="call it on the model"):
         autofuse.fuse(mlp, verbose=False)
+
+
+def test_fusing_on_a_cpu_without_the_interpreter_says_the_originals_run():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, torch, transformers, autofuse\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,\n"
+        "    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)\n"
+        "model = transformers.LlamaForCausalLM(config)\n"
+        "report = autofuse.fuse(model, verbose=False)\n"
+        "print('REPORT', str(report).replace(chr(10), ' | '))\n"
+        "model(torch.tensor([[1, 2, 3]]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "replaced 2 MLP block(s)" in done.stdout and "note: the model is on the CPU" in done.stdout
+    assert done.stderr.count("until it moves to a GPU, the replaced modules run their original forwards") == 1

@@ -85,7 +85,53 @@ def test_generated_once_per_source(monkeypatch):
     assert render.load_kernel(spec).fn is first.fn  # rendered again, the same source: not compiled again
 
 
-def test_template_hash_changes_with_the_template(tmp_path):
+def _variants(spec):
+    import itertools
+
+    for act, bias, residual, even_k, split_k, tma in itertools.product(
+            spec.activations, (False, True), (False, True), (False, True), (False, True), (False, True)):
+        if spec.variants_allowed(residual, split_k, tma) is None:
+            yield KernelSpec(spec, act, bias, residual, even_k, None, False, split_k, tma)
+
+
+def _templates_rendered(spec) -> set[str]:
+    """The names of every template Jinja loads while rendering all of `spec`'s variants."""
+    loaded = set()
+    environment = render._environment(spec.template_dir)
+    real = environment.loader.get_source
+
+    def recording(env, name):
+        loaded.add(name)
+        return real(env, name)
+
+    environment.loader.get_source = recording
+    environment.cache.clear()  # loaded before: would not pass through the loader again
+    try:
+        for variant in _variants(spec):
+            render.render(variant)
+    finally:
+        del environment.loader.get_source
+        environment.cache.clear()
+    return loaded
+
+
+@pytest.mark.parametrize("name", ops.names())
+def test_the_template_hash_covers_every_template_a_kernel_renders(name, tmp_path):
+    """Derived, not kept by hand: an edit to any template the op's kernels load changes the tuning key."""
+    spec = ops.get(name)
+    rendered = _templates_rendered(spec)
+    assert set(render.template_closure(spec, render.templates_dir())) == rendered
+    before = render.template_hash(spec)
+    for template in sorted(rendered):
+        copy = tmp_path / template.replace(".", "_")
+        copy.mkdir()
+        for f in render.templates_dir().iterdir():
+            (copy / f.name).write_text(f.read_text())
+        (copy / template).write_text((copy / template).read_text() + "\n{# edited #}\n")
+        assert render.hash_template_files(spec, copy) != before, template
+
+
+def test_template_hash_changes_with_the_template_and_only_its_ops(tmp_path):
     before = render.template_hash(LINEAR)
     assert before == render.template_hash(ops.get("down")) and before != render.template_hash(GATED_UP)
     copy = tmp_path / "templates"

@@ -42,7 +42,7 @@ def test_tune_end_to_end_and_modules_use_the_winners(tmp_path):
     shapes = write_json(tmp_path / "s.json", TINY)
     out = _tune(["--shapes", str(shapes), "--trials", "3"])
     # Per M: gated_up, gated_pairs, down, the one-launch mlp (M <= 64 for both token counts) and the Linear.
-    assert "tuning 10 keys with optuna" in out
+    assert "tuning 10 keys (bfloat16) with optuna" in out
     table = [line for line in out.splitlines() if line.startswith(("tiny ", "lin "))]
     assert len(table) == 10, out
     store = Store()

@@ -29,17 +29,23 @@ def short_id(key: TuningKey) -> str:
 
 
 def _all_winners() -> list[tuple[Winner, str]]:
-    """(winner, source) for every config this process can see: the user cache, then shipped files and
-    AUTOFUSE_CACHE_PATH's (those a user-cache record overrides are left out)."""
+    """(winner, source) for every config this process can see: the user cache's first (its tuned and checked
+    keys), then shipped files' and AUTOFUSE_CACHE_PATH's (those a user-cache record overrides are left out)."""
     index = resolve_module.tuned_index()
-    rows = [(w, "checked" if w.policy == CHECKED else "user-cache") for w in index.user.values()]
-    rows += [(w, f"shipped:{name}") for key, (w, name) in index.shipped.items() if key not in index.user]
-    return sorted(rows, key=lambda r: (r[0].key.gpu, r[0].key.op, r[0].key.n, r[0].key.k, r[0].key.m_bucket))
+
+    def order(w: Winner) -> tuple:
+        return w.key.gpu, w.key.op, w.key.n, w.key.k, w.key.m_bucket, w.key.residual
+
+    rows = [(w, "checked" if w.policy == CHECKED else "user-cache") for w in sorted(index.user.values(), key=order)]
+    shipped = [(w, f"shipped:{name}") for key, (w, name) in index.shipped.items() if key not in index.user]
+    return rows + sorted(shipped, key=lambda r: order(r[0]))
 
 
 @cache.command("ls")
-def cache_ls():
-    """List the tuned keys this process sees: the user cache, shipped files and AUTOFUSE_CACHE_PATH."""
+@click.option("--mine", is_flag=True, help="Only the user cache's keys (tuned and checked), not shipped files'.")
+@click.option("--op", "op_name", default=None, help="Only this op's keys (e.g. gated_up).")
+def cache_ls(mine, op_name):
+    """List the tuned keys this process sees: the user cache first, then shipped files and AUTOFUSE_CACHE_PATH."""
     directory = user_cache_dir()
     rows = _all_winners()
     user = sum(source == "user-cache" for _, source in rows)
@@ -48,11 +54,16 @@ def cache_ls():
     click.echo(f"{plural(user, 'tuned key')} and {plural(checked, 'checked key')} (decided at first use, not "
                f"tuned) in {directory}{where}; {plural(len(rows) - user - checked, 'more key')} from shipped files "
                "and AUTOFUSE_CACHE_PATH")
-    for w, source in rows:
+    shown_rows = [(w, source) for w, source in rows if (not mine or not source.startswith("shipped:"))
+                  and (op_name is None or w.key.op == op_name)]
+    if len(shown_rows) < len(rows):
+        click.echo(f"showing {len(shown_rows)} of them ({'--mine' if mine else ''}"
+                   f"{' ' if mine and op_name else ''}{f'--op {op_name}' if op_name else ''})")
+    for w, source in shown_rows:
         k = w.key
-        click.echo(f"{short_id(k)}  {k.op:<9} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} {k.activation:<9} "
-                   f"bias={int(k.bias)} {w.config.short():<28} {w.time_ms:.4f} ms (library {w.baseline_ms:.4f})  "
-                   f"{k.gpu}  {source}")
+        click.echo(f"{short_id(k)}  {k.op:<11} N={k.n:<6} K={k.k:<6} M={k.m_bucket:<6} {k.dtype:<8} "
+                   f"{k.activation:<9} bias={int(k.bias)} res={int(k.residual)} {w.config.short():<28} "
+                   f"{w.time_ms:.4f} ms (library {w.baseline_ms:.4f})  {k.gpu}  {source}")
 
 
 def winner_for(key_text: str) -> Winner:

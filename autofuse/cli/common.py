@@ -3,19 +3,52 @@ choice, and options several commands take."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import warnings
 
 import click
-import torch
 
 from ..errors import AutofuseError
-from ..shapes import DTYPES
+
+# The dtypes the command line takes (shapes.DTYPES maps them to torch's; named here so that parsing the
+# command line imports no PyTorch).
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+# Every command: the module of this package that defines it, and its one-line help for `autofuse --help`
+# (tests/test_cli.py checks each against the command's own). A command's module is imported only when the
+# command runs or shows its own help: `autofuse --help` imports no PyTorch.
+COMMANDS = {
+    "bench": ("measure", "Check and time every provider's forward for each shape and M, beside the roofline."),
+    "cache": ("cache", "Inspect, export, import or clear tuned configs."),
+    "demo": ("measure", "Build fused modules for a shapes file, check them against PyTorch, time them against eager."),
+    "kernel": ("show", "Print the generated Triton source that KEY's tuned config runs."),
+    "profile": ("measure", "Profile eager, torch.compile and autofuse side by side: kernels, GPU and host time, "
+                           "traffic."),
+    "show-kernel": ("show", "Print the Triton source autofuse generates for OP (the names `tune --ops` takes, and the "
+                            "pointwise passes)."),
+    "tune": ("tune", "Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache."),
+}
 
 
 class _Group(click.Group):
-    """Turns AutofuseError (a user's mistake) into a one-line message and exit code 2."""
+    """Loads a command's module when the command is asked for, and turns AutofuseError (a user's
+    mistake) into a one-line message and exit code 2."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        if name not in self.commands:
+            importlib.import_module(f"{__package__}.{COMMANDS[name][0]}")  # adds its commands to `main`
+        return self.commands.get(name)
+
+    def format_commands(self, ctx, formatter):
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_text) for name, (_, help_text) in sorted(COMMANDS.items())])
 
     def invoke(self, ctx):
         try:
@@ -44,6 +77,8 @@ def main():
 
 def select_device() -> str:
     """'cuda' when a GPU is visible; otherwise switch Triton's interpreter on and say so."""
+    import torch
+
     if torch.cuda.is_available():
         return "cuda"
     os.environ["TRITON_INTERPRET"] = "1"
@@ -89,4 +124,4 @@ def model_option(help_text: str):
 
 
 def dtype_option(help_text: str):
-    return click.option("--dtype", type=click.Choice(list(DTYPES)), default=None, help=help_text)
+    return click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None, help=help_text)

@@ -8,15 +8,15 @@ from .. import ops
 from ..configs import KernelConfig
 from ..shapes import DTYPES
 from .cache import winner_for
-from .common import main
+from .common import DTYPE_NAMES, main
 
 
 @main.command("show-kernel")
-@click.argument("op", type=click.Choice(list(ops.names())))
+@click.argument("op")  # checked by ops.show_kernel: one line, with the closest name
 @click.option("--activation", default=None, help="Activation (default: gelu_tanh where the op has it, else none).")
 @click.option("--bias/--no-bias", default=False)
 @click.option("--residual/--no-residual", default=False, help="linear only")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16")
 @click.option("--ragged-k", is_flag=True, help="Show the masked K loop used when K is not a multiple of BLOCK_K.")
 @click.option("--interpret", is_flag=True, help="Show the interpreter variant (float32 operand upcasts).")
 @click.option("--split-k", is_flag=True, help="Show the split-K variant (programs share a tile through a workspace).")

@@ -13,7 +13,7 @@ import torch
 from .. import ops
 from ..model_config import shapes_from_model_config
 from ..resources import user_cache_dir
-from ..shapes import DTYPES, load_shapes
+from ..shapes import DEFAULT_TOKENS, DTYPES, load_shapes
 from ..store import Store
 from ..tune import worklist
 from ..tune.coordinator import default_storage, parse_devices, run_workers
@@ -94,6 +94,10 @@ def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, r
     tokens = parse_tokens(tokens)
     if tokens:
         shapes = dataclasses.replace(shapes, tokens=tokens)
+    elif model_path is not None and _interpreter_run(devices):
+        shapes = dataclasses.replace(shapes, tokens=tuple(t for t in shapes.tokens if t <= INTERPRETER_MAX_M))
+        click.echo(f"interpreter: tuning the model at M = {', '.join(map(str, shapes.tokens))} (the default "
+                   f"goes up to M = {DEFAULT_TOKENS[-1]}, minutes a key on a CPU; --tokens picks others)", err=True)
     only = _parse_ops(only, train)
     start = time.perf_counter()
     options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
@@ -108,23 +112,38 @@ def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, r
         device = select_device()
         interpret = device == "cpu"
         results = tune_shapes(shapes, torch.device(device), train=train, only=only, resume=resume, replace=replace,
-                              progress_for=RunProgress().for_key, **options)
+                              progress=RunProgress(), **options)
         rows = [(job, r.winner, r.resumed, r.failures, r.not_stored) for job, r in results]
     _print_table(rows, interpret, time.perf_counter() - start)
 
 
+# `tune --model` under the interpreter tunes the default token counts up to this M (it takes seconds
+# a key; M = 16384 takes minutes).
+INTERPRETER_MAX_M = 128
+
+
+def _interpreter_run(devices: str | None) -> bool:
+    """Whether this run's kernels run under Triton's interpreter (no GPU, or only cpu workers)."""
+    if devices is not None:
+        return all(d.strip() == "cpu" for d in devices.split(","))
+    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+
+
 def _print_table(rows, interpret: bool, seconds: float) -> None:
     if interpret:  # CPU milliseconds of the interpreter: a speed-up against PyTorch would mean nothing
-        click.echo("\n[interpreter: every winner was checked; its times are CPU milliseconds, not GPU speed]")
-        click.echo(f"{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'trials':>6} {'resumed':>7}  failures")
+        click.echo("\n[interpreter: every winner was checked. Its times are CPU milliseconds, not GPU speed, so the "
+                   "fastest correct kernel is stored, not the library path that is faster on the CPU: tune on the "
+                   "GPU for records worth shipping]")
+        click.echo(f"{'key':<32} {'dtype':<8} {'M':>6} {'winner':<28} {'ms':>9} {'library':>9} {'trials':>6} "
+                   f"{'resumed':>7}  failures")
     else:
-        click.echo(f"\n{'key':<32} {'M':>6} {'winner':<28} {'ms':>9} {'library':>9} {'speedup':>7} "
+        click.echo(f"\n{'key':<32} {'dtype':<8} {'M':>6} {'winner':<28} {'ms':>9} {'library':>9} {'speedup':>7} "
                    f"{'trials':>6} {'resumed':>7}  failures")
     for job, w, resumed, failures, _ in rows:
         fails = ", ".join(f"{k}={v}" for k, v in sorted(failures.items())) or "-"
-        speed = "" if interpret else f" {w.baseline_ms:>9.4f} {w.baseline_ms / w.time_ms:>6.2f}x"
-        click.echo(f"{job.label:<32} {job.M:>6} {w.config.short():<28} {w.time_ms:>9.4f}{speed} {w.trials:>6} "
-                   f"{resumed:>7}  {fails}")
+        speed = f" {w.baseline_ms:>9.4f}" + ("" if interpret else f" {w.baseline_ms / w.time_ms:>6.2f}x")
+        click.echo(f"{job.label:<32} {job.key.dtype:<8} {job.M:>6} {w.config.short():<28} {w.time_ms:>9.4f}{speed} "
+                   f"{w.trials:>6} {resumed:>7}  {fails}")
     click.echo(f"tuned {plural(len(rows), 'key')} in {duration(seconds)}")
     kept = [(job, w, found) for job, w, _, _, found in rows if found is not None]
     if kept:

@@ -7,11 +7,13 @@ else keeps a list of ops. `register` adds an op from outside the package (see CO
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 
 from ..activations import canonical_activation
 from ..device import fp32_input_precision, interpreting
-from ..errors import AutofuseError
+from ..errors import AutofuseError, shown
 from ..opspec import Operand, OpSpec
 from ..render import KernelSpec, render
 from .bias_act import BIAS_ACT
@@ -44,9 +46,11 @@ def unregister(name: str) -> None:
 
 
 def get(name: str) -> OpSpec:
-    spec = _REGISTRY.get(name)
+    spec = _REGISTRY.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise AutofuseError(f"unknown op {name!r}; choose one of {', '.join(_REGISTRY)}")
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1) if isinstance(name, str) else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise AutofuseError(f"unknown op {shown(name)}{hint}; choose one of {', '.join(_REGISTRY)}")
     return spec
 
 

@@ -56,5 +56,4 @@ BIAS_ACT = OpSpec(
     residual=True,
     **POINTWISE,
     library={"eager": _eager},
-    template_files=("bias_act.py.jinja", "_pointwise.py.jinja", "_common.py.jinja"),
 )

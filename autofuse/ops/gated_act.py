@@ -55,7 +55,6 @@ GATED_ACT = OpSpec(
     run=_run,
     **POINTWISE,
     library={"eager": _eager},
-    template_files=("gated_act.py.jinja", "_pointwise.py.jinja", "_common.py.jinja"),
 )
 
 
@@ -87,5 +86,4 @@ PAIRS_ACT = OpSpec(
     run=_pairs_run,
     **POINTWISE,
     library={"eager": _pairs_eager},
-    template_files=("pairs_act.py.jinja", "_pointwise.py.jinja", "_common.py.jinja"),
 )

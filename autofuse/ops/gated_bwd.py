@@ -139,5 +139,4 @@ GATED_BWD = OpSpec(
     serves="mlp",
     dims=lambda s: (s.d_ff, s.d_model, s.activation),
     training=True,
-    template_files=("gated_bwd.py.jinja", "gated_bwd_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )

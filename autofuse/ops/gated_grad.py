@@ -88,7 +88,6 @@ GATED_GRAD = OpSpec(
     run=_run,
     **POINTWISE,
     library={"eager": _eager},
-    template_files=("gated_grad.py.jinja", "_pointwise.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )
 
 
@@ -114,6 +113,4 @@ GATED_DGU = OpSpec(
     run=_run_dgu,
     **POINTWISE,
     library={"eager": _eager_dgu},
-    template_files=("gated_dgu.py.jinja", "gated_grad.py.jinja", "_pointwise.py.jinja", "_grad.py.jinja",
-                    "_common.py.jinja"),
 )

@@ -123,5 +123,4 @@ GATED_PAIRS = OpSpec(
     serves="mlp",
     # What an interleaved FusedMLP runs (layout.py).
     dims=lambda s: (run_width(s.d_ff), run_width(s.d_model), s.activation),
-    template_files=("gated_pairs.py.jinja", "gated_pairs_tma.py.jinja", "_grad.py.jinja", "_common.py.jinja"),
 )

@@ -89,5 +89,4 @@ RMS_NORM = OpSpec(
     constexprs=("BLOCK_M", "BLOCK_N", "EPS"),
     library={"eager": _eager},
     reference=_reference,
-    template_files=("rms_norm.py.jinja", "_common.py.jinja"),
 )

@@ -28,7 +28,7 @@ from ..resources import user_cache_dir
 from ..shapes import ShapeSet
 from ..store import Store, TrialRecord, Winner
 from .policies import POLICIES, Policy, make_policy
-from .progress import plural
+from .progress import RunProgress, plural
 from .space import Problem
 
 logger = logging.getLogger("autofuse")
@@ -194,25 +194,38 @@ def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "opt
     return KeyResult(stored, resumed, len(done) - resumed, failures, None if stored is winner else winner)
 
 
+# What a key's tuning costs beside its GEMM's size, in multiply-adds: on a GPU compiling and timing each
+# trial (about what timing a 4096 x 4096 x 4096 GEMM adds); under the interpreter almost nothing, since
+# every trial computes the whole product in NumPy.
+_KEY_OVERHEAD = {False: 2**36, True: 2**16}
+
+
+def key_weight(job: Job, interpret: bool) -> float:
+    """A key's relative cost in a run, for the run's ETA: its multiply-adds plus a per-key overhead."""
+    return job.M * job.key.n * job.key.k + _KEY_OVERHEAD[interpret]
+
+
 def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, only: set[str] | None = None,
                 trials: int | None = 20, time_budget_s: float | None = None, policy: str = "optuna",
                 resume: bool = False, seed: int = 0, replace: bool = False,
-                progress_for: Callable[[int, int], Callable[[Progress], None]] | None = None
-                ) -> list[tuple[Job, KeyResult]]:
+                progress: RunProgress | None = None) -> list[tuple[Job, KeyResult]]:
     """Tune every key of `shapes` (only the ops in `only` when given) into the user cache; the runtime
-    sees the winners at once. `progress_for(i, n)` gives the i-th of n keys its progress callback
-    (the CLI's status line); each finished key is also logged."""
+    sees the winners at once. `progress` (the CLI's status lines) hands each key its callback and is told
+    what each key weighs (key_weight), for an ETA that scales with the keys to come; each finished key is
+    also logged."""
     store = Store(user_cache_dir())
     jobs = jobs_for_shapes(shapes, device, train=train, only=only)
     budget = f" or {time_budget_s:g} s" if time_budget_s else ""
-    logger.info("tuning %s with %s, %s trials%s each, cache %s", plural(len(jobs), "key"), policy, trials, budget,
-                store.directory)
+    logger.info("tuning %s (%s) with %s, %s trials%s each, cache %s", plural(len(jobs), "key"),
+                str(shapes.dtype).removeprefix("torch."), policy, trials, budget, store.directory)
+    if progress is not None:
+        progress.weights = [key_weight(job, interpreting()) for job in jobs]
     results = []
     try:
         for i, job in enumerate(jobs, 1):
-            progress = progress_for(i, len(jobs)) if progress_for else None
+            line = progress.for_key(i, len(jobs)) if progress is not None else None
             result = tune_key(job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s,
-                              resume=resume, seed=seed, progress=progress, replace=replace)
+                              resume=resume, seed=seed, progress=line, replace=replace)
             logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
             results.append((job, result))
     except KeyboardInterrupt:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -18,22 +17,36 @@ def duration(seconds: float) -> str:
 
 class RunProgress:
     """A whole run's keys: hands each key its status line and works out the run's ETA from the keys
-    finished so far (the mean time of a finished key, for each key still to come)."""
+    finished so far. Keys differ in cost: `weights` (one per key, in run order; all equal if not given)
+    say by how much, and the keys still to come are charged the finished keys' seconds per weight."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: list[float] | None = None) -> None:
         self.start = time.perf_counter()
+        self.weights = weights
         self.key_seconds: list[float] = []
+        self.key_weights: list[float] = []
         self.total = 0
 
     def for_key(self, index: int, total: int) -> ProgressLine:
         self.total = total
         return ProgressLine(f"[{index}/{total}]", self, keys_after=total - index)
 
+    def _weight(self, index: int) -> float:
+        return self.weights[index] if self.weights is not None and index < len(self.weights) else 1.0
+
     def run_eta(self, key_eta: float | None, keys_after: int) -> float | None:
-        """This key's ETA plus the keys after it at the mean time of a finished key; None until known."""
+        """This key's ETA plus the keys after it at the finished keys' seconds per weight; None until known."""
         if key_eta is None or (keys_after and not self.key_seconds):
             return None
-        return key_eta + (keys_after * statistics.mean(self.key_seconds) if keys_after else 0.0)
+        if not keys_after:
+            return key_eta
+        per_weight = sum(self.key_seconds) / sum(self.key_weights)
+        later = sum(self._weight(i) for i in range(self.total - keys_after, self.total))
+        return key_eta + per_weight * later
+
+    def finished(self, seconds: float, keys_after: int) -> None:
+        self.key_seconds.append(seconds)
+        self.key_weights.append(self._weight(self.total - keys_after - 1))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -64,7 +77,7 @@ class ProgressLine:
                      f"best {best} library {p.baseline_ms:.4f} ms {tail}")
         if p.final:
             if self.run is not None:
-                self.run.key_seconds.append(p.elapsed_s)
+                self.run.finished(p.elapsed_s, self.keys_after)
             self._print(end="\n")
         elif self.tty:
             self._print(end="")

@@ -1,11 +1,12 @@
 """Carry shipped config files across a template change that does not change any kernel's program.
 
-    python benchmarks/migrate_shipped.py OLD_REV cache/*.json
+    python tools/migrate_shipped.py OLD_REV cache/*.json
 
-For every op, renders every kernel variant from the templates at git revision OLD_REV (with that
+Checks OLD_REV out into a temporary worktree and asks its own code for each op's template hash (the
+hash its records carry). For every op, renders every kernel variant from OLD_REV's templates (with that
 revision's variables) and from today's, and compares the two sources' Python ASTs (comments,
-formatting and line numbers do not enter an AST; everything Triton compiles does). Only where all
-of an op's variants are identical are its records' template hashes rewritten from OLD_REV's hash to
+formatting and line numbers do not enter an AST; everything Triton compiles does). Only where all of
+an op's variants are identical are its records' template hashes rewritten from OLD_REV's hash to
 today's, and each file's checksum recomputed. Anything else is left for a re-tune on the GPU.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,8 +26,10 @@ import jinja2
 from autofuse import ops
 from autofuse.configfile import _checksum
 from autofuse.opspec import signature_lines
-from autofuse.render import KernelSpec, hash_template_files, render, template_hash
-from autofuse.resources import templates_dir
+from autofuse.render import KernelSpec, render, template_hash
+
+_OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render import template_hash\n"
+               "print(json.dumps({s.name: template_hash(s) for s in ops.specs()}))\n")
 
 
 def _variants(spec):
@@ -45,23 +49,36 @@ def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
                            signature=signature_lines(k.parameters, k.op.kernel_constexprs(k.split_k, k.tma)))
 
 
+def _old_revision(old_rev: str) -> tuple[Path, dict[str, str]]:
+    """(OLD_REV's templates folder, its template hash per op), from a temporary worktree of it."""
+    tree = Path(tempfile.mkdtemp()) / "old"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), old_rev], check=True, capture_output=True)
+    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _OLD_HASHES], cwd=tree, env=env, capture_output=True, text=True,
+                          check=True)
+    return tree, json.loads(done.stdout)
+
+
 def main(old_rev: str, files: list[str]) -> int:
-    old_dir = Path(tempfile.mkdtemp())
-    for f in templates_dir().iterdir():
-        shown = subprocess.run(["git", "show", f"{old_rev}:templates/{f.name}"], capture_output=True, text=True)
-        if shown.returncode == 0:
-            (old_dir / f.name).write_text(shown.stdout)
+    tree, old_hashes = _old_revision(old_rev)
+    try:
+        return _migrate(tree / "templates", old_hashes, old_rev, files)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=True)
+
+
+def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: list[str]) -> int:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     rehash = {}
     for spec in ops.specs():
-        if not (old_dir / f"{spec.template}.py.jinja").exists():
-            print(f"{spec.name:<10} new since {old_rev}: no records to carry")
+        if spec.name not in old_hashes:
+            print(f"{spec.name:<11} new since {old_rev}: no records to carry")
             continue
         variants = list(_variants(spec))
         same = sum(ast.dump(ast.parse(_old_source(env, k))) == ast.dump(ast.parse(render(k))) for k in variants)
-        old, new = hash_template_files(spec, old_dir), template_hash(spec)
-        print(f"{spec.name:<10} {same}/{len(variants)} variants parse to identical programs; hash {old} -> {new}")
+        old, new = old_hashes[spec.name], template_hash(spec)
+        print(f"{spec.name:<11} {same}/{len(variants)} variants parse to identical programs; hash {old} -> {new}")
         if same == len(variants):
             rehash[(spec.name, old)] = new
     for name in files:
