@@ -1,5 +1,5 @@
 """Bound launches: one kernel launch replayed with everything bound but the tensors that change per
-call, so that an un-graphed call costs little more host time than the launch itself (issue 15).
+call, so that an un-graphed call costs little more host time than the launch itself.
 
 A launch through Triton's JIT binds its arguments on every call (specialisation keys, a cache
 lookup, the launcher's Python wrapper, a data_ptr() call and a driver query per tensor argument and

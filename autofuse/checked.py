@@ -1,4 +1,4 @@
-"""No unchecked kernel config off the tuned grid (issue 16).
+"""No unchecked kernel config off the tuned grid.
 
 A kernel config that no tuning compared on this GPU and key — a nearest key's, or the heuristic's — is
 compared once, at its first eager use, against the op's library candidates on operands of the key's
@@ -43,19 +43,19 @@ CHECK_FAILED = "library: the check failed"
 # A check times each candidate once and briefly (the evaluator's quick timings), so a kernel must beat the
 # fastest library path by this fraction of its time to be chosen: on a near-tie the library path, which
 # the user's PyTorch runs anyway, is the safe choice. Sized from how far a check's times and the same
-# paths timed side by side later differed (benchmarks/RESULTS.md, issue 16).
+# paths timed side by side later differed (up to 3%).
 CHECK_MARGIN = 0.03
 # Candidates timed one after the other differ by drift as well as by speed: where a check's two best
 # (the kernel and the fastest library path; or two ops computing the same thing, faster_of) are within
 # this fraction of each other, they are timed again side by side, replayed in turn, and that decides.
 # Seen: a kernel timed after its library paths lost to one by 2% in its check and won by 8% side by
-# side (RESULTS.md, issue 17).
+# side.
 NEAR_TIE = 0.10
 # Below this GPU time (ms) of the fastest library path, an un-graphed call's host time is of the order of
 # its GPU time: a bound kernel launch costs a few microseconds of host time where each library op costs
 # one PyTorch op's (and eager's activation another). There the margin turns: the kernel is kept unless a
 # library path beats it by CHECK_MARGIN, so a graph-replayed call loses at most that fraction on a near
-# tie while an un-graphed one saves the library path's extra ops (RESULTS.md, eleventh session).
+# tie while an un-graphed one saves the library path's extra ops.
 HOST_BOUND_MS = 0.1
 
 
@@ -180,7 +180,7 @@ def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float]):
     library paths — timed again side by side, where two or more of them are a near tie. Library paths among
     themselves too: each was timed on its own, and one timed during a moment of higher clocks could otherwise
     win over a path that is faster in place (an H200's M=1 Linear chose cuBLASLt's epilogue, 5% slower there
-    than torch.compile's cuBLAS + one pass, while the kernel was far behind: RESULTS.md, ninth session)."""
+    than torch.compile's cuBLAS + one pass, while the kernel was far behind)."""
     kernel_ms = [record.time_ms] if record.status == "ok" else []
     fastest = min(*kernel_ms, *library_ms.values())
     near = [name for name, ms in library_ms.items() if _near(ms, fastest)]

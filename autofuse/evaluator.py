@@ -31,9 +31,9 @@ logger = logging.getLogger("autofuse")
 # Trials and library candidates are timed replayed from a CUDA graph at every M: the GPU time a step
 # pays, which is what the "never slower" sweep compares (benchmarks/never_slower.py). do_bench's L2
 # flush between runs and its launch gaps ranked configs by costs a replayed or back-to-back step never
-# pays: at decode sizes (issue 4) and also at M of a few hundred to a thousand, where a flushed do_bench
-# put a gated up-projection at well over the whole graph-replayed MLP's time and chose the eager library
-# path over a faster one (RESULTS.md, issue 16, third session).
+# pays: at decode sizes, and also at M of a few hundred to a thousand, where a flushed do_bench put a
+# gated up-projection at well over the whole graph-replayed MLP's time and chose the eager library path
+# over a faster one (docs/design.md, "Timing").
 TIMING_BUDGET_MS = {False: 100.0, True: 20.0}  # a tuning trial's, a first-use check's (quick)
 
 

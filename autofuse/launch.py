@@ -91,7 +91,8 @@ def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N:
     def build() -> tuple:
         # K = BLOCK_K: the kernel has no K loop, so its source is the "even K" one.
         kernel = kernel_for(op, activation, _POINTWISE.block_k, dtype, _POINTWISE, has_bias, has_residual)
-        # Interpreter: few, large programs; GPU: 2048 elements per program (RESULTS.md, issue 5).
+        # Interpreter: few, large programs; GPU: 2048 elements per program, the fastest of the tile shapes
+        # measured for these passes.
         block_m, block_n = (16, 64) if interpreting() else (4, 512)
         return kernel, (-(-M // block_m) * -(-N // block_n),), (M, N), dict(BLOCK_M=block_m, BLOCK_N=block_n,
                                                                              num_warps=4)

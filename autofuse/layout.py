@@ -1,5 +1,5 @@
-"""How a gated MLP keeps its parameters: padded storage for a d_ff that is not a multiple of 8 (issue 16,
-item 3), and optionally the gate and up weights interleaved in one buffer (issue 17).
+"""How a gated MLP keeps its parameters: padded storage for a d_ff that is not a multiple of 8, and
+optionally the gate and up weights interleaved in one buffer.
 
 Padding. Triton specialises a kernel on pointers and strides divisible by 16 bytes. Rows of d_ff
 elements that are not (the down projection's weight [d_model, d_ff], H [M, d_ff]) make every load

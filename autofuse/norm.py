@@ -34,7 +34,7 @@ class FusedRMSNorm(nn.Module):
         self.form = form
         # M -> (weight address, eps, BoundLaunch or None): the launch bound at that row count. The module's own
         # memo, not launch.memoised_launch: a replay here skips rms_norm's checks (this forward has made them),
-        # which doubled the plain call's host time when it went through them (RESULTS.md, eleventh session).
+        # which doubled the plain call's host time when it went through them.
         self._bound: dict[int, tuple] = {}
 
     def _runs_eager(self, x: torch.Tensor, weight: torch.Tensor) -> bool:

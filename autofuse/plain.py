@@ -1,9 +1,9 @@
-"""Un-graphed decode calls: the table whose plain call is fastest, raced once per process (issue 15).
+"""Un-graphed decode calls: the table whose plain call is fastest, raced once per process.
 
 Tuning and first-use checks choose by GPU time, replayed from a CUDA graph: what a graphed step pays.
 An un-graphed call also pays host time, and at decode sizes that is of the order of the GPU time: a
 bound kernel launch costs a few microseconds of it, a library path one PyTorch op's per op. So a library
-path chosen by GPU time can make an un-graphed call slower than eager's (RESULTS.md, eleventh session).
+path chosen by GPU time can make an un-graphed call slower than eager's.
 
 Where a module's table runs under checked.HOST_BOUND_MS of GPU time and other tables compute the same
 (the tables the choice compared, each with its library choices replaced by their runner-up kernels

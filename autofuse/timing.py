@@ -1,9 +1,7 @@
-"""Timing helpers shared by the demo and the benchmarks.
-
-GPU: `do_bench` medians (L2 flushed between runs by Triton), host time per call, and CUDA-graph
-replay time, since at small M do_bench's cache flush hides launch overhead. Interpreter: a CPU
-wall-clock median, which says nothing about GPU speed and is labelled so.
-"""
+"""The timings the runtime and the tuner decide by: GPU time replayed from CUDA graphs (one function, or
+several side by side), the wall time of plain calls in turn (the un-graphed race), and the interpreter's
+CPU wall-clock median, which says nothing about GPU speed and is labelled so. What only measurements use
+(do_bench, host time per call, profiles) is in autofuse/tools/measure.py."""
 
 from __future__ import annotations
 
@@ -15,35 +13,13 @@ from collections.abc import Callable
 import torch
 
 
-def gpu_median_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def _synchronize() -> None:
+def synchronize() -> None:
     if torch.cuda.is_available():  # on a machine without a GPU there is nothing to wait for
         torch.cuda.synchronize()
 
 
-def host_us_sample(fn: Callable[[], object], calls: int = 10) -> float:
-    """Host time of one call over a batch of `calls`, launches queued but not awaited; synchronised
-    after the batch, which bounds the queue."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    _synchronize()
-    return elapsed / calls * 1e6
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
-    """Median host time of one call, launches queued but not awaited: the CPU cost a user pays per
-    forward when the GPU keeps up. Batches of 10 calls (host_us_sample) after 10 warm-up calls."""
-    for _ in range(10):
-        fn()
-    _synchronize()
-    return statistics.median(host_us_sample(fn) for _ in range(calls // 10))
 
 
 def plain_call_us(fns: dict[str, Callable[[], object]], calls: int = 200, rounds: int = 7,
@@ -60,11 +36,11 @@ def plain_call_us(fns: dict[str, Callable[[], object]], calls: int = 200, rounds
     for r in range(rounds):
         shift = r % len(order) if rotate else 0
         for name, fn in order[shift:] + order[:shift]:
-            _synchronize()
+            synchronize()
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
-            _synchronize()
+            synchronize()
             samples[name].append((time.perf_counter() - start) / calls * 1e6)
     return {name: statistics.median(v) for name, v in samples.items()}
 
@@ -80,31 +56,8 @@ def round_robin(fns: dict[str, Callable[[], object]], sample: Callable[[Callable
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def launch_hooks() -> dict[str, int]:
-    """How many launch hooks Triton's runtime holds (a bound launch declines while any is set, bound.py): where
-    a benchmark's plain-call times differ from a user's."""
-    from triton import knobs  # here, not at the top: `import autofuse` does not import Triton
-    return {name: len(getattr(getattr(knobs.runtime, name, None), "calls", None) or [])
-            for name in ("launch_enter_hook", "launch_exit_hook")}
 
 
-def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25) -> str:
-    """cProfile of `calls` calls of fn, the `top` functions by own time: where the host time of a
-    forward goes (used by the host-time benchmarks)."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
 
 
 def captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
@@ -113,7 +66,7 @@ def captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAG
     The warm-up runs on the caller's stream and the capture on torch.cuda.graph's one capture stream, so
     that measurements leave no cuBLAS workspace behind beyond that stream's one: cuBLAS keeps a workspace
     per (handle, stream) for the life of the process, and a new side stream per measurement (each
-    torch.cuda.Stream() is another pool stream) had kept one per pool stream (RESULTS.md, fifth session).
+    torch.cuda.Stream() is another pool stream) had kept one per pool stream.
     A fixed side stream for warm-up and capture alike was tried too: two M=48 checks in that run timed
     cuBLAS at twice its cost in place, not isolated, so the capture stays on torch's capture stream."""
     for _ in range(3):  # warm up: compile and allocate outside the capture
@@ -136,12 +89,6 @@ def _replay_us(graph: torch.cuda.CUDAGraph, calls_per_graph: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls_per_graph
 
 
-def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_graph: int = 10) -> float:
-    """Median GPU time of one call replayed from a CUDA graph (launch gaps removed), via CUDA events.
-
-    The graph holds `calls_per_graph` back-to-back calls so the events' ~1 us resolution does not
-    dominate a few-microsecond forward."""
-    return graph_replay_round_robin({"fn": fn}, replays, calls_per_graph)["fn"]
 
 
 def graph_median_ms(fn: Callable[[], object], budget_ms: float = 100.0, min_replay_us: float = 50.0,
@@ -166,19 +113,12 @@ def graph_side_by_side_ms(fns: dict[str, Callable[[], object]], budget_ms: float
         graphs[name] = (single if calls == 1 else captured(fn, calls), calls)
         del single
     replays = max(5, min(100, int(budget_ms * 1e3 / max(one_us[n] * c for n, (_, c) in graphs.items()))))
-    return {name: us / 1e3 for name, us in _replayed_in_turn(graphs, replays).items()}
+    return {name: us / 1e3 for name, us in replayed_in_turn(graphs, replays).items()}
 
 
-def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int = 100,
-                             calls_per_graph: int = 10) -> dict[str, float]:
-    """graph_replay_us of several functions side by side: every graph is captured first, then each is
-    replayed once per round, so that a drift of clocks or temperature during the measurement falls on
-    all of them alike instead of on whichever was timed last."""
-    graphs = {name: (captured(fn, calls_per_graph), calls_per_graph) for name, fn in fns.items()}
-    return _replayed_in_turn(graphs, replays)
 
 
-def _replayed_in_turn(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], replays: int) -> dict[str, float]:
+def replayed_in_turn(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], replays: int) -> dict[str, float]:
     """Median µs of one call per (graph, calls in it), each graph replayed once per round."""
     samples: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(replays):

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from autofuse.timing import host_us_sample, plain_call_us, round_robin
+from autofuse.timing import plain_call_us, round_robin
+from autofuse.tools.measure import host_us_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_bench import ACTIVATION, D_MODEL, _EagerStack, _in_function, _models, _Stack  # noqa: E402

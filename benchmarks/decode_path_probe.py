@@ -19,7 +19,8 @@ import autofuse
 from autofuse.ops.gated_act import pairs_activation
 from autofuse.ops.gated_pairs import pairs_of
 from autofuse.reference import eager_mlp
-from autofuse.timing import graph_replay_round_robin, host_us_sample, plain_call_us, round_robin
+from autofuse.timing import plain_call_us, round_robin
+from autofuse.tools.measure import graph_replay_round_robin, host_us_sample
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ def explore_fused(shapes) -> list[dict]:
     from autofuse import workspaces
     from autofuse.ops.mlp import mlp_decode
     from autofuse.reference import ERROR_BOUNDS, eager_gated, gated_reference, linear_reference, relative_error
-    from autofuse.timing import gpu_median_ms, graph_replay_us
+    from autofuse.tools.measure import gpu_median_ms, graph_replay_us
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -137,7 +137,7 @@ def ceilings() -> dict:
     import triton
     import triton.language as tl
 
-    from autofuse.timing import gpu_median_ms
+    from autofuse.tools.measure import gpu_median_ms
 
     @triton.jit
     def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -166,7 +166,7 @@ def ceilings() -> dict:
 def explore(keys) -> list[dict]:
     from autofuse.evaluator import Evaluator
     from autofuse.key import current_environment, make_key
-    from autofuse.timing import graph_replay_us
+    from autofuse.tools.measure import graph_replay_us
 
     device = torch.device("cuda")
     rows = []

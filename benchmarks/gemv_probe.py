@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autofuse.timing import graph_replay_us
+from autofuse.tools.measure import graph_replay_us
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.testing
 
 import autofuse
-from autofuse.timing import graph_replay_us
+from autofuse.tools.measure import graph_replay_us
 
 
 def _model(layers: int) -> torch.nn.Module:

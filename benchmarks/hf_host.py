@@ -18,7 +18,7 @@ import transformers
 
 import autofuse
 from autofuse.ops.gated_up import gated_up
-from autofuse.timing import graph_replay_us, host_profile_text, host_us_per_call
+from autofuse.tools.measure import graph_replay_us, host_profile_text, host_us_per_call
 
 
 def main() -> None:

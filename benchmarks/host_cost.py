@@ -28,7 +28,8 @@ from autofuse.ops.linear import LINEAR
 from autofuse.opspec import launch_args
 from autofuse.reference import eager_mlp
 from autofuse.resolve import resolve_tuned
-from autofuse.timing import graph_replay_us, plain_call_us
+from autofuse.timing import plain_call_us
+from autofuse.tools.measure import graph_replay_us
 
 
 def _mlp_pair(d: int, f: int):

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import autofuse
-from autofuse.timing import host_profile_text
+from autofuse.tools.measure import host_profile_text
 
 
 def _profile(fn, sort: str, top: int) -> str:

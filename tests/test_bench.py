@@ -6,8 +6,8 @@ import torch
 from click.testing import CliRunner
 
 import autofuse
-from autofuse import bench
 from autofuse.cli import main
+from autofuse.tools import bench
 
 SHAPES = {"dtype": "float16", "tokens": [5],
           "mlps": [{"name": "m", "d_model": 32, "d_ff": 48, "activation": "silu"}],
@@ -107,16 +107,16 @@ def test_round_robin_samples_each_function_in_turn_and_returns_medians():
 def test_launch_hooks_counts_the_hooks_triton_holds():
     from triton import knobs
 
-    from autofuse import timing
+    from autofuse.tools import measure
 
-    before = timing.launch_hooks()
+    before = measure.launch_hooks()
     assert set(before) == {"launch_enter_hook", "launch_exit_hook"}
 
     def hook(metadata):
         return None
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        assert timing.launch_hooks() == {**before, "launch_enter_hook": before["launch_enter_hook"] + 1}
+        assert measure.launch_hooks() == {**before, "launch_enter_hook": before["launch_enter_hook"] + 1}
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert timing.launch_hooks() == before
+    assert measure.launch_hooks() == before

@@ -1,4 +1,4 @@
-"""First-use checks (autofuse/checked.py, issue 16): no kernel config that neither tuning nor a check
+"""First-use checks (autofuse/checked.py): no kernel config that neither tuning nor a check
 compared on this GPU and key runs; the check's decision is stored once as a checked record and reused
 by later processes; where no check can run (inside the torch.library ops, capturing, tracing) the eager
 library path runs until a check has decided."""

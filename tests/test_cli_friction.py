@@ -1,4 +1,4 @@
-"""A new user's first hour with the command line (issue 18, items 10-16): interrupting and resuming,
+"""A new user's first hour with the command line: interrupting and resuming,
 progress, the interpreter's tables, finding a key, and the smaller rough edges."""
 
 import json

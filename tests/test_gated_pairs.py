@@ -1,4 +1,4 @@
-"""Op gated_pairs (issue 17): the gated up-projection as one GEMM over interleaved gate/up weights, against
+"""Op gated_pairs: the gated up-projection as one GEMM over interleaved gate/up weights, against
 the float64 reference in every dtype and activation, with and without biases, over ragged M, N and K and
 every block config the tests prove (split-K and the persistent TMA kernel included)."""
 

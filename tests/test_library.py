@@ -1,4 +1,4 @@
-"""Library paths as choices (issue 16, first part): every op's library candidates are correct, the tuner picks
+"""Library paths as choices: every op's library candidates are correct, the tuner picks
 one exactly when it is timed faster than every kernel, and its record, config_for and the module say which."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Un-graphed decode calls (autofuse/plain.py, issue 15): where a library path won by GPU time at a decode M,
+"""Un-graphed decode calls (autofuse/plain.py): where a library path won by GPU time at a decode M,
 its runner-up kernel is kept in the record, and a module's first un-graphed call races the tables that compute
 the same as plain calls; a call made while a CUDA graph captures runs the GPU-time winner.
 

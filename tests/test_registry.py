@@ -209,13 +209,18 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_import_graph_has_no_cycle_and_the_runtime_no_arrow_into_tune():
+def test_the_import_graph_has_no_cycle_and_the_runtime_no_arrow_into_tune_or_tools():
     graph = _import_graph()
     assert len(graph) > 30 and graph["autofuse.render"] >= {"autofuse.opspec"}  # the reader sees the imports
     assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
-    runtime = [m for m in graph if not m.startswith(("autofuse.tune", "autofuse.cli")) and m != "autofuse"]
-    into_tune = {m: sorted(t for t in graph[m] if t.startswith("autofuse.tune")) for m in runtime}
-    assert not {m: t for m, t in into_tune.items() if t}, into_tune
+    outside = ("autofuse.tune", "autofuse.cli", "autofuse.tools")
+    runtime = [m for m in graph if not m.startswith(outside) and m != "autofuse"]
+    into = {m: sorted(t for t in graph[m] if t.startswith(("autofuse.tune", "autofuse.tools"))) for m in runtime}
+    assert not {m: t for m, t in into.items() if t}, into
+    # The tuner reads the runtime's decisions, never the measuring tools.
+    tuner = {m: sorted(t for t in graph[m] if t.startswith("autofuse.tools")) for m in graph if m.startswith(
+        "autofuse.tune")}
+    assert not {m: t for m, t in tuner.items() if t}, tuner
     # The check sees a cycle where there is one, and a function-level import too.
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert "autofuse.evaluator" in graph["autofuse.checked"]  # checked._compare's import, inside a function

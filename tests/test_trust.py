@@ -1,4 +1,4 @@
-"""Nothing from disk is trusted (issue 18): cache rows that are not plain JSON, files named outside
+"""Nothing from disk is trusted: cache rows that are not plain JSON, files named outside
 the cache, kernel files swapped or planted on disk, records that validate but cannot run, and
 JSON files that are not valid for reasons other than syntax."""
 
@@ -303,7 +303,7 @@ def test_dtypes_may_be_named_and_fused_hf_blocks_say_what_they_run():
 
 
 def _damage(kind: str) -> None:
-    """Damage the user cache (holding one winner) the way issue 18's attack run did."""
+    """Damage the user cache (holding one winner) the way an attacker or a killed run would."""
     configs = user_cache_dir() / "configs"
     db = configs / "cache.db"
     if kind == "truncated":

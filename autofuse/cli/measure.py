@@ -11,14 +11,14 @@ import click
 import torch
 
 from ..activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
-from ..bench import PROVIDERS as BENCH_PROVIDERS
-from ..bench import plot, run_bench
-from ..demo import run_demo
 from ..errors import AutofuseError
 from ..model_config import shapes_from_model_config
-from ..profiling import PROVIDERS as PROFILE_PROVIDERS
-from ..profiling import format_rows, profile_case
 from ..shapes import DTYPES, LinearShape, MLPShape, example_shapes_path, load_shapes, public_shapes_path
+from ..tools.bench import PROVIDERS as BENCH_PROVIDERS
+from ..tools.bench import plot, run_bench
+from ..tools.demo import run_demo
+from ..tools.profile import PROVIDERS as PROFILE_PROVIDERS
+from ..tools.profile import format_rows, profile_case
 from .common import main, parse_choices, parse_tokens, select_device
 
 

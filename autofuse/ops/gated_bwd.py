@@ -47,8 +47,8 @@ def gated_backward(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor, act
     config = L.tma_config(config, dy, w_down, *halves.values(), h)
     kernel = L.kernel_for(GATED_BWD, activation, D, dy.dtype, config, False)
     if config.tma:
-        # The epilogue works in pieces at most 64 columns wide (RESULTS.md, issue 5: two 64-wide
-        # halves of a 128-wide tile beat the whole).
+        # The epilogue works in pieces at most 64 columns wide: two 64-wide halves of a 128-wide tile
+        # beat the whole, which spills registers.
         L.persistent_launch(kernel, M, F, config, dy.device, {"dy": dy, "wd": w_down, **halves, "h": h}, (M, F, D),
                             EPILOGUE_N=min(config.block_n, 64))
     else:

@@ -1,4 +1,4 @@
-"""The gated up-projection as ONE GEMM, op `gated_pairs` (templates/gated_pairs*.py.jinja; issue 17): the
+"""The gated up-projection as ONE GEMM, op `gated_pairs` (templates/gated_pairs*.py.jinja): the
 gate and up weights interleaved row by row, W = [wg_0; wu_0; wg_1; wu_1; ...] ([2F, K]), so that every
 accumulator tile holds the gate and up columns of the same hidden units side by side. The mainloop is
 then a plain GEMM — one weight tile and one accumulator per K step, where op gated_up keeps two — and the
@@ -86,8 +86,8 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
 
 def _cublas_pairs(ops: dict, activation: str) -> torch.Tensor:
     """One cuBLAS GEMM over the interleaved weight, then ONE pointwise pass act(G) * U over its column
-    pairs (op pairs_act). At decode-to-mid M the one GEMM over [2F, K] runs faster than two over [F, K]
-    (RESULTS.md, fifth session), and one pass reading contiguous pairs replaces PyTorch's two passes
+    pairs (op pairs_act). At decode-to-mid M the one GEMM over [2F, K] runs faster than two over [F, K],
+    and one pass reading contiguous pairs replaces PyTorch's two passes
     over strided halves."""
     return pairs_activation(F.linear(ops["x"], ops["w"], ops.get("b")), activation)
 

@@ -27,7 +27,7 @@ OPERANDS = (
 )
 
 # Largest M the one-launch MLP is keyed and run for: its float32 atomics (d_ff / BLOCK_F x M x
-# d_model) outgrow the weight traffic beyond it (RESULTS.md, issue 4).
+# d_model) outgrow the weight traffic beyond it.
 MAX_M = 64
 
 

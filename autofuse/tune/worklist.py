@@ -205,7 +205,7 @@ def work(storage_url: str, run: str, jobs: list[Job], store: Store, device, work
 def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_after_s: float):
     """(job index, claim study id, whether it is a takeover) of a job this worker now owns, or None.
     Largest M first: the longest keys start early, so the run does not end on one worker finishing
-    a big key while the others idle (RESULTS.md, issue 7)."""
+    a big key while the others idle."""
     jobs = work_list.jobs
     for index in sorted(range(len(jobs)), key=lambda i: (-jobs[i].M, i)):
         if index not in claims:

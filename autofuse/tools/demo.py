@@ -7,11 +7,12 @@ from collections.abc import Iterator
 
 import torch
 
-from .device import interpreting
-from .modules import get_linear, get_mlp
-from .reference import eager_linear, eager_mlp, linear_reference, mlp_reference, relative_error
-from .shapes import MLPShape, ShapeSet
-from .timing import cpu_median_ms, gpu_median_ms
+from ..device import interpreting
+from ..modules import get_linear, get_mlp
+from ..reference import eager_linear, eager_mlp, linear_reference, mlp_reference, relative_error
+from ..shapes import MLPShape, ShapeSet
+from ..timing import cpu_median_ms
+from .measure import gpu_median_ms
 
 # Relative-error bounds (||out - ref|| / ||ref||) for the demo's pass/fail verdict: a few unit
 # roundoffs of the dtype (fp32 4x looser on a GPU, where PyTorch may allow tf32).

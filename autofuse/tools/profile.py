@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .dispatch import up_op_of
-from .modules import get_linear, get_mlp
-from .reference import eager_linear, eager_mlp
-from .shapes import LinearShape, MLPShape
-from .timing import host_us_per_call
+from ..dispatch import up_op_of
+from ..modules import get_linear, get_mlp
+from ..reference import eager_linear, eager_mlp
+from ..shapes import LinearShape, MLPShape
+from .measure import host_us_per_call
 
 PROVIDERS = ("eager", "torch.compile", "autofuse")
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .activations import TORCH_ACTIVATIONS
-from .device import interpreting
-from .modules import get_linear, get_mlp
-from .reference import (
+from ..activations import TORCH_ACTIVATIONS
+from ..device import interpreting
+from ..modules import get_linear, get_mlp
+from ..reference import (
     ERROR_BOUNDS,
     eager_linear,
     eager_mlp,
@@ -29,8 +29,9 @@ from .reference import (
     mlp_reference,
     relative_error,
 )
-from .shapes import LinearShape, MLPShape, ShapeSet
-from .timing import cpu_median_ms, gpu_median_ms, graph_replay_us, host_us_per_call
+from ..shapes import LinearShape, MLPShape, ShapeSet
+from ..timing import cpu_median_ms
+from .measure import gpu_median_ms, graph_replay_us, host_us_per_call
 
 SMALL_M = 128
 # Below this do_bench median a forward can be launch-bound (host time above GPU time): then the

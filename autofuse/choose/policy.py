@@ -1,0 +1,82 @@
+"""Every threshold that decides between candidates, in one object: change a field here (or run under
+`use(...)`) and every decision that depends on it follows, at run time and in the tuner alike.
+
+Each default is a measured finding (docs/design.md states them with their numbers):
+- A first-use check times each candidate once and briefly, so a kernel must beat the fastest library path
+  by `check_margin` of its time to be chosen: on a near tie the library path, which the user's PyTorch
+  runs anyway, is the safe choice. Sized from how far a check's times and the same paths timed side by
+  side later differed (up to 3%).
+- Candidates timed one after the other differ by drift as well as by speed: where the best two are within
+  `near_tie` of each other they are timed again side by side, replayed in turn, and that decides (a kernel
+  timed after its library paths lost to one by 2% alone and won by 8% side by side).
+- Below `host_bound_ms` of GPU time an un-graphed call's host time is of the order of its GPU time: a bound
+  kernel launch costs a few microseconds of host time where each library op costs a PyTorch op's. There
+  the margin turns: the kernel is kept unless a library path beats it by `check_margin`.
+- The MLP's one-launch kernel runs up to `one_launch_max_m` rows (beyond, its tiles' tensor-core work
+  outgrows the weight traffic it saves), and the two-op pair must beat it by `one_launch_margin`: on a near
+  tie one launch wins, since an un-graphed call pays each launch's host time on top.
+- An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time
+  overlap as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only
+  where its plain call is `race_margin` faster (host times wander more than GPU times).
+- Tuning retimes its fastest trial beside the library paths before choosing, so a tuned kernel needs only to
+  be faster than the fastest library path by `tune_margin`.
+- Timing budgets (ms of GPU time per candidate): `trial_budget_ms` for a tuning trial, `check_budget_ms` for
+  a first-use check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionPolicy:
+    check_margin: float = 0.03
+    tune_margin: float = 0.0
+    near_tie: float = 0.10
+    host_bound_ms: float = 0.1
+    one_launch_max_m: int = 64
+    one_launch_margin: float = 0.03
+    race_calls: int = 20
+    race_rounds: int = 5
+    race_margin: float = 0.05
+    trial_budget_ms: float = 100.0
+    check_budget_ms: float = 20.0
+
+    def is_host_bound(self, gpu_ms: float) -> bool:
+        """Whether this GPU time (a library path's, or a whole table's) leaves an un-graphed call's host time of
+        the order of it."""
+        return gpu_ms < self.host_bound_ms
+
+    def near(self, a: float, b: float) -> bool:
+        """Whether two times are a near tie, to be timed again side by side."""
+        return abs(a - b) <= self.near_tie * min(a, b)
+
+    def kernel_margin(self, library_ms: dict[str, float], margin: float) -> float:
+        """By how much a kernel must beat the fastest library path to be chosen: `margin` (check_margin for a
+        check, tune_margin for tuning), or where that path takes under host_bound_ms, -check_margin (the
+        kernel is kept unless a library path beats it by that much)."""
+        if library_ms and self.is_host_bound(min(library_ms.values())):
+            return -self.check_margin
+        return margin
+
+
+_current = DecisionPolicy()
+
+
+def current() -> DecisionPolicy:
+    """The policy every decision reads (read at each decision, never copied)."""
+    return _current
+
+
+@contextlib.contextmanager
+def use(policy: DecisionPolicy) -> Iterator[DecisionPolicy]:
+    """Decide under `policy` inside the block (decisions already kept by modules and caches stay as made)."""
+    global _current
+    before, _current = _current, policy
+    try:
+        yield policy
+    finally:
+        _current = before

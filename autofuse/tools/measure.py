@@ -1,0 +1,83 @@
+"""Measurement helpers of the measuring commands (bench, demo, profile) and the benchmark suites: do_bench
+medians (L2 flushed between runs by Triton), host time per call, CUDA-graph replay time at a fixed number of
+calls per graph, the Python profile of a call, and Triton's launch hooks. The runtime never imports these."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..timing import captured, replayed_in_turn, synchronize
+
+
+def gpu_median_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def host_us_sample(fn: Callable[[], object], calls: int = 10) -> float:
+    """Host time of one call over a batch of `calls`, launches queued but not awaited; synchronised
+    after the batch, which bounds the queue."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return elapsed / calls * 1e6
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """Median host time of one call, launches queued but not awaited: the CPU cost a user pays per
+    forward when the GPU keeps up. Batches of 10 calls (host_us_sample) after 10 warm-up calls."""
+    for _ in range(10):
+        fn()
+    synchronize()
+    return statistics.median(host_us_sample(fn) for _ in range(calls // 10))
+
+
+def launch_hooks() -> dict[str, int]:
+    """How many launch hooks Triton's runtime holds (a bound launch declines while any is set, bound.py): where
+    a benchmark's plain-call times differ from a user's."""
+    from triton import knobs  # here, not at the top: `import autofuse` does not import Triton
+    return {name: len(getattr(getattr(knobs.runtime, name, None), "calls", None) or [])
+            for name in ("launch_enter_hook", "launch_exit_hook")}
+
+
+def host_profile_text(fn: Callable[[], object], calls: int = 2000, top: int = 25) -> str:
+    """cProfile of `calls` calls of fn, the `top` functions by own time: where the host time of a
+    forward goes (used by the host-time benchmarks)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = 100, calls_per_graph: int = 10) -> float:
+    """Median GPU time of one call replayed from a CUDA graph (launch gaps removed), via CUDA events.
+
+    The graph holds `calls_per_graph` back-to-back calls so the events' ~1 us resolution does not
+    dominate a few-microsecond forward."""
+    return graph_replay_round_robin({"fn": fn}, replays, calls_per_graph)["fn"]
+
+
+def graph_replay_round_robin(fns: dict[str, Callable[[], object]], replays: int = 100,
+                             calls_per_graph: int = 10) -> dict[str, float]:
+    """graph_replay_us of several functions side by side: every graph is captured first, then each is
+    replayed once per round, so that a drift of clocks or temperature during the measurement falls on
+    all of them alike instead of on whichever was timed last."""
+    graphs = {name: (captured(fn, calls_per_graph), calls_per_graph) for name, fn in fns.items()}
+    return replayed_in_turn(graphs, replays)
