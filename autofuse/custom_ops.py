@@ -19,49 +19,49 @@ import torch.nn.functional as F
 
 from . import workspaces
 from .activations import TORCH_ACTIVATIONS, activation_backward
-from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_choices, table_key
+from .choose import LinearPlan, MLPPlan, generation, select, table_key
+from .choose.check import no_checks
+from .dispatch import BoundLinear, BoundMLP
 from .launch import addresses
-from .resolve import generation
 from .training import sum_rows
 
 _entries: dict[tuple, object] = {}
 _entries_generation = generation()  # what _entries were resolved under: older ones are dropped
 
 
-def _entry(bind, choices, M: int, weight: torch.Tensor, problem: tuple, activation: str, tuned: bool):
-    """The bound entry (dispatch.BoundMLP / BoundLinear, made by `bind`) for choices(*problem, M, dtype,
-    device, tuned), memoised like a module's (per M up to the largest bucket, then per bucket, and per
-    resolve generation)."""
+def _entry(bind, plan: LinearPlan | MLPPlan, M: int, weight: torch.Tensor, tuned: bool):
+    """The bound entry (dispatch.BoundMLP / BoundLinear, made by `bind`) for the plan's table at M rows,
+    memoised like a module's (per M up to the largest bucket, then per bucket, and per lookup generation)."""
     global _entries_generation
     if generation() != _entries_generation:  # never used again, but holding weights and workspaces
         _entries.clear()
         _entries_generation = generation()
-    key = (choices, *table_key(M, weight), problem, tuned)
+    key = (plan, *table_key(M, weight), tuned)
     entry = _entries.get(key)
     if entry is None:
-        # No check runs inside the ops: a table waiting for one (checked.PENDING) is kept too, and
-        # resolved again once an eager call's check is remembered (resolve.remember moves generation()).
-        table = choices(*problem, max(M, 1), weight.dtype, weight.device, tuned)
-        entry = _entries[key] = bind(table, activation, max(M, 1), inside_ops=True)
+        # No check runs inside the ops: a table waiting for one (Source.PENDING) is kept too, and resolved
+        # again once an eager call's check is remembered (lookup.remember moves generation()).
+        table, _ = select(plan, max(M, 1), weight.dtype, weight.device, tuned)
+        entry = _entries[key] = bind(table, plan.activation, max(M, 1), inside_ops=True)
     return entry
 
 
 @torch.library.custom_op("autofuse::mlp", mutates_args=())
-def mlp(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
-        b_up: torch.Tensor | None, w_down: torch.Tensor, b_down: torch.Tensor | None, activation: str,
-        tuned: bool) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) for 2-D x, through autofuse's tuned kernels."""
+def mlp(x: torch.Tensor, params: list[torch.Tensor | None], activation: str, tuned: bool) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) for 2-D x through autofuse's tuned kernels; params: [w_gate, b_gate, w_up,
+    b_up, w_down, b_down] (the biases None, or all three given)."""
     M = x.shape[0]
-    params = (w_gate, b_gate, w_up, b_up, w_down, b_down)
-    with workspaces.workspaces_per_call():  # resolved inside too: no first-use check runs in the ops
-        entry = _entry(BoundMLP, mlp_choices, M, w_gate,
-                       (x.shape[1], w_gate.shape[0], activation, b_gate is not None), activation, tuned)
+    params = tuple(params)
+    w_gate, w_down = params[0], params[4]
+    with workspaces.workspaces_per_call(), no_checks():
+        plan = MLPPlan(x.shape[1], w_gate.shape[0], activation, params[1] is not None)
+        entry = _entry(BoundMLP, plan, M, w_gate, tuned)
         return entry(x, params, addresses(params), M, (M, w_down.shape[0]))
 
 
 @mlp.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, tuned):
-    return x.new_empty((x.shape[0], w_down.shape[0]))
+def _(x, params, activation, tuned):
+    return x.new_empty((x.shape[0], params[4].shape[0]))
 
 
 @torch.library.custom_op("autofuse::linear", mutates_args=())
@@ -69,10 +69,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
            activation: str, tuned: bool) -> torch.Tensor:
     """act(x @ weight.T + bias) [+ residual] for 2-D x, through autofuse's tuned kernel."""
     M = x.shape[0]
-    with workspaces.workspaces_per_call():  # resolved inside too: no first-use check runs in the ops
-        entry = _entry(BoundLinear, linear_choices, M, weight,
-                       (x.shape[1], weight.shape[0], activation, bias is not None, residual is not None), activation,
-                       tuned)
+    with workspaces.workspaces_per_call(), no_checks():
+        plan = LinearPlan(x.shape[1], weight.shape[0], activation, bias is not None, residual is not None)
+        entry = _entry(BoundLinear, plan, M, weight, tuned)
         return entry(x, weight, bias, residual, addresses((weight, bias)), M, (M, weight.shape[0]))
 
 
@@ -81,9 +80,15 @@ def _(x, weight, bias, residual, activation, tuned):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _flat(inputs) -> list:
+    """The op's inputs with the MLP's parameter list spread out in place."""
+    return [t for item in inputs for t in (item if isinstance(item, (list, tuple)) else (item,))]
+
+
 def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)])
-    ctx.present = [isinstance(t, torch.Tensor) for t in inputs]
+    flat = _flat(inputs)
+    ctx.save_for_backward(*[t for t in flat if isinstance(t, torch.Tensor)])
+    ctx.present = [isinstance(t, torch.Tensor) for t in flat]
     ctx.activation = inputs[-2]
 
 
@@ -101,7 +106,7 @@ def _mlp_backward(ctx, dy):
     dh = dy @ w_down
     dg, du = activation_backward(ctx.activation, dh * u, g), dh * a
     sums = sum_rows if b_gate is not None else (lambda t: None)
-    return (dg @ w_gate + du @ w_up, dg.t() @ x, sums(dg), du.t() @ x, sums(du), dy.t() @ h, sums(dy), None, None)
+    return dg @ w_gate + du @ w_up, [dg.t() @ x, sums(dg), du.t() @ x, sums(du), dy.t() @ h, sums(dy)], None, None
 
 
 def _linear_backward(ctx, dy):

@@ -1,6 +1,6 @@
-"""Choose and dispatch: which kernel or library path each op of a module runs at an M (a config
-table), and running it. The eager modules (modules.py) and the torch.library ops (custom_ops.py)
-share these functions, so both run the same code. `call` runs any registered op the same way.
+"""Dispatch: running a table of choices (choose/plans.py decides them) and the bound entries that replay
+it. The eager modules (modules.py) and the torch.library ops (custom_ops.py) share these, so both run the
+same code. `call` runs any registered op the same way, with the same decision (a check included).
 """
 
 from __future__ import annotations
@@ -8,85 +8,12 @@ from __future__ import annotations
 import torch
 
 from . import launch, ops, workspaces
-from .checked import CHECK_MARGIN, checked, faster_of, kernel_on_host_bound_tie
+from .choose import Choice, resolve_checked
 from .configs import KernelConfig
-from .key import MAX_M_BUCKET, m_bucket
+from .key import Problem
 from .ops.gated_pairs import pairs_of
 from .ops.linear import linear
-from .ops.mlp import MLP, mlp_decode
-from .resolve import CHECKED, Choice, generation, heuristic_for, resolve, resolve_tuned
-
-
-def table_key(M: int, weight: torch.Tensor) -> tuple:
-    """What a resolved config table depends on: M itself up to the largest bucket (a user may have
-    tuned that exact token count), then its bucket; the weights' dtype and device; and what the
-    process has read of tuned configs (resolve.generation(): a tune or `cache import` in this
-    process is seen at the next forward)."""
-    return (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device, generation())
-
-
-def resolve_checked(op: str, M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, *, activation: str,
-                    bias: bool, residual: bool = False, tuned: bool = True) -> Choice:
-    """resolve(), with a kernel config that no tuning compared on this GPU and key checked against the
-    library paths first (autofuse/checked.py). `tuned=False` (the heuristic, as it is) is never checked."""
-    choice = resolve(op, M, N, K, dtype, device, activation=activation, bias=bias, residual=residual, tuned=tuned)
-    if not tuned:
-        return choice
-    return checked(op, choice, M, N, K, dtype, device, activation=activation, bias=bias, residual=residual)
-
-
-def linear_choices(in_features: int, out_features: int, activation: str, bias: bool, residual: bool, M: int,
-                   dtype: torch.dtype, device: torch.device, tuned: bool) -> dict[str, Choice]:
-    return {"linear": resolve_checked("linear", M, out_features, in_features, dtype, device, activation=activation,
-                                      bias=bias, residual=residual, tuned=tuned)}
-
-
-def mlp_choices(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
-                device: torch.device, tuned: bool, pairs: bool = False, d_in: int | None = None) -> dict[str, Choice]:
-    """{"gated_up", "down"}, or {"mlp"} where the one-launch kernel was tuned (or, beside two checked
-    ops, checked) faster than the two ops together (and than their library paths). `pairs`: the
-    module keeps gate and up interleaved (layout.py), so op gated_pairs may stand in for gated_up
-    ({"gated_pairs", "down"}) where its tuned or checked time is lower. `d_in`: the up-projection's K
-    where the module pads d_model (layout.py); the one-launch kernel, which reads one d_model for both
-    projections, is then left out."""
-    return mlp_tables(d_model, d_ff, activation, bias, M, dtype, device, tuned, pairs, d_in)[0]
-
-
-def mlp_tables(d_model: int, d_ff: int, activation: str, bias: bool, M: int, dtype: torch.dtype,
-               device: torch.device, tuned: bool, pairs: bool = False,
-               d_in: int | None = None) -> tuple[dict[str, Choice], list[dict[str, Choice]]]:
-    """(mlp_choices' table, the other tables it compared: the two-op pair with the other up-projection
-    op, the one launch), for the un-graphed calls' race (plain.py)."""
-    k = d_model if d_in is None else d_in
-    up = resolve_checked("gated_up", M, d_ff, k, dtype, device, activation=activation, bias=bias, tuned=tuned)
-    down = resolve_checked("down", M, d_model, d_ff, dtype, device, activation="none", bias=bias, tuned=tuned)
-    pair, others = {"gated_up": up, "down": down}, []
-    if pairs and tuned:
-        one_gemm = resolve_checked("gated_pairs", M, d_ff, k, dtype, device, activation=activation, bias=bias)
-        with_pairs = {"gated_pairs": one_gemm, "down": down}
-        others.append(with_pairs)
-        if None not in (one_gemm.time_ms, up.time_ms):
-            candidates = (("gated_pairs", one_gemm), ("gated_up", up))
-            faster = kernel_on_host_bound_tie(*candidates) or faster_of(
-                *candidates, M, d_ff, k, dtype, device, activation=activation, bias=bias)
-            if faster == "gated_pairs":
-                pair, others = with_pairs, [pair]
-    if not tuned or M > MLP.max_m or k != d_model:
-        return pair, others
-    fused = resolve_tuned("mlp", M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
-    if fused is None and all(c.source == CHECKED for c in pair.values()):
-        # The pair was decided by first-use checks: the one-launch kernel gets its check too.
-        heuristic = Choice(heuristic_for(MLP, m_bucket(M), d_ff, d_model, dtype, device), "heuristic")
-        fused = checked("mlp", heuristic, M, d_ff, d_model, dtype, device, activation=activation, bias=bias)
-    if fused is None or fused.kernel is None:
-        return pair, others
-    # The pair must beat the one launch by CHECK_MARGIN: on a near tie of GPU times one launch wins, as
-    # an un-graphed call pays each launch's host time (a bound Triton launch, or a whole PyTorch op for a
-    # library choice) on top of them.
-    pair_ms = [c.time_ms for c in pair.values()]
-    if None not in pair_ms and sum(pair_ms) * (1 + CHECK_MARGIN) <= fused.time_ms:
-        return pair, [*others, {"mlp": fused}]
-    return {"mlp": fused}, [pair, *others]
+from .ops.mlp import mlp_decode
 
 
 def _traced(name: str, activation: str, table: dict[str, Choice]):
@@ -113,18 +40,18 @@ def _run_linear(x2d, weight, bias, r2d, activation, choice: Choice):
     return linear(x2d, weight, bias, r2d, activation, config)
 
 
-def run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation: str, table: dict[str, Choice]) -> torch.Tensor:
+def run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]) -> torch.Tensor:
+    """params: (wg, bg, wu, bu, wd, bd)."""
     traced = _traced("mlp", activation, table)
     if traced is not None:
         with traced:
-            return _run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation, table)
-    return _run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation, table)
+            return _run_mlp(x2d, params, activation, table)
+    return _run_mlp(x2d, params, activation, table)
 
 
-def _run_mlp(x2d, wg, bg, wu, bu, wd, bd, activation, table):
+def _run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]):
     if "mlp" in table:
-        return mlp_decode(x2d, wg, wu, wd, bg, bu, bd, activation, table["mlp"].kernel)
-    params = (wg, bg, wu, bu, wd, bd)
+        return mlp_decode(x2d, params, activation, table["mlp"].kernel)
     return _down(_up(x2d, params, activation, table), params, table["down"])
 
 
@@ -149,8 +76,7 @@ def call(op: str, operands: dict, *, activation: str, bias: bool = False, residu
     x = next(iter(operands.values()))
     M, k = x.shape
     n = _n_of(spec, operands, k)
-    choice = resolve(op, M, n, k, x.dtype, x.device, activation=activation, bias=bias, residual=residual,
-                     tuned=tuned)
+    choice = resolve_checked(Problem(op, n, k, M, x.dtype, activation, bias, residual, x.device), tuned)
     return run_choice(op, choice, operands, activation)
 
 
@@ -196,7 +122,7 @@ class BoundMLP:
             return self._replay(x, params, out_shape)
         x2d = _rows(x)
         if not replayable:
-            return run_mlp(x2d, *params, self.activation, self.table).reshape(out_shape)
+            return run_mlp(x2d, params, self.activation, self.table).reshape(out_shape)
         y, self.launches = self._bind(x2d, params)
         self.weights = weights
         # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
@@ -206,10 +132,10 @@ class BoundMLP:
         return y.reshape(out_shape)
 
     def _bind(self, x2d, params) -> tuple[torch.Tensor, dict]:
-        (wg, bg, wu, bu, wd, bd), act, table = params, self.activation, self.table
+        act, table = self.activation, self.table
         if "mlp" in table:
             with launch.binding() as recorded:
-                y = mlp_decode(x2d, wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel)
+                y = mlp_decode(x2d, params, act, table["mlp"].kernel)
             return y, {"mlp": launch.only_launch(recorded)}
         up, down = table[up_op_of(table)], table["down"]
         with launch.binding() as up_launches:
@@ -220,12 +146,13 @@ class BoundMLP:
                    "down": None if down.kernel is None else launch.only_launch(down_launches)}
 
     def _replay(self, x, params, out_shape) -> torch.Tensor:
-        (wg, bg, wu, bu, wd, bd), act, table, launches = params, self.activation, self.table, self.launches
+        wg, wd, bd = params[0], params[4], params[5]
+        act, table, launches = self.activation, self.table, self.launches
         if "mlp" in table:
             y = x.new_empty(out_shape)
             bound = launches["mlp"]
             if bound is None or not bound({"x": x, "y": y}):
-                mlp_decode(_rows(x), wg, wu, wd, bg, bu, bd, act, table["mlp"].kernel, out=_rows(y))
+                mlp_decode(_rows(x), params, act, table["mlp"].kernel, out=_rows(y))
             return y
         # H is reused on the stream it was made on; a call on another stream (which might run at the
         # same time) gets its own.

@@ -1,4 +1,4 @@
-"""One key's trial objective (the tuner's, and a first-use check's: autofuse/checked.py): compile
+"""One key's trial objective (the tuner's, and a first-use check's: choose/check.py): compile
 (time-limited), verify on fresh random inputs, then time.
 
 Every outcome is a TrialRecord: a time for a correct config, or a typed failure (compile error,
@@ -23,7 +23,7 @@ from .device import cuda_index, interpreting
 from .errors import AutofuseError
 from .key import TuningKey
 from .reference import ERROR_BOUNDS, relative_error
-from .store import TrialRecord, Winner
+from .store import TrialRecord
 from .timing import cpu_median_ms, graph_median_ms, graph_side_by_side_ms
 
 logger = logging.getLogger("autofuse")
@@ -33,8 +33,8 @@ logger = logging.getLogger("autofuse")
 # flush between runs and its launch gaps ranked configs by costs a replayed or back-to-back step never
 # pays: at decode sizes, and also at M of a few hundred to a thousand, where a flushed do_bench put a
 # gated up-projection at well over the whole graph-replayed MLP's time and chose the eager library path
-# over a faster one (docs/design.md, "Timing").
-TIMING_BUDGET_MS = {False: 100.0, True: 20.0}  # a tuning trial's, a first-use check's (quick)
+# over a faster one (docs/design.md, "Timing"). How long each candidate is timed is the caller's: the
+# DecisionPolicy's trial_budget_ms (tuning) or check_budget_ms (a first-use check).
 
 
 def bytes_needed(key: TuningKey, M: int) -> int:
@@ -75,9 +75,9 @@ class Evaluator:
     element is finite (outputs are poisoned with NaN before the run)."""
 
     def __init__(self, key: TuningKey, M: int, device: torch.device, seed: int = 0,
-                 compile_timeout_s: float = 120.0, quick: bool = False) -> None:
+                 compile_timeout_s: float = 120.0, budget_ms: float = 100.0) -> None:
         self.key, self.M, self.device = key, M, device
-        self.quick = quick  # shorter timings: a first-use check (autofuse/checked.py), not a tuning run
+        self.budget_ms = budget_ms  # GPU time each candidate is timed for
         self.spec = key.spec
         self.dtype = key.torch_dtype
         self.compile_timeout_s = compile_timeout_s
@@ -109,7 +109,7 @@ class Evaluator:
     def _time(self, fn: Callable[[], object]) -> float:
         if self.interpret:
             return cpu_median_ms(fn, repeats=1)
-        return graph_median_ms(fn, TIMING_BUDGET_MS[self.quick])
+        return graph_median_ms(fn, self.budget_ms)
 
     def runner(self, config: KernelConfig | Library) -> Callable[[], object]:
         """A call of a kernel config or a library candidate on this key's operands (for timing)."""
@@ -121,7 +121,7 @@ class Evaluator:
     def side_by_side_ms(self, fns: dict[str, Callable[[], object]]) -> dict[str, float]:
         """Times of several calls replayed in turn (timing.graph_side_by_side_ms), each with this
         evaluator's timing budget."""
-        return graph_side_by_side_ms(fns, TIMING_BUDGET_MS[self.quick])
+        return graph_side_by_side_ms(fns, self.budget_ms)
 
     def retimed_side_by_side(self, record: TrialRecord | None, library_ms: dict[str, float],
                              names: list[str]) -> tuple[TrialRecord | None, dict[str, float]]:
@@ -217,28 +217,3 @@ class Evaluator:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-
-
-def fastest_trial(done: dict) -> TrialRecord | None:
-    """The fastest correct trial of `done` (trials by config), or None where none is correct."""
-    ok = [t for t in done.values() if t.status == "ok"]
-    return min(ok, key=lambda t: t.time_ms) if ok else None
-
-
-def choose_winner(key: TuningKey, done: dict, library_ms: dict[str, float], heuristic: KernelConfig, seconds: float,
-                  policy: str, times_mean_speed: bool = True, kernel_margin: float = 0.0,
-                  confirmed: TrialRecord | None = None) -> Winner:
-    """The fastest correct kernel if it beats the fastest library candidate by more than `kernel_margin`
-    (a fraction of the library's time), else that library candidate, with the kernel as its runner-up.
-    `confirmed`: the kernel candidate retimed beside the library candidates (whose times `library_ms` then
-    holds), which stands in for the fastest of `done`. Where times do not mean speed (the interpreter),
-    the best kernel, so that tuning there still exercises every kernel path."""
-    best = confirmed if confirmed is not None else fastest_trial(done)
-    library, library_time = min(library_ms.items(), key=lambda kv: kv[1])
-    heuristic_record = done.get(heuristic)
-    heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
-    if best is not None and (not times_mean_speed or best.time_ms < library_time * (1 - kernel_margin)):
-        return Winner(key, best.config, best.time_ms, library_time, heuristic_ms, len(done), seconds, policy)
-    lost = Winner(key, Library(library), library_time, library_time, heuristic_ms, len(done), seconds, policy)
-    # The best kernel is kept beside the library path, for un-graphed decode calls (plain.py).
-    return lost if best is None else dataclasses.replace(lost, runner_up=best.config, runner_up_ms=best.time_ms)

@@ -6,13 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import plain
-from .checked import pending
+from .choose import Choice, LinearPlan, MLPPlan, generation, pending, select, table_key
+from .choose import race as plain
 from .configs import KernelConfig, Library
 from .device import check_device
-from .dispatch import table_key
 from .errors import AutofuseError, shown
-from .resolve import Choice, generation
 from .shapes import DTYPES, MAX_SIZE
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,7 +69,7 @@ class FusedModule(nn.Module):
         super().__init__()
         self.tuned = tuned  # False: ignore tuned caches, always use the built-in heuristic
         self._configs: dict[tuple, dict[str, Choice]] = {}
-        self._compared: dict[tuple, list] = {}  # table key -> the other tables its choice compared (plain.py)
+        self._compared: dict[tuple, list] = {}  # table key -> the other tables its choice compared (race.py)
         self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
         self._last: tuple | None = None  # (M, residual, weight addresses, generation, entry): _entry
         self._generation = generation()  # what the memos above were resolved under: _drop_stale
@@ -134,7 +132,7 @@ class FusedModule(nn.Module):
         if table is None:
             check_dtype(weight.dtype)
             check_device(weight.device)
-            table, compared = self._resolve(M, weight.dtype, weight.device, residual)
+            table, compared = select(self._plan(residual), M, weight.dtype, weight.device, self.tuned)
             if not pending(table):  # a choice made while no check could run is made again next time
                 self._configs[key], self._compared[key] = table, compared
         return table
@@ -166,7 +164,7 @@ class FusedModule(nn.Module):
         if not others:
             return bound
         tables = [table, *others]
-        key = plain.memo_key(type(self).__name__, self._shape(residual), M, weight.dtype, weight.device, tables)
+        key = plain.memo_key(type(self).__name__, self._plan(residual), M, weight.dtype, weight.device, tables)
         return plain.Raced(bound, [self._bind(t, M) for t in others], tables, M, key)
 
     def _bind(self, table: dict[str, Choice], M: int):
@@ -176,22 +174,17 @@ class FusedModule(nn.Module):
         """op -> the names of the library paths that compute it for this module (plain.candidates)."""
         raise NotImplementedError
 
-    def _shape(self, residual: bool) -> tuple:
-        """What besides M, dtype and device sets the problem a table entry solves (plain.memo_key)."""
-        raise NotImplementedError
-
     def plain_config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library] | None:
         """What each op runs for M rows in an un-graphed call, once the first such call raced the tables
-        for M (plain.py); config_for's where no race was needed; None before the first call at M."""
+        for M (choose/race.py); config_for's where no race was needed; None before the first call at M."""
         entry = self._bound.get(self._key(check_size("M", M), self._reference_weight(), residual))
         if entry is None:
             return None
         table = entry.plain_table if isinstance(entry, plain.Raced) else entry.table
         return None if table is None else {op: c.config for op, c in table.items()}
 
-    def _resolve(self, M: int, dtype: torch.dtype, device: torch.device,
-                 residual: bool) -> tuple[dict[str, Choice], list[dict[str, Choice]]]:
-        """(the choices for M, the other tables that choice compared)."""
+    def _plan(self, residual: bool) -> LinearPlan | MLPPlan:
+        """What this module computes, as choose.plans.select takes it (also what a race's decision is kept for)."""
         raise NotImplementedError
 
     def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library]:
@@ -201,8 +194,9 @@ class FusedModule(nn.Module):
         return {op: c.config for op, c in table.items()}
 
     def config_sources(self, M: int, residual: bool = False) -> dict[str, str]:
-        """Where each config for M came from: user-cache, shipped:<file>, nearest:<key>, heuristic."""
-        return {op: c.source for op, c in self._config_table(check_size("M", M), residual).items()}
+        """Where each config for M came from: user-cache, checked, shipped:<file>, nearest:<key>, heuristic (or,
+        before a first-use check could run, the library stand-ins of choose.Source)."""
+        return {op: c.origin for op, c in self._config_table(check_size("M", M), residual).items()}
 
     def clear_config_table(self) -> None:
         """Resolve again on the next forward (a tune or `cache import` in this process is seen anyway)."""

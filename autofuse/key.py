@@ -160,10 +160,41 @@ def _text(value: Any) -> str:
     return str(int(value)) if isinstance(value, bool) else str(value)
 
 
-def make_key(op: str, n: int, k: int, m_bucket: int, dtype: torch.dtype, activation: str, bias: bool,
-             residual: bool, environment: Environment) -> TuningKey:
-    return TuningKey(
-        op=op, template_hash=template_hash(ops.get(op)), n=n, k=k, m_bucket=m_bucket,
-        dtype=DTYPE_NAMES[dtype], activation=activation, bias=bias, residual=residual,
-        gpu=environment.gpu, capability=environment.capability, triton=environment.triton, cuda=environment.cuda,
-    )
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One op on one shape at M rows, in one dtype, on one device: what a decision is made for and a key is
+    built from. n and k are the op's (for the gated ops n is d_ff), M the rows of the call."""
+
+    op: str
+    n: int
+    k: int
+    M: int
+    dtype: torch.dtype
+    activation: str
+    bias: bool = False
+    residual: bool = False
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "M", max(self.M, 1))  # an empty batch launches nothing: keyed as one row
+
+    @property
+    def bucket(self) -> int:
+        return m_bucket(self.M)
+
+    @property
+    def spec(self) -> ops.OpSpec:
+        return ops.get(self.op)
+
+    def key(self, bucket: int | None = None, environment: Environment | None = None) -> TuningKey:
+        """The tuning key at `bucket` (default: M's bucket) in `environment` (default: the device's)."""
+        env = environment if environment is not None else current_environment(self.device)
+        return TuningKey(
+            op=self.op, template_hash=template_hash(ops.get(self.op)), n=self.n, k=self.k,
+            m_bucket=self.bucket if bucket is None else bucket, dtype=DTYPE_NAMES[self.dtype],
+            activation=self.activation, bias=self.bias, residual=self.residual,
+            gpu=env.gpu, capability=env.capability, triton=env.triton, cuda=env.cuda,
+        )
+
+    def replace(self, **changes) -> Problem:
+        return dataclasses.replace(self, **changes)

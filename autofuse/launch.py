@@ -225,11 +225,12 @@ def persistent_launch(kernel: Kernel, M: int, N: int, config: KernelConfig, devi
     launch(kernel, (min(programs, tiles(M, N, config)),), tensors, sizes, options)
 
 
-def launch_gemm(kernel: Kernel, M: int, N: int, K: int, config: KernelConfig, device: torch.device, tensors: dict,
-                accumulators: int, **tma_constexprs: int) -> None:
-    """Launch a GEMM-shaped kernel over an [M, N] output: persistent over TMA descriptors where the
-    config says so (with the op's `tma_constexprs`), else one tile per program, with split-K's
+def launch_gemm(kernel: Kernel, sizes: tuple[int, int, int], config: KernelConfig, device: torch.device,
+                tensors: dict, accumulators: int, **tma_constexprs: int) -> None:
+    """Launch a GEMM-shaped kernel of `sizes` (M, N, K) over an [M, N] output: persistent over TMA descriptors
+    where the config says so (with the op's `tma_constexprs`), else one tile per program, with split-K's
     workspace for `accumulators` float32 partial sums per output element."""
+    M, N, K = sizes
     if config.tma:
         persistent_launch(kernel, M, N, config, device, tensors, (M, N, K), **tma_constexprs)
     else:

@@ -15,15 +15,15 @@ from torch import nn
 
 from . import custom_ops, ops  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
-from .checked import pending
+from .choose import LinearPlan, MLPPlan, pending, resolve_checked
 from .device import capturing
-from .dispatch import BoundLinear, BoundMLP, linear_choices, mlp_tables, resolve_checked
-from .errors import AutofuseError
+from .dispatch import BoundLinear, BoundMLP
+from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
-from .training import LinearFunction, MLPFunction, TrainingLaunches
+from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
 # call: `torch.compiler.is_compiling` is three guarded objects, `torch.ops.autofuse.mlp` five. Bound here, each
@@ -56,15 +56,11 @@ class FusedLinear(FusedModule):
     def _reference_weight(self) -> torch.Tensor:
         return self.weight
 
-    def _resolve(self, M, dtype, device, residual):
-        return linear_choices(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
-                              M, dtype, device, self.tuned), []
+    def _plan(self, residual):
+        return LinearPlan(self.in_features, self.out_features, self.activation, self.bias is not None, residual)
 
     def _bind(self, table, M):
         return BoundLinear(table, self.activation, M)
-
-    def _shape(self, residual):
-        return (self.in_features, self.out_features, self.activation, self.bias is not None, residual)
 
     def _libraries(self, residual):
         return {"linear": tuple(ops.get("linear").library_for(self.activation, self.bias is not None, residual))}
@@ -110,9 +106,11 @@ class FusedMLP(FusedModule):
     down projection through the linear kernel; at small M, where tuning found it faster, the whole
     MLP in one launch (config_for then names the single op "mlp")."""
 
-    def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str,
-                 dtype: torch.dtype, device: torch.device, tuned: bool = True, interleaved: bool = True,
-                 save_hidden: bool = True) -> None:
+    def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,
+                 device: torch.device, **options: bool) -> None:
+        """options: tuned, interleaved, save_hidden (MLP_OPTIONS: get_mlp says what each does)."""
+        options = mlp_options(options, "FusedMLP")
+        tuned, interleaved, save_hidden = options["tuned"], options["interleaved"], options["save_hidden"]
         super().__init__(tuned)
         self.in_features = d_model
         self.d_model = d_model
@@ -179,9 +177,9 @@ class FusedMLP(FusedModule):
     def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
         return (*super()._table_key(M, weight), self.d_ff_run, self.d_in_run, self.runs_pairs)
 
-    def _resolve(self, M, dtype, device, residual):
-        return mlp_tables(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None, M, dtype,
-                          device, self.tuned, pairs=self.runs_pairs, d_in=self.d_in_run)
+    def _plan(self, residual):
+        return MLPPlan(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None,
+                       pairs=self.runs_pairs, d_in=self.d_in_run)
 
     def _bind(self, table, M):
         return BoundMLP(table, self.activation, M)
@@ -192,10 +190,6 @@ class FusedMLP(FusedModule):
         gated = {op: tuple(ops.get(op).library_for(self.activation, bias, False)) for op in ("gated_up", "gated_pairs")}
         return {**gated, "down": tuple(ops.get("down").library_for("none", bias, False))}
 
-    def _shape(self, residual):
-        return (self.d_model, self.d_ff_run, self.d_in_run, self.runs_pairs, self.activation,
-                self.gate_proj.bias is not None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._params()
         wg = params[0]
@@ -204,7 +198,7 @@ class FusedMLP(FusedModule):
         activation = self.activation
         if _compiling():  # one opaque op for torch.compile / torch.export (custom_ops.py)
             self._check_parameters()
-            return _MLP_OP(x.reshape(-1, self.d_model), *params, activation, self.tuned).reshape(out_shape)
+            return _MLP_OP(x.reshape(-1, self.d_model), list(params), activation, self.tuned).reshape(out_shape)
         if needs_grad(x, *params):
             self._check_parameters()
             if self._layout is not None and not capturing(wg.device):
@@ -212,8 +206,8 @@ class FusedMLP(FusedModule):
                 wg = params[0]
             save_hidden = bool(self.save_hidden)
             down_config, backward_config, launches = self._training_configs(M, wg, save_hidden)
-            return MLPFunction.apply(x.reshape(-1, self.d_model), *params, activation, down_config,
-                                     backward_config, launches, save_hidden).reshape(out_shape)
+            step = TrainingStep(activation, down_config, backward_config, launches, save_hidden)
+            return MLPFunction.apply(x.reshape(-1, self.d_model), *params, step).reshape(out_shape)
         if self._plain_for_training and not capturing(wg.device):
             self._plain_for_training = False
             self._lay_out()
@@ -276,11 +270,10 @@ class FusedMLP(FusedModule):
         self._drop_stale()
         key = (*self._table_key(M, weight), save_hidden)
         if key not in self._training_table:
-            bias = self.gate_proj.bias is not None
-            common = dict(dtype=weight.dtype, device=weight.device, bias=bias, tuned=self.tuned)
-            down = resolve_checked("down", M, self.d_model, self.d_ff, activation="none", **common)
-            backward = None if save_hidden else resolve_checked("gated_bwd", M, self.d_ff, self.d_model,
-                                                                activation=self.activation, **common)
+            plan = MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None)
+            down = resolve_checked(plan.problem("down", M, weight.dtype, weight.device), self.tuned)
+            backward = None if save_hidden else resolve_checked(plan.problem("gated_bwd", M, weight.dtype,
+                                                                             weight.device), self.tuned)
             # The down projection's kernel (None: its library path); the backward's kernel or library path.
             configs = (down.kernel, None if backward is None else backward.config)
             if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
@@ -309,21 +302,35 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
                      "the Linear", (in_features + 1) * out_features, dtype, device)
 
 
+# get_mlp's and FusedMLP's options, with their defaults.
+MLP_OPTIONS = {"tuned": True, "interleaved": True, "save_hidden": True}
+
+
+def mlp_options(options: dict, where: str) -> dict[str, bool]:
+    """`options` over MLP_OPTIONS' defaults, each as a bool; AutofuseError naming an unknown one."""
+    unknown = sorted(set(options) - set(MLP_OPTIONS))
+    if unknown:
+        raise AutofuseError(f"{where}() got unknown option(s) {', '.join(map(shown, unknown))}; it takes "
+                            f"{', '.join(MLP_OPTIONS)}")
+    return {name: bool(options.get(name, default)) for name, default in MLP_OPTIONS.items()}
+
+
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
-            dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True,
-            interleaved: bool = True, save_hidden: bool = True) -> FusedMLP:
+            dtype: torch.dtype = torch.bfloat16, device: object = "cuda", **options: bool) -> FusedMLP:
     """A fused gated MLP (GeGLU with gelu/gelu_tanh, SwiGLU with silu) with Hugging Face parameter names.
-    `tuned=False` ignores tuned configs and uses the built-in heuristic. `interleaved` (the default)
-    keeps the gate and up weights interleaved in one buffer (each parameter a strided view of it), so
-    that the gated up-projection may run as one GEMM (op gated_pairs) where that was checked or tuned
-    faster; `interleaved=False` keeps them as two plain tensors (and never runs gated_pairs).
-    `save_hidden` (training only): the forward keeps H = act(gate) * up for the backward, as torch.compile
-    does (faster); False recomputes it in the backward and holds one [tokens, d_ff] activation less per
-    module (the attribute of that name may be changed later)."""
+
+    options (keywords):
+    - tuned=True: False ignores tuned configs and uses the built-in heuristic.
+    - interleaved=True: keeps the gate and up weights interleaved in one buffer (each parameter a strided
+      view of it), so that the gated up-projection may run as one GEMM (op gated_pairs) where that was
+      checked or tuned faster; False keeps them as two plain tensors (and never runs gated_pairs).
+    - save_hidden=True (training only): the forward keeps H = act(gate) * up for the backward, as
+      torch.compile does (faster); False recomputes it in the backward and holds one [tokens, d_ff]
+      activation less per module (the attribute of that name may be changed later)."""
+    options = mlp_options(options, "get_mlp")
     d_model, d_ff = check_size("d_model", d_model), check_size("d_ff", d_ff)
     activation, dtype = canonical_activation(activation, GATED_ACTIVATIONS), check_dtype(dtype)
     device = parse_device(device)
     return allocated(lambda: FusedMLP(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
-                                      device=device, tuned=bool(tuned), interleaved=bool(interleaved),
-                                      save_hidden=bool(save_hidden)),
+                                      device=device, **options),
                      "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)

@@ -27,13 +27,18 @@ def gated_reference(x, w_gate, w_up, b_gate=None, b_up=None, activation="gelu_ta
     return TORCH_ACTIVATIONS[activation](gate) * F.linear(_f64(x), _f64(w_up), _f64(b_up))
 
 
-def mlp_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="gelu_tanh",
-                  hidden_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) in float64. With `hidden_dtype`, the hidden activation H is rounded
-    to that dtype first, as every implementation that stores H in the model's dtype does."""
-    h = gated_reference(x, w_gate, w_up, b_gate, b_up, activation)
-    if hidden_dtype is not None:
-        h = h.to(hidden_dtype).double()
+def mlp_reference(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation="gelu_tanh"):
+    """down(act(gate(x)) * up(x)) in float64."""
+    return F.linear(gated_reference(x, w_gate, w_up, b_gate, b_up, activation), _f64(w_down), _f64(b_down))
+
+
+def mlp_reference_rounded(x, weights: tuple, activation: str, hidden_dtype: torch.dtype) -> torch.Tensor:
+    """mlp_reference of x and weights (w_gate, w_up, w_down[, b_gate, b_up, b_down]) with the hidden
+    activation H rounded to `hidden_dtype` first, as every implementation that stores H in the model's dtype
+    does."""
+    w_gate, w_up, w_down, *biases = weights
+    b_gate, b_up, b_down = biases or (None, None, None)
+    h = gated_reference(x, w_gate, w_up, b_gate, b_up, activation).to(hidden_dtype).double()
     return F.linear(h, _f64(w_down), _f64(b_down))
 
 

@@ -24,6 +24,7 @@ Gradients accumulate into .grad as autograd always does; a second-order backward
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -109,11 +110,26 @@ class TrainingLaunches:
             self.launches[name] = (launch.only_launch(recorded), weights)
 
 
-def _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
-                      launches: TrainingLaunches | None, separate: bool):
-    """(pre-activations, H, Y): cuBLAS for the pre-activations, then the pointwise H and the down projection
-    (bound where possible). The pre-activations are (G, U), two buffers, where `separate` (the backward then
-    frees dG before its last GEMM); else [G | U], one [M, 2F] buffer (what op gated_bwd's kernels read)."""
+@dataclasses.dataclass(frozen=True)
+class TrainingStep:
+    """What a training forward of a gated MLP runs: its activation, the down projection's kernel (None: cuBLAS),
+    the backward's choice where H is recomputed (op gated_bwd), the entry's bound launches (None while a choice
+    waits for its check), and whether H is kept for the backward."""
+
+    activation: str
+    down_config: KernelConfig | None
+    backward_config: object  # KernelConfig | Library | None
+    launches: TrainingLaunches | None = None
+    save_hidden: bool = False
+
+
+def _training_forward(x, params: tuple, step: TrainingStep, separate: bool):
+    """(pre-activations, H, Y) of x and params (w_gate, b_gate, w_up, b_up, w_down, b_down): cuBLAS for the
+    pre-activations, then the pointwise H and the down projection (bound where possible). The pre-activations
+    are (G, U), two buffers, where `separate` (the backward then frees dG before its last GEMM); else [G | U],
+    one [M, 2F] buffer (what op gated_bwd's kernels read)."""
+    w_gate, b_gate, w_up, b_up, w_down, b_down = params
+    activation, down_config, launches = step.activation, step.down_config, step.launches
     M, F_ = x.shape[0], w_gate.shape[0]
     if separate:
         pre = (F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up))
@@ -151,12 +167,13 @@ class MLPFunction(torch.autograd.Function):
     """y = down(act(gate(x)) * up(x)) for training; see the module docstring for what runs where."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config, backward_config,
-                launches=None, save_hidden=False):
-        """backward_config: op gated_bwd's choice, used where H is not saved (`save_hidden` False)."""
-        pre, h, y = _training_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, down_config,
-                                      launches, separate=save_hidden)
-        ctx.activation, ctx.backward_config = activation, backward_config
+    def forward(ctx, x, *params_and_step):
+        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, step: TrainingStep)."""
+        *params, step = params_and_step
+        w_gate, b_gate, w_up, b_up, w_down, b_down = params
+        save_hidden = step.save_hidden
+        pre, h, y = _training_forward(x, tuple(params), step, separate=save_hidden)
+        ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
         saved = (x, w_gate, w_up, w_down)
@@ -184,7 +201,7 @@ class MLPFunction(torch.autograd.Function):
         ctx.spent = True
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
         dy = dy.contiguous()
-        need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, configs)
+        need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, step)
         if len(saved) == 1:  # save_hidden False: one [G | U] buffer, H recomputed
             grads = _backward_recomputing_h(ctx, dy, x, saved.pop(), w_gate, w_up, w_down, need)
         else:
@@ -193,7 +210,7 @@ class MLPFunction(torch.autograd.Function):
             saved.clear()  # `kept` holds this function's only references, which the callee drops as it goes
             grads = _backward_from_kept_h(ctx, dy, x, kept, w_gate, w_up, w_down, need)
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
-        return (*grads, db_down, None, None, None, None, None)
+        return (*grads, db_down, None)
 
 
 def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) -> tuple:

@@ -1,6 +1,6 @@
-"""Host cost per call on the device, for issue 15's table: what one un-graphed call costs the CPU.
+"""Host cost per call: what one un-graphed call costs the CPU.
 
-  python benchmarks/host_cost.py --out DIR
+  python benchmarks/host_cost.py [--out DIR] [--calls 2000] [--rounds 7]
 
 Per call: wall time of N back-to-back calls / N (CUDA-synchronised before and after), median of
 rounds taken round-robin over the rows of a group so that host drift hits them alike. On the tiny
@@ -10,24 +10,19 @@ shape the GPU never waits, so this is host time; on gemma-2b at M=1 it is the pl
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-from pathlib import Path
-
+import harness
 import torch
 import torch.nn.functional as F
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import autofuse
 from autofuse import launch
+from autofuse.choose.lookup import resolve_tuned
 from autofuse.configs import KernelConfig
+from autofuse.key import Problem
 from autofuse.ops.linear import LINEAR
 from autofuse.opspec import launch_args
 from autofuse.reference import eager_mlp
-from autofuse.resolve import resolve_tuned
 from autofuse.timing import plain_call_us
 from autofuse.tools.measure import graph_replay_us
 
@@ -92,12 +87,12 @@ def _short(configs: dict | None) -> dict | None:
 def _choices(mlp, M: int, d: int, f: int) -> dict:
     """What the module runs at M, each choice with its source and time (µs), and the one-launch MLP's own
     record where one was checked or tuned (what the two-op pair was compared with)."""
-    shown = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})" for op, c in mlp._config_table(M).items()}
+    shown = {op: f"{c.config.short()} ({c.origin}, {_us(c.time_ms)})" for op, c in mlp._config_table(M).items()}
     weight = mlp.gate_proj.weight
-    one_launch = resolve_tuned("mlp", M, f, d, weight.dtype, weight.device, activation=mlp.activation,
-                               bias=mlp.gate_proj.bias is not None)
+    one_launch = resolve_tuned(Problem("mlp", f, d, M, weight.dtype, mlp.activation, mlp.gate_proj.bias is not None,
+                                       False, weight.device))
     if one_launch is not None and "mlp" not in shown:
-        shown["mlp (not chosen)"] = f"{one_launch.config.short()} ({one_launch.source}, {_us(one_launch.time_ms)})"
+        shown["mlp (not chosen)"] = f"{one_launch.config.short()} ({one_launch.origin}, {_us(one_launch.time_ms)})"
     return shown
 
 
@@ -121,18 +116,15 @@ def gemma_rows(calls: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser = harness.parser(__doc__)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    meta = dict(gpu=torch.cuda.get_device_name(), host=platform.processor() or platform.machine(),
-                cpu=_cpu_name(), torch=torch.__version__, triton=triton.__version__)
+    meta = dict(cpu=_cpu_name())
     rows = {**tiny_rows(args.calls, args.rounds), **gemma_rows(args.calls // 4, args.rounds)}
     for name, value in rows.items():
         print(f"{name:56s} {value:8.1f} us" if isinstance(value, float) else f"{name:56s} {value}", flush=True)
-    Path(args.out, "host_cost.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(json.dumps(meta))
+    harness.write(harness.out_dir(args.out), "host_cost.json", dict(meta=meta, rows=rows))
 
 
 def _cpu_name() -> str:

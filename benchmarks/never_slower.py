@@ -1,15 +1,15 @@
-"""The "never slower" sweep (issue 16): autofuse on shapes nobody tuned, against the best peer.
+"""The "never slower" sweep: autofuse on shapes nobody tuned, against the best peer.
 
-  python benchmarks/never_slower.py --out DIR [--mlps 12] [--linears 4] [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000]
-      [--public] [--write-shapes FILE]
+  python benchmarks/never_slower.py [--out DIR] [--mlps 12] [--linears 4]
+      [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000] [--public] [--write-shapes FILE]
 
---public adds public model shapes (PUBLIC_MLPS, PUBLIC_LINEARS) after the drawn ones: issue 17's prefill
-check runs `--public --tokens 1024,2048,4096,8192,16384`.
+--public adds public model shapes (PUBLIC_MLPS, PUBLIC_LINEARS) after the drawn ones; `--mlps 0 --linears 0
+--public` times those alone.
 
 Shapes come from a seeded generator (d_model 512-8192, d_ff 1-8x d_model, some not multiples of 8 or
 64; activations gelu_tanh / silu, Linear with a bias and gelu_tanh), none of them in the shipped files.
 Run it with an empty user cache (AUTOFUSE_CACHE_DIR pointing at a fresh folder): every config autofuse
-runs then comes from a first-use check (autofuse/checked.py), a shipped file or a library path. Per
+runs then comes from a first-use check (choose/check.py), a shipped file or a library path. Per
 shape and M: CUDA-graph-replayed GPU time (median of replays of 10 back-to-back calls, the providers
 replayed in turn) of eager PyTorch, torch.compile (default mode), Liger (where installed; gated MLPs)
 and autofuse, all in this process; the ratio is the best peer's time over autofuse's (>= 1: autofuse at least as fast).
@@ -17,19 +17,17 @@ and autofuse, all in this process; the ratio is the best peer's time over autofu
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
 import random
 import statistics
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
-import triton
 
 import autofuse
 from autofuse.reference import eager_linear, eager_mlp
@@ -39,7 +37,7 @@ from autofuse.tools.measure import graph_replay_round_robin, launch_hooks
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
 
-# Public models' MLP blocks and two Linear widths of the issue 16 measurement (not drawn: --public).
+# Public models' MLP blocks and two Linear widths (not drawn: --public).
 PUBLIC_MLPS = (
     dict(d_model=2048, d_ff=16384, activation="gelu_tanh", name="gemma-2b"),
     dict(d_model=3072, d_ff=24576, activation="gelu_tanh", name="gemma-7b"),
@@ -133,8 +131,8 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
         out = fn(x)  # first calls: compile, first-use checks
         errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     # Prefill calls take up to tens of milliseconds: fewer calls per graph there (a replay of 2 such calls is
-    # far above the events' resolution). 30 replays, not 8 as before: on the H100, 8 replays timed
-    # autofuse running eager's own library path 3.4% slower than eager at M=5000 (RESULTS.md, eighth session).
+    # far above the events' resolution). 30 replays: on the H100, 8 replays timed autofuse running eager's
+    # own library path 3.4% slower than eager at M=5000.
     times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()},
                                      replays=50 if M < 1000 else 30,
                                      calls_per_graph=10 if M < 1000 else 2)
@@ -159,8 +157,7 @@ PLAIN_M = 16
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser = harness.parser(__doc__)
     parser.add_argument("--seed", type=int, default=16)
     parser.add_argument("--mlps", type=int, default=12)
     parser.add_argument("--linears", type=int, default=4)
@@ -168,13 +165,14 @@ def main() -> None:
     parser.add_argument("--public", action="store_true", help="add the public model shapes after the drawn ones")
     parser.add_argument("--write-shapes", metavar="FILE", default=None,
                         help="write the drawn shapes and --tokens as a shapes file for `autofuse tune`, then stop "
-                             "(issue 16's tuned rerun: tune them, then run this sweep again on that cache)")
+                             "(the tuned rerun: tune them, then run this sweep again on that cache)")
     args = parser.parse_args()
+    args.out = harness.out_dir(args.out)
     if args.write_shapes:
         write_shapes(args.write_shapes, *draw_shapes(args.seed, args.mlps, args.linears),
                      [int(t) for t in args.tokens.split(",")])
         return
-    # The first-use checks' decisions, with the times they compared (autofuse/checked.py).
+    # The first-use checks' decisions, with the times they compared (choose/check.py).
     handler = logging.FileHandler(Path(args.out, "checks.log"))
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("autofuse").addHandler(handler)
@@ -230,13 +228,12 @@ def _write(args, liger, rows: list[dict], start: float) -> dict:
     summary[f"plain_call_m_le_{PLAIN_M}"] = dict(points=len(plain), geomean=_geomean(plain),
                                                  min=min(plain, default=float("nan")),
                                                  below_1=sum(r < 1.0 for r in plain))
-    for kind in ("mlp", "linear"):  # issue 17 judges gated MLPs and Linears apart, at M >= 1024
+    for kind in ("mlp", "linear"):  # gated MLPs and Linears apart, at M >= 1024
         prefill = [r["ratio"] for r in rows if r["kind"] == kind and r["M"] >= 1024]
         summary[f"{kind}_m_ge_1024"] = dict(points=len(prefill), geomean=_geomean(prefill),
                                             min=min(prefill, default=float("nan")))
-    Path(args.out, "never_slower.json").write_text(json.dumps(dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        seed=args.seed, liger=liger is not None, summary=summary, rows=rows), indent=1))
+    harness.write(args.out, "never_slower.json", dict(seed=args.seed, liger=liger is not None, summary=summary,
+                                                      rows=rows))
     return summary
 
 

@@ -1,9 +1,9 @@
 """How many trials does Optuna need to come within 3% of the exhaustive best?
 
 Two steps, so the GPU time is spent once:
-  measure (device):  python benchmarks/search_quality.py measure --out DIR
+  measure (device):  python benchmarks/search_quality.py measure [--out DIR]
       runs the exhaustive policy on a few real keys and writes every trial (config, status,
-      median ms) to DIR/search_quality.json;
+      median ms) to DIR/search_quality.json (default: benchmarks/results/<gpu>/);
   simulate (anywhere): python benchmarks/search_quality.py simulate FILE [--seeds 20]
       replays Optuna (TPE) and random search against that measured table: each proposal is
       answered with its measured time, so policies are compared on identical numbers, free of
@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autofuse import ops
 from autofuse.configs import KernelConfig, SearchSpace
 from autofuse.store import TrialRecord
-from autofuse.tune.space import Problem, candidates
+from autofuse.tune.space import SearchProblem, candidates
 
 # (label, op, N, K, M, activation, space): one small-M key in the full space, one large-M key in
 # a space narrowed to large tiles (the full one holds ~2000 configs there: too long for a lease).
@@ -40,7 +38,7 @@ KEYS = [
 
 
 def measure(out: Path) -> None:
-    from autofuse.key import current_environment, make_key
+    from autofuse.key import Problem, current_environment
     from autofuse.store import Store
     from autofuse.tune.driver import Job, tune_key
 
@@ -48,7 +46,7 @@ def measure(out: Path) -> None:
     store = Store(tempfile.mkdtemp())
     results = []
     for label, op, n, k, M, act, space in KEYS:
-        key = make_key(op, n, k, M, torch.bfloat16, act, False, False, current_environment(device))
+        key = Problem(op, n, k, M, torch.bfloat16, act).key(M, current_environment(device))
         start = time.perf_counter()
         result = tune_key(Job(key, M, label), store, device, policy="exhaustive", trials=None, space=space)
         trials = store.trials(key)
@@ -62,7 +60,7 @@ def measure(out: Path) -> None:
         print(f"{label}: {len(trials)} configs in {results[-1]['seconds']:.0f} s, best {min(ok):.4f} ms, "
               f"baseline {result.winner.baseline_ms:.4f} ms", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "search_quality.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "keys": results}))
+    harness.write(out, "search_quality.json", {"keys": results})
 
 
 def simulate(path: Path, seeds: int) -> None:
@@ -76,7 +74,7 @@ def simulate(path: Path, seeds: int) -> None:
         table = {KernelConfig.from_dict(t["config"]): TrialRecord.from_json(t) for t in entry["trials"]}
         best = min(t.time_ms for t in table.values() if t.status == "ok")
         target = 1.03 * best
-        problem = Problem(ops.get(entry["op"]).operand_tiles, entry["M"], entry["n"], entry["k"], torch.bfloat16)
+        problem = SearchProblem(ops.get(entry["op"]).operand_tiles, entry["M"], entry["n"], entry["k"], torch.bfloat16)
         space = SearchSpace(**{k: tuple(v) for k, v in entry["space"].items()})
         found = candidates(space, problem, 232448, False)
         counts = {"optuna": [], "random": []}
@@ -100,16 +98,16 @@ def simulate(path: Path, seeds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure")
-    m.add_argument("--out", default=os.environ.get("OUT", "."))
+    m.add_argument("--out", default=None, help="folder for the raw JSON (default: benchmarks/results/<gpu>/)")
     s = sub.add_parser("simulate")
     s.add_argument("file")
     s.add_argument("--seeds", type=int, default=20)
     args = parser.parse_args()
     if args.command == "measure":
-        measure(Path(args.out))
+        measure(harness.out_dir(args.out))
     else:
         simulate(Path(args.file), args.seeds)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from autofuse.configs import KernelConfig
-from autofuse.reference import eager_mlp, mlp_reference
+from autofuse.reference import eager_mlp, mlp_reference_rounded
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,7 +57,7 @@ def check_mlp(module, x: torch.Tensor) -> None:
     """A FusedMLP's forward on x against the float64 reference and eager PyTorch's error."""
     with torch.no_grad():
         out = module(x)
-        ref = mlp_reference(x, *mlp_weights(module), activation=module.activation, hidden_dtype=x.dtype)
+        ref = mlp_reference_rounded(x, mlp_weights(module), module.activation, x.dtype)
         assert_matches_reference(out, ref, eager_mlp(x, *mlp_weights(module), activation=module.activation))
 
 

@@ -350,7 +350,7 @@ def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree
     monkeypatch.setattr(training, "gated_gradient_kept", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
     real_resolve = autofuse.modules.resolve_checked
     monkeypatch.setattr(autofuse.modules, "resolve_checked",
-                        lambda op, *a, **k: resolved.append(op) or real_resolve(op, *a, **k))
+                        lambda problem, *a, **k: resolved.append(problem.op) or real_resolve(problem, *a, **k))
     x = torch.randn(39, 40, dtype=dtype, device=device)
     dy = torch.randn(39, 40, dtype=dtype, device=device)
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]

@@ -51,12 +51,12 @@ def test_unknown_provider_is_a_one_line_error(tmp_path):
 
 
 def test_untuned_modules_ignore_the_cache(tmp_path):
-    from autofuse import resolve
+    from autofuse.choose import lookup as resolve
     from autofuse.configs import KernelConfig
-    from autofuse.key import current_environment, make_key
+    from autofuse.key import Problem, current_environment
     from autofuse.store import Store, Winner
 
-    key = make_key("linear", 40, 32, 5, torch.float16, "gelu", True, False, current_environment(torch.device("cpu")))
+    key = Problem("linear", 40, 32, 5, torch.float16, "gelu", True).key(5, current_environment(torch.device("cpu")))
     Store().put_winner(Winner(key, KernelConfig(16, 16, 16, num_stages=1), 1.0, 2.0))
     resolve.invalidate()
     tuned = autofuse.get_linear(32, 40, activation="gelu", dtype=torch.float16, device="cpu")

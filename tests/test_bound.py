@@ -78,13 +78,13 @@ def test_bound_one_launch_mlp_is_bit_identical_to_the_jit_path(device, dtype):
     F_ = 72
     wg, wu = (_rand(F_, K, dtype=dtype, device=device) / K**0.5 for _ in range(2))
     wd = _rand(K, F_, dtype=dtype, device=device) / F_**0.5
-    biases = [_rand(n, dtype=dtype, device=device) for n in (F_, F_, K)]
-    _, bound = _bound(lambda: mlp_decode(_rand(M, K, dtype=dtype, device=device), wg, wu, wd, *biases, "gelu_tanh",
-                                         config))
+    bg, bu, bd = (_rand(n, dtype=dtype, device=device) for n in (F_, F_, K))
+    params = (wg, bg, wu, bu, wd, bd)
+    _, bound = _bound(lambda: mlp_decode(_rand(M, K, dtype=dtype, device=device), params, "gelu_tanh", config))
     x = _rand(M, K, dtype=dtype, device=device)
     y = torch.full((M, K), float("nan"), dtype=dtype, device=device)
     assert bound({"x": x, "y": y})  # its workspace was bound and is left zero by every launch
-    _assert_same(y, mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config), atomic=True)
+    _assert_same(y, mlp_decode(x, params, "gelu_tanh", config), atomic=True)
 
 
 def test_a_bound_launch_declines_what_needs_another_specialization(device):
@@ -135,14 +135,14 @@ def test_modules_bind_again_after_their_parameters_move(device):
 
 
 def test_a_cache_import_is_seen_without_clearing_the_tables(device):
-    from autofuse import resolve
-    from autofuse.key import current_environment, make_key
+    from autofuse.choose import lookup as resolve
+    from autofuse.key import Problem, current_environment
     from autofuse.store import Store, Winner
 
     lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device=device)
     assert lin.config_sources(4) == {"linear": "heuristic"}
     imported = KernelConfig(16, 16, 16, group_m=1, num_stages=1)
-    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device(device)))
+    key = Problem("linear", 56, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device(device)))
     Store().put_winner(Winner(key, imported, 1.0, 2.0))
     resolve.invalidate()  # what `autofuse cache import` and a tune in this process call
     assert lin.config_sources(4) == {"linear": "user-cache"} and lin.config_for(4) == {"linear": imported}
@@ -272,13 +272,13 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
         _assert_same(a, b, atomic=True)
     # A new down projection weight: bound again, not replayed with the old address.
     mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 2)
-    from autofuse.training import _training_forward
+    from autofuse.training import TrainingStep, _training_forward
 
     params = (mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight,
               mlp.down_proj.bias)
     with torch.no_grad():  # the same training forward through the JIT, unbound
-        _, _, expected = _training_forward(x, *params, "gelu_tanh", mlp._training_configs(5, params[0])[0], None,
-                                           separate=mlp.save_hidden)
+        step = TrainingStep("gelu_tanh", mlp._training_configs(5, params[0])[0], None)
+        _, _, expected = _training_forward(x, params, step, separate=mlp.save_hidden)
     _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
 
 
@@ -286,17 +286,18 @@ def test_memos_of_an_older_generation_are_dropped(device):
     """After a tune, an import or a first-use check (resolve.generation() moves) the memos keyed on the
     old generation would never be used again; they are dropped rather than keep H buffers and bound
     weights alive."""
-    from autofuse import custom_ops, resolve
+    from autofuse import custom_ops
+    from autofuse.choose import lookup as resolve
 
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device=device, tuned=False)
     x = torch.randn(5, 40, device=device)
     w = (mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None)
     with torch.no_grad():
         mlp(x)
-        torch.ops.autofuse.mlp(x, *w, "silu", False)
+        torch.ops.autofuse.mlp(x, list(w), "silu", False)
         resolve.invalidate()
         mlp(x)
-        torch.ops.autofuse.mlp(x, *w, "silu", False)
+        torch.ops.autofuse.mlp(x, list(w), "silu", False)
     assert len(mlp._bound) == 1 and len(mlp._configs) == 1
     assert len(custom_ops._entries) == 1
 

@@ -1,4 +1,4 @@
-"""First-use checks (autofuse/checked.py): no kernel config that neither tuning nor a check
+"""First-use checks (autofuse/choose/check.py): no kernel config that neither tuning nor a check
 compared on this GPU and key runs; the check's decision is stored once as a checked record and reused
 by later processes; where no check can run (inside the torch.library ops, capturing, tracing) the eager
 library path runs until a check has decided."""
@@ -11,9 +11,14 @@ import pytest
 import torch
 
 import autofuse
-from autofuse import checked, launch, resolve, workspaces
 from autofuse import evaluator as objective
+from autofuse import launch
+from autofuse.choose import Choice, Source
+from autofuse.choose import check as checked
+from autofuse.choose import lookup as resolve
+from autofuse.choose.policy import current as current_policy
 from autofuse.configs import KernelConfig, Library
+from autofuse.key import Problem
 from autofuse.reference import eager_mlp
 from autofuse.store import Store, TrialRecord
 
@@ -76,8 +81,8 @@ def test_the_first_eager_call_checks_and_keeps_the_faster(device, monkeypatch, l
 
 
 def test_a_near_tie_goes_to_the_library_path(device, monkeypatch):
-    # A check's brief timings cannot tell 2% apart: a kernel must beat the library by CHECK_MARGIN.
-    _fake_timer(monkeypatch, library_ms=1.0, kernel_ms=1.0 - checked.CHECK_MARGIN / 2)
+    # A check's brief timings cannot tell 2% apart: a kernel must beat the library by check_margin.
+    _fake_timer(monkeypatch, library_ms=1.0, kernel_ms=1.0 - current_policy().check_margin / 2)
     mlp, _ = _mlp(device)
     with torch.no_grad():
         mlp(torch.randn(M, D, device=device))
@@ -85,11 +90,11 @@ def test_a_near_tie_goes_to_the_library_path(device, monkeypatch):
 
 
 @pytest.mark.parametrize("slower_by, kernel_kept",
-                         [(checked.CHECK_MARGIN / 2, True), (2 * checked.CHECK_MARGIN, False)])
+                         [(current_policy().check_margin / 2, True), (2 * current_policy().check_margin, False)])
 def test_where_host_time_counts_a_near_tie_goes_to_the_kernel(device, monkeypatch, slower_by, kernel_kept):
-    # Under HOST_BOUND_MS of GPU time an un-graphed call pays each library op's host time: the kernel (one
-    # bound launch) is kept unless a library path beats it by CHECK_MARGIN.
-    library_ms = checked.HOST_BOUND_MS / 10
+    # Under host_bound_ms of GPU time an un-graphed call pays each library op's host time: the kernel (one
+    # bound launch) is kept unless a library path beats it by check_margin.
+    library_ms = current_policy().host_bound_ms / 10
     _fake_timer(monkeypatch, library_ms=library_ms, kernel_ms=library_ms * (1 + slower_by))
     mlp, _ = _mlp(device)
     with torch.no_grad():
@@ -145,26 +150,26 @@ def test_no_kernel_runs_for_an_unchecked_key_inside_the_library_ops(device, monk
     from autofuse import custom_ops
 
     launches, resolved = [], []
-    real_launch, real_choices = launch.launch, custom_ops.mlp_choices
+    real_launch, real_select = launch.launch, custom_ops.select
     monkeypatch.setattr(launch, "launch", lambda *a, **k: launches.append(a[0]) or real_launch(*a, **k))
-    monkeypatch.setattr(custom_ops, "mlp_choices", lambda *a: resolved.append(1) or real_choices(*a))
+    monkeypatch.setattr(custom_ops, "select", lambda *a: resolved.append(1) or real_select(*a))
     mlp, w = _mlp(device)
     x = torch.randn(M, D, device=device)
     with torch.no_grad():
         for _ in range(2):
-            out = torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
+            out = torch.ops.autofuse.mlp(x, [w[0], None, w[1], None, w[2], None], "silu", True)
     torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
     assert launches == [] and list(Store().winners()) == []
     assert len(resolved) == 1  # the waiting table is kept: not resolved again on every call
-    with workspaces.workspaces_per_call():
-        assert mlp.config_sources(M) == {"gated_up": checked.PENDING, "down": checked.PENDING}
+    with checked.no_checks():
+        assert mlp.config_sources(M) == {"gated_up": Source.PENDING, "down": Source.PENDING}
     _fake_timer(monkeypatch, library_ms=3.0, kernel_ms=2.0)
     with torch.no_grad():
         mlp(x)  # eager: checked now, and the kernels win
     assert mlp.config_sources(M) == {"gated_up": "checked", "down": "checked"}
     launches.clear()
     with torch.no_grad():
-        torch.ops.autofuse.mlp(x, w[0], None, w[1], None, w[2], None, "silu", True)
+        torch.ops.autofuse.mlp(x, [w[0], None, w[1], None, w[2], None], "silu", True)
     assert len(launches) == 2 and len(resolved) == 2  # resolved again after the check: the checked kernels
 
 
@@ -202,7 +207,7 @@ def test_a_nearest_keys_library_choice_is_checked_again_at_another_bucket(device
 @pytest.mark.parametrize("one_launch_ms", [3.0, 4.1, 5.0])
 def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkeypatch, one_launch_ms):
     """At small M the one-launch MLP runs unless the two checked ops together (2 + 2 here) beat it by
-    CHECK_MARGIN (4.1 is within it: one launch saves a plain call a launch's host time), and where its
+    one_launch_margin (4.1 is within it: one launch saves a plain call a launch's host time), and where its
     check timed it faster than eager's MLP (10 here)."""
     _fake_timer(monkeypatch, library_ms=10.0, kernel_ms=2.0, one_launch_ms=one_launch_ms)
     mlp, w = _mlp(device)
@@ -210,7 +215,7 @@ def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkey
     with torch.no_grad():
         out = mlp(x)
     torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
-    if one_launch_ms < 4.0 * (1 + checked.CHECK_MARGIN):
+    if one_launch_ms < 4.0 * (1 + current_policy().one_launch_margin):
         assert list(mlp.config_for(M)) == ["mlp"] and mlp.config_sources(M) == {"mlp": "checked"}
     else:
         assert list(mlp.config_for(M)) == ["gated_up", "down"]
@@ -234,7 +239,7 @@ def test_a_check_that_fails_runs_the_library_path_once_and_stores_nothing(device
         for _ in range(3):
             out = mlp(x)
     torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
-    assert mlp.config_sources(M) == {"gated_up": checked.CHECK_FAILED, "down": checked.CHECK_FAILED}
+    assert mlp.config_sources(M) == {"gated_up": Source.CHECK_FAILED, "down": Source.CHECK_FAILED}
     assert len(attempts) == 2 and list(Store().winners()) == []  # once per op, never stored
     assert any("could not check" in r.getMessage() for r in caplog.records)
 
@@ -244,27 +249,27 @@ def test_a_check_that_fails_runs_the_library_path_once_and_stores_nothing(device
 def test_the_faster_of_two_ops_goes_by_their_records_where_nothing_can_time(times, expected):
     # On the CPU (and while capturing or tracing) nothing is timed again: the recorded times decide, a
     # near tie included. On a GPU a near tie is timed side by side (tests/test_gpu.py).
-    pairs, up = (resolve.Choice(Library("eager"), "checked", t) for t in times)
-    assert checked.faster_of(("gated_pairs", pairs), ("gated_up", up), 16, 72, 40, torch.float32,
-                             torch.device("cpu"), activation="silu", bias=False) == expected
+    pairs, up = (Choice(Library("eager"), Source.CHECKED, t) for t in times)
+    problem = Problem("gated_up", 72, 40, 16, torch.float32, "silu")
+    assert checked.faster_of(("gated_pairs", pairs), ("gated_up", up), problem) == expected
 
 
 @pytest.mark.parametrize("kernel_ms, library_ms, expected", [
-    (0.0102, 0.0100, "gated_up"),  # host-bound, within CHECK_MARGIN: the kernel
-    (0.0110, 0.0100, None),  # beaten by more than CHECK_MARGIN: the records decide (faster_of)
+    (0.0102, 0.0100, "gated_up"),  # host-bound, within check_margin: the kernel
+    (0.0110, 0.0100, None),  # beaten by more than check_margin: the records decide (faster_of)
     (1.0100, 1.0000, None),  # not host-bound: the records decide
 ])
 def test_a_host_bound_near_tie_between_two_ops_goes_to_the_kernel(kernel_ms, library_ms, expected):
-    kernel = resolve.Choice(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4), "checked", kernel_ms)
-    library = resolve.Choice(Library("cublas_pairs"), "shipped:x", library_ms)
+    kernel = Choice(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4), Source.CHECKED, kernel_ms)
+    library = Choice(Library("cublas_pairs"), Source.SHIPPED, library_ms)
     assert checked.kernel_on_host_bound_tie(("gated_pairs", library), ("gated_up", kernel)) == expected
     assert checked.kernel_on_host_bound_tie(("gated_up", kernel), ("gated_pairs", library)) == expected
-    both = resolve.Choice(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4), "checked", library_ms)
+    both = Choice(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4), Source.CHECKED, library_ms)
     assert checked.kernel_on_host_bound_tie(("gated_pairs", both), ("gated_up", kernel)) is None  # two kernels
 
 
 def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
-    """Checks time the kernel and each library path on its own; where the fastest of them are within NEAR_TIE,
+    """Checks time the kernel and each library path on its own; where the fastest of them are within near_tie,
     the kernel and every library path that near are timed again in turn, and those times decide."""
     import dataclasses
 

@@ -57,7 +57,7 @@ def test_shapes_and_model_together_say_only_one(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _fresh_index():
-    from autofuse import resolve
+    from autofuse.choose import lookup as resolve
 
     resolve.invalidate()
     yield
@@ -113,10 +113,10 @@ def test_cache_ls_lists_shipped_and_path_configs_with_their_source(tmp_path, mon
 
     from autofuse.configfile import export_winners
     from autofuse.configs import KernelConfig
-    from autofuse.key import current_environment, make_key
+    from autofuse.key import Problem, current_environment
     from autofuse.store import Winner
 
-    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    key = Problem("linear", 56, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device("cpu")))
     other = Store(tmp_path / "elsewhere")
     other.put_winner(Winner(key, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0))
     folder = tmp_path / "configs"
@@ -125,7 +125,7 @@ def test_cache_ls_lists_shipped_and_path_configs_with_their_source(tmp_path, mon
     for name in ("package.json", "tsconfig.json", "notes.json"):  # unrelated JSON beside it
         (folder / name).write_text('{"name": "x"}')
     monkeypatch.setenv("AUTOFUSE_CACHE_PATH", str(folder))
-    from autofuse import resolve
+    from autofuse.choose import lookup as resolve
 
     resolve.invalidate()
     with caplog.at_level(logging.WARNING, logger="autofuse"):
@@ -185,12 +185,12 @@ def test_cache_clear_counts_tuned_and_checked_keys_and_needs_an_answer_or_yes():
     import torch
 
     from autofuse.configs import Library
-    from autofuse.key import current_environment, make_key
+    from autofuse.key import Problem, current_environment
     from autofuse.store import CHECKED, Winner
 
     env = current_environment(torch.device("cpu"))
     for bucket, policy in ((1, "optuna"), (4, CHECKED), (16, CHECKED)):
-        key = make_key("linear", 56, 40, bucket, torch.float32, "none", False, False, env)
+        key = Problem("linear", 56, 40, bucket, torch.float32, "none").key(bucket, env)
         Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0, policy=policy))
     no_input = CliRunner().invoke(main, ["cache", "clear"], input="")
     assert no_input.exit_code == 2 and "nothing removed; pass --yes to clear without asking" in no_input.output
@@ -212,14 +212,14 @@ def test_a_rejected_import_creates_nothing(tmp_path):
 def test_cache_ls_puts_the_users_keys_first_filters_and_shows_residual():
     import torch
 
-    from autofuse import resolve
+    from autofuse.choose import lookup as resolve
     from autofuse.configs import Library
-    from autofuse.key import current_environment, make_key
+    from autofuse.key import Problem, current_environment
     from autofuse.store import Winner
 
     env = current_environment(torch.device("cpu"))
     for residual in (False, True):
-        key = make_key("linear", 56, 40, 4, torch.float32, "none", False, residual, env)
+        key = Problem("linear", 56, 40, 4, torch.float32, "none", False, residual).key(4, env)
         Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0, policy="optuna"))
     resolve.invalidate()
     listed = CliRunner().invoke(main, ["cache", "ls"]).output.splitlines()
@@ -231,3 +231,19 @@ def test_cache_ls_puts_the_users_keys_first_filters_and_shows_residual():
     assert mine[1].startswith("showing 2 of them") and len(mine) == 4
     gated = CliRunner().invoke(main, ["cache", "ls", "--op", "gated_up"]).output.splitlines()[2:]
     assert gated and all(" gated_up " in row for row in gated)
+
+
+def test_readme_says_what_the_code_does():
+    from pathlib import Path
+
+    from autofuse.choose import Source
+    from autofuse.errors import AutofuseError
+    from autofuse.shapes import parse_shapes
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for source in Source:  # every value config_sources can report
+        assert f"`{source.value}" in readme, source
+    assert "plain_config_for" in readme
+    with pytest.raises(AutofuseError) as e:
+        parse_shapes({"mlps": [{"d_model": 8, "d_ff": 8}, {"d_model": 8, "d_ff": "x"}]}, "shapes.json")
+    assert f"`{e.value}`" in readme  # the sample error is the real one

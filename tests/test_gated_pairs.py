@@ -8,11 +8,12 @@ from _helpers import BLOCK_CONFIGS, DTYPES, assert_matches_reference
 
 from autofuse import launch, ops
 from autofuse.activations import GATED_ACTIVATIONS
+from autofuse.choose.heuristics import heuristic_for
 from autofuse.configs import KernelConfig
+from autofuse.key import Problem
 from autofuse.launch import LaunchError
 from autofuse.ops.gated_pairs import gate_and_up, gated_pairs, interleave
 from autofuse.reference import ERROR_BOUNDS, eager_gated, gated_reference, relative_error
-from autofuse.resolve import heuristic_for
 
 
 def _problem(M, F_, K, dtype, device, bias=True):
@@ -42,7 +43,7 @@ def test_every_activation_dtype_bias(dtype, activation, bias, device):
     x, wg, wu, bg, bu = _problem(37, 40, 48, dtype, device, bias)
     w = interleave(wg, wu)
     b = None if bg is None else interleave(bg, bu)
-    config = heuristic_for(ops.get("gated_pairs"), 37, 40, 48, dtype, x.device)  # the op's default
+    config = heuristic_for(Problem("gated_pairs", 40, 48, 37, dtype, activation, bias, False, x.device))  # the default
     _check(gated_pairs(x, w, b, activation, config), x, wg, wu, bg, bu, activation)
 
 

@@ -7,7 +7,7 @@ from _helpers import DTYPES, TOLERANCES, assert_matches_reference
 import autofuse
 from autofuse.ops.linear import linear
 from autofuse.ops.mlp import mlp_decode
-from autofuse.reference import eager_linear, eager_mlp, linear_reference, mlp_reference
+from autofuse.reference import eager_linear, eager_mlp, linear_reference, mlp_reference_rounded
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def test_mlp_real_size(dtype, M, activation):
     weights = (g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
     with torch.no_grad():
         out = module(x)
-        ref = mlp_reference(x, *weights, activation=activation, hidden_dtype=dtype)
+        ref = mlp_reference_rounded(x, weights, activation, dtype)
         assert_matches_reference(out, ref, eager_mlp(x, *weights, activation=activation), _tolerances(dtype, 16384),
                                  floor=_floor(16384))
 
@@ -91,7 +91,7 @@ def test_split_k_and_one_launch_mlp_are_capturable_in_a_cuda_graph():
     wg, wu = (torch.randn(2048, 768, dtype=torch.bfloat16, device="cuda") / 28 for _ in range(2))
     wd = torch.randn(768, 2048, dtype=torch.bfloat16, device="cuda") / 45
     fused = KernelConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=3)
-    _graph_matches_eager(lambda x: mlp_decode(x, wg, wu, wd, None, None, None, "gelu_tanh", fused),
+    _graph_matches_eager(lambda x: mlp_decode(x, (wg, None, wu, None, wd, None), "gelu_tanh", fused),
                          torch.randn(1, 768, dtype=torch.bfloat16, device="cuda"))
 
 
@@ -213,9 +213,9 @@ def test_side_by_side_timing_ranks_by_the_work():
 def test_a_near_tie_between_gated_up_and_gated_pairs_is_timed_side_by_side(caplog):
     import logging
 
-    from autofuse.checked import faster_of
+    from autofuse.choose import Choice
+    from autofuse.choose.check import faster_of
     from autofuse.configs import Library
-    from autofuse.resolve import Choice
 
     caplog.set_level(logging.INFO, logger="autofuse")
     up, pairs = Choice(Library("eager"), "checked", 1.0), Choice(Library("eager"), "checked", 1.05)

@@ -10,13 +10,13 @@ import torch
 from click.testing import CliRunner
 
 import autofuse
-from autofuse import resolve
+from autofuse.choose import lookup as resolve
 from autofuse.cli import main
 from autofuse.configfile import _checksum, build_document
 from autofuse.configs import KernelConfig
 from autofuse.errors import AutofuseError
 from autofuse.jsonfile import read_json
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.shapes import parse_shapes
 from autofuse.store import Winner
 
@@ -24,7 +24,7 @@ GOOD_MLP = {"d_model": 64, "d_ff": 128}
 
 
 def _winner():
-    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    key = Problem("linear", 56, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device("cpu")))
     return Winner(key, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0)
 
 

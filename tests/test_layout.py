@@ -10,7 +10,9 @@ import torch
 from _helpers import DTYPES, check_mlp
 
 import autofuse
-from autofuse import checked, evaluator, ops, resolve
+from autofuse import evaluator, ops
+from autofuse.choose import check as checked
+from autofuse.choose import lookup as resolve
 from autofuse.layout import PAD_TO, run_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape

@@ -6,11 +6,12 @@ import torch
 from _helpers import DTYPES
 
 import autofuse
-from autofuse import ops, resolve
+from autofuse import ops
 from autofuse.activations import GATED_ACTIVATIONS
+from autofuse.choose import lookup as resolve
+from autofuse.choose.winner import Outcome, choose_winner
 from autofuse.configs import KernelConfig, Library
-from autofuse.evaluator import choose_winner
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.reference import ERROR_BOUNDS, relative_error
 from autofuse.store import Store, TrialRecord
 
@@ -135,7 +136,7 @@ def test_the_bias_pass_writes_over_its_input_with_ragged_edges_and_a_strided_res
 def test_a_record_naming_a_library_candidate_its_key_cannot_use_is_refused():
     from autofuse.store import Winner
 
-    key = make_key("linear", 72, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    key = Problem("linear", 72, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device("cpu")))
     record = Winner(key, Library("eager"), 1.0, 1.0).to_record()
     assert Winner.from_record(record).config == Library("eager")
     with pytest.raises(ValueError, match="no library candidate 'cublaslt_gelu_tanh'"):
@@ -144,12 +145,10 @@ def test_a_record_naming_a_library_candidate_its_key_cannot_use_is_refused():
 
 def _choose(library_ms: dict, kernel_ms: float):
     """The tuner's winner rule on fake timings, as a GPU run applies it (interpreter timings mean nothing)."""
-    key = make_key("gated_up", 72, 40, 4, torch.float32, "silu", False, False,
-                   current_environment(torch.device("cpu")))
+    key = Problem("gated_up", 72, 40, 4, torch.float32, "silu").key(4, current_environment(torch.device("cpu")))
     config = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
     done = {config: TrialRecord(config, "ok", kernel_ms)}
-    return choose_winner(key, done, library_ms, config, 0.1, "random",
-                                times_mean_speed=True)
+    return choose_winner(key, Outcome(done, library_ms, config, 0.1), "random", times_mean_speed=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")

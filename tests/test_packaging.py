@@ -24,7 +24,7 @@ def test_wheel_installed_elsewhere_renders_and_runs(tmp_path):
     code = (
         "import torch, autofuse\n"
         "from autofuse.resources import templates_dir, shipped_cache_dir\n"
-        "from autofuse.reference import mlp_reference\n"
+        "from autofuse.reference import mlp_reference_rounded\n"
         "print('FILE', autofuse.__file__)\n"
         "print('TEMPLATES', templates_dir())\n"
         "print('CACHE', shipped_cache_dir())\n"
@@ -33,7 +33,7 @@ def test_wheel_installed_elsewhere_renders_and_runs(tmp_path):
         "x = torch.randn(5, 32, dtype=torch.bfloat16)\n"
         "with torch.no_grad(): y = m(x)\n"
         "g, u, d = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight\n"
-        "ref = mlp_reference(x, g, u, d, hidden_dtype=torch.bfloat16)\n"
+        "ref = mlp_reference_rounded(x, (g, u, d), 'gelu_tanh', torch.bfloat16)\n"
         "print('ERR', ((y.double() - ref).norm() / ref.norm()).item())\n"
     )
     env = dict(os.environ, PYTHONPATH=str(site), TRITON_INTERPRET="1", AUTOFUSE_CACHE_DIR=str(tmp_path / "c"))

@@ -1,4 +1,4 @@
-"""Un-graphed decode calls (autofuse/plain.py): where a library path won by GPU time at a decode M,
+"""Un-graphed decode calls (autofuse/choose/race.py): where a library path won by GPU time at a decode M,
 its runner-up kernel is kept in the record, and a module's first un-graphed call races the tables that compute
 the same as plain calls; a call made while a CUDA graph captures runs the GPU-time winner.
 
@@ -9,23 +9,27 @@ import pytest
 import torch
 
 import autofuse
-from autofuse import ops, plain, resolve
-from autofuse.checked import HOST_BOUND_MS, PENDING
+from autofuse import ops
+from autofuse.choose import Choice, Source
+from autofuse.choose import lookup as resolve
+from autofuse.choose import race as plain
+from autofuse.choose.policy import current as current_policy
+from autofuse.choose.winner import Outcome, choose_winner
 from autofuse.configs import KernelConfig, Library
-from autofuse.evaluator import choose_winner
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.ops.linear import linear
-from autofuse.resolve import Choice
 from autofuse.store import Store, TrialRecord, Winner
 
 KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
+HOST_BOUND_MS = current_policy().host_bound_ms
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 # Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
 ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
 
 
 def _key(op="linear", n=72, k=40, bucket=4, activation="gelu", bias=True):
-    return make_key(op, n, k, bucket, torch.float32, activation, bias, False, current_environment(torch.device("cpu")))
+    return Problem(op, n, k, bucket, torch.float32, activation, bias).key(bucket,
+                                                                          current_environment(torch.device("cpu")))
 
 
 def test_a_library_winner_keeps_the_fastest_correct_kernel_as_its_runner_up():
@@ -33,12 +37,12 @@ def test_a_library_winner_keeps_the_fastest_correct_kernel_as_its_runner_up():
     slower = KernelConfig(16, 16, 32, group_m=1, num_stages=1)
     done = {KERNEL: TrialRecord(KERNEL, "ok", 2.0), slower: TrialRecord(slower, "ok", 3.0),
             KernelConfig(32, 32, 32, num_stages=1): TrialRecord(KernelConfig(32, 32, 32, num_stages=1), "wrong_result")}
-    lost = choose_winner(key, done, {"eager": 1.0}, KERNEL, 0.1, "random")
+    lost = choose_winner(key, Outcome(done, {"eager": 1.0}, KERNEL, 0.1), "random")
     assert lost.config == Library("eager") and (lost.runner_up, lost.runner_up_ms) == (KERNEL, 2.0)
-    won = choose_winner(key, done, {"eager": 5.0}, KERNEL, 0.1, "random")
+    won = choose_winner(key, Outcome(done, {"eager": 5.0}, KERNEL, 0.1), "random")
     assert won.config == KERNEL and won.runner_up is None
     none_correct = {KERNEL: TrialRecord(KERNEL, "wrong_result")}
-    assert choose_winner(key, none_correct, {"eager": 1.0}, KERNEL, 0.1, "random").runner_up is None
+    assert choose_winner(key, Outcome(none_correct, {"eager": 1.0}, KERNEL, 0.1), "random").runner_up is None
     # Round trip through a record; a record without one (written before runner_up existed) stays as it was.
     record = lost.to_record()
     assert record["runner_up"] == {"config": KERNEL.to_json(), "time_ms": 2.0}
@@ -70,37 +74,39 @@ def test_a_runner_up_beside_a_kernel_winner_is_refused():
 def test_resolve_carries_the_runner_up():
     Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
     resolve.invalidate()
-    choice = resolve.resolve("linear", 4, 72, 40, torch.float32, torch.device("cpu"), activation="gelu", bias=True)
+    choice = resolve.resolve(Problem("linear", 72, 40, 4, torch.float32, "gelu", True))
     assert (choice.config, choice.runner_up, choice.runner_up_ms) == (Library("eager"), KERNEL, 2 * FAST)
     assert choice.kernel_instead() == Choice(KERNEL, choice.source, 2 * FAST)
-    assert Choice(KERNEL, "x", 1.0).kernel_instead() is None and Choice(Library("eager"), "x").kernel_instead() is None
+    assert Choice(KERNEL, Source.USER_CACHE, 1.0).kernel_instead() is None
+    assert Choice(Library("eager"), Source.USER_CACHE).kernel_instead() is None
 
 
 def test_the_candidates_are_the_compared_tables_and_their_kernels():
-    library = Choice(Library("cublas_pairs"), "shipped:x", FAST, KERNEL, 2 * FAST)
-    down = Choice(KERNEL, "shipped:x", FAST)
-    up = Choice(KERNEL, "checked", 2 * FAST)
+    library = Choice(Library("cublas_pairs"), Source.SHIPPED, FAST, KERNEL, 2 * FAST)
+    down = Choice(KERNEL, Source.SHIPPED, FAST)
+    up = Choice(KERNEL, Source.CHECKED, 2 * FAST)
     winner = {"gated_pairs": library, "down": down}
     assert plain.host_bound(winner)
-    assert not plain.host_bound({"gated_pairs": Choice(Library("eager"), "x", HOST_BOUND_MS), "down": down})
-    assert not plain.host_bound({"gated_pairs": Choice(KERNEL, "heuristic"), "down": down})  # time unknown
+    at_the_bound = Choice(Library("eager"), Source.USER_CACHE, HOST_BOUND_MS)
+    assert not plain.host_bound({"gated_pairs": at_the_bound, "down": down})
+    assert not plain.host_bound({"gated_pairs": Choice(KERNEL, Source.HEURISTIC), "down": down})  # time unknown
     other = {"gated_up": up, "down": down}
     found = plain.candidates(winner, [other, dict(other)])  # a repeat is raced once
-    assert found == [other, {"gated_pairs": Choice(KERNEL, "shipped:x", 2 * FAST), "down": down}]
+    assert found == [other, {"gated_pairs": Choice(KERNEL, Source.SHIPPED, 2 * FAST), "down": down}]
     # A choice made before its check could run is never raced; a table with nothing to replace adds nothing.
-    waiting = {"gated_up": Choice(Library("eager"), PENDING), "down": down}
+    waiting = {"gated_up": Choice(Library("eager"), Source.PENDING), "down": down}
     assert plain.candidates({"gated_up": up, "down": down}, [waiting]) == []
 
 
 def test_the_candidates_include_each_other_library_path_of_one_op_at_a_time():
-    lt = Choice(Library("cublaslt_gelu_tanh"), "checked", FAST)
+    lt = Choice(Library("cublaslt_gelu_tanh"), Source.CHECKED, FAST)
     linear_paths = tuple(ops.get("linear").library_for("gelu_tanh", True, False))
     assert linear_paths == ("eager", "cublaslt_gelu_tanh", "cublas_bias_act")
     found = plain.candidates({"linear": lt}, [], {"linear": linear_paths})
     assert [t["linear"].config for t in found] == [Library("eager"), Library("cublas_bias_act")]
-    assert all(t["linear"].source == "checked" and t["linear"].time_ms is None for t in found)
+    assert all(t["linear"].source is Source.CHECKED and t["linear"].time_ms is None for t in found)
     # An MLP: each op of the winner and of each compared table in turn, the other ops as they were.
-    pairs, down, up = Choice(KERNEL, "checked", FAST), Choice(KERNEL, "checked", FAST), Choice(KERNEL, "checked", FAST)
+    pairs, down, up = (Choice(KERNEL, Source.CHECKED, FAST) for _ in range(3))
     libraries = {"gated_up": ("eager", "cublas_gated_act"), "gated_pairs": ("eager", "cublas_pairs"),
                  "down": ("eager",)}
     found = plain.candidates({"gated_pairs": pairs, "down": down}, [{"gated_up": up, "down": down}], libraries)
@@ -117,7 +123,7 @@ def test_the_candidates_include_each_other_library_path_of_one_op_at_a_time():
 
 class _Entry:
     def __init__(self, name):
-        self.name, self.calls, self.table = name, 0, {"linear": Choice(Library(name), "x", FAST)}
+        self.name, self.calls, self.table = name, 0, {"linear": Choice(Library(name), Source.USER_CACHE, FAST)}
 
     def __call__(self, *args):
         self.calls += 1
@@ -177,7 +183,7 @@ def test_the_race_times_every_entry_in_turn(monkeypatch):
     entries = [lambda *a, i=i: calls.append(i) for i in range(3)]
     times = plain.plain_call_us(entries, ("x",))
     assert len(times) == 3 and all(t > 0 for t in times)
-    assert [calls.count(i) for i in range(3)] == [1 + plain.ROUNDS * plain.CALLS] * 3
+    assert [calls.count(i) for i in range(3)] == [1 + current_policy().race_rounds * current_policy().race_calls] * 3
 
 
 def _race_on_cpu(monkeypatch, times):
@@ -223,8 +229,7 @@ def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeyp
                               runner_up_ms=3 * HOST_BOUND_MS))
     # No runner-up, and no other library path: without an activation, bias or residual, eager's one matmul
     # is the Linear's only library path.
-    plain_key = make_key("linear", 72, 40, 8, torch.float32, "none", False, False,
-                         current_environment(torch.device("cpu")))
+    plain_key = Problem("linear", 72, 40, 8, torch.float32, "none").key(8, current_environment(torch.device("cpu")))
     Store().put_winner(Winner(plain_key, Library("eager"), FAST, FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
@@ -279,8 +284,7 @@ def test_an_un_graphed_mlp_races_the_two_up_projection_ops(monkeypatch):
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_race_runs_for_real_and_a_captured_call_runs_the_graphed_winner():
-    key = make_key("linear", 256, 128, 1, torch.bfloat16, "gelu", True, False,
-                   current_environment(torch.device("cuda")))
+    key = Problem("linear", 256, 128, 1, torch.bfloat16, "gelu", True).key(1, current_environment(torch.device("cuda")))
     kernel = KernelConfig(16, 64, 64, group_m=1, num_warps=4, num_stages=3)
     Store().put_winner(Winner(key, Library("eager"), FAST, FAST, runner_up=kernel, runner_up_ms=FAST))
     resolve.invalidate()

@@ -7,15 +7,15 @@ import torch
 
 from autofuse.configs import INTERPRETER_SPACE, KernelConfig, Library, SearchSpace
 from autofuse.evaluator import Evaluator
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.ops import linear as linear_module
 from autofuse.ops.linear import linear
 from autofuse.store import Store, TrialRecord
 from autofuse.tune.driver import Job, tune_key
 from autofuse.tune.policies import ExhaustivePolicy, OptunaPolicy, RandomPolicy
-from autofuse.tune.space import Problem, candidates, feasible
+from autofuse.tune.space import SearchProblem, candidates, feasible
 
-PROBLEM = Problem((1, 2), 37, 72, 40, torch.bfloat16)
+PROBLEM = SearchProblem((1, 2), 37, 72, 40, torch.bfloat16)
 
 
 def _fake_evaluate(log):
@@ -48,11 +48,11 @@ def test_optuna_respects_budget_skips_done_and_never_repeats():
 
 def test_filters_drop_what_cannot_fit_before_compiling():
     space = SearchSpace()
-    big = Problem((1, 2), 4096, 16384, 2048, torch.bfloat16)
+    big = SearchProblem((1, 2), 4096, 16384, 2048, torch.bfloat16)
     assert feasible(KernelConfig(256, 256, 128, num_warps=4, num_stages=5), big, 232448, False) is None
     kept = candidates(space, big, 232448, False)
     assert 0 < len(kept) < space.size()
-    small = Problem((1, 1), 1, 40, 24, torch.float16)
+    small = SearchProblem((1, 1), 1, 40, 24, torch.float16)
     assert all(c.block_m == 16 and c.block_n <= 64 and c.block_k <= 32 for c in candidates(space, small, 232448, False))
 
 
@@ -63,7 +63,7 @@ cpu_interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != 
 
 
 def _key(dtype=torch.float16):
-    return make_key("linear", 40, 48, 37, dtype, "gelu", True, True, current_environment(torch.device("cpu")))
+    return Problem("linear", 40, 48, 37, dtype, "gelu", True, True).key(37, current_environment(torch.device("cpu")))
 
 
 @cpu_interpreter_only

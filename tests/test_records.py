@@ -9,17 +9,19 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from autofuse import checked, resolve
+from autofuse.choose import Choice, Source
+from autofuse.choose import check as checked
+from autofuse.choose import lookup as resolve
 from autofuse.cli import main
 from autofuse.configfile import build_document
 from autofuse.configs import KernelConfig, Library
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.shapes import load_shapes
 from autofuse.store import CHECKED, Store, Winner, read_winners
 from autofuse.tune.driver import Job, jobs_for_shapes, tune_key
 
 KEY_ENV = current_environment(torch.device("cpu"))
-KEY = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, KEY_ENV)
+KEY = Problem("linear", 56, 40, 4, torch.float32, "gelu", True).key(4, KEY_ENV)
 TUNED = Winner(KEY, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0, trials=20, policy="optuna")
 
 
@@ -63,8 +65,8 @@ def test_a_check_that_ends_after_tune_stored_its_winner_keeps_the_tuned_record(m
         return check_result
 
     monkeypatch.setattr(checked, "_compare", compare_while_tune_stores)
-    choice = checked.checked("linear", resolve.Choice(TUNED.config, "heuristic"), 3, 56, 40, torch.float32,
-                             torch.device("cpu"), activation="gelu", bias=True)
+    choice = checked.checked(Problem("linear", 56, 40, 3, torch.float32, "gelu", True),
+                             Choice(TUNED.config, Source.HEURISTIC))
     assert Store().get_winner(KEY) == TUNED
     assert choice.config == TUNED.config and choice.source == "user-cache"  # the tuned record is what runs
 
@@ -121,13 +123,13 @@ def test_a_held_write_lock_stalls_a_first_use_check_for_seconds_not_minutes(monk
     lock = sqlite3.connect(user_cache_dir() / "configs" / "cache.db", isolation_level=None)
     lock.execute("BEGIN IMMEDIATE")
     try:
-        other = make_key("linear", 56, 40, 16, torch.float32, "gelu", True, False, KEY_ENV)
+        other = Problem("linear", 56, 40, 16, torch.float32, "gelu", True).key(16, KEY_ENV)
         monkeypatch.setattr(checked, "_compare",
                             lambda key, M, choice, device: Winner(other, Library("eager"), 0.5, 0.5, policy=CHECKED))
         start = time.perf_counter()
         with caplog.at_level(logging.WARNING, logger="autofuse"):
-            choice = checked.checked("linear", resolve.Choice(TUNED.config, "heuristic"), 16, 56, 40, torch.float32,
-                                     torch.device("cpu"), activation="gelu", bias=True)
+            choice = checked.checked(Problem("linear", 56, 40, 16, torch.float32, "gelu", True),
+                                     Choice(TUNED.config, Source.HEURISTIC))
         waited = time.perf_counter() - start
     finally:
         lock.execute("ROLLBACK")
@@ -165,8 +167,7 @@ def test_a_read_only_cache_is_read_not_called_damaged_and_clear_keeps_it(caplog)
     try:
         resolve.invalidate()
         with caplog.at_level(logging.WARNING, logger="autofuse"):
-            choice = resolve.resolve("linear", 3, 56, 40, torch.float32, torch.device("cpu"), activation="gelu",
-                                     bias=True)
+            choice = resolve.resolve(Problem("linear", 56, 40, 3, torch.float32, "gelu", True))
         assert choice.source == "user-cache" and choice.config == TUNED.config
         assert "damaged" not in caplog.text and "cannot be read" not in caplog.text
         clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])

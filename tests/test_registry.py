@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import autofuse
-from autofuse import dispatch, launch, ops, resolve
+from autofuse import dispatch, launch, ops
+from autofuse.choose import Choice, Source
+from autofuse.choose import lookup as resolve
 from autofuse.configs import INTERPRETER_SPACE, KernelConfig, Library, SearchSpace
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.opspec import Operand, OpSpec
 from autofuse.store import Store
 from autofuse.tune.driver import Job, tune_key
@@ -113,7 +115,7 @@ def test_a_toy_op_registered_in_a_test_tunes_caches_resolves_and_runs(toy_op, de
     assert [a.arg for a in kernel.args.args][:8] == ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "M", "N", "K", "stride_xm"]
 
     # Tuned: every trial checked against the float64 reference, the winner stored in the user cache.
-    key = make_key("relu2_linear", 24, 40, 5, dtype, "relu2", True, False, current_environment(device))
+    key = Problem("relu2_linear", 24, 40, 5, dtype, "relu2", True).key(5, current_environment(device))
     result = tune_key(Job(key, 5, "toy"), Store(), device, policy="exhaustive", trials=3)
     assert result.winner.trials == 3 and not result.failures
     if device.type == "cpu":  # the interpreter's timings mean nothing: its best kernel wins
@@ -122,7 +124,7 @@ def test_a_toy_op_registered_in_a_test_tunes_caches_resolves_and_runs(toy_op, de
 
     # Resolved from the cache, and run through the generic dispatcher.
     resolve.invalidate()
-    choice = resolve.resolve("relu2_linear", 5, 24, 40, dtype, device, activation="relu2", bias=True)
+    choice = resolve.resolve(Problem("relu2_linear", 24, 40, 5, dtype, "relu2", True, False, device))
     assert (choice.config, choice.source) == (result.winner.config, "user-cache")
     operands = _make_operands(24, 40, 5, True, False, lambda *s: torch.randn(*s, device=device).to(dtype))
     with torch.no_grad():
@@ -146,7 +148,7 @@ def test_registry_refuses_a_second_op_of_one_name_and_unknown_names():
 
 def test_library_choices_run_the_ops_library_path(device):
     lin = autofuse.get_linear(40, 24, activation="gelu", dtype=torch.float32, device=device)
-    choice = resolve.Choice(Library("eager"), "test")
+    choice = Choice(Library("eager"), Source.USER_CACHE)
     x = torch.randn(5, 40, device=device)
     with torch.no_grad():
         out = dispatch.run_choice("linear", choice, {"x": x, "w": lin.weight, "b": lin.bias}, "gelu")
@@ -223,4 +225,4 @@ def test_the_import_graph_has_no_cycle_and_the_runtime_no_arrow_into_tune_or_too
     assert not {m: t for m, t in tuner.items() if t}, tuner
     # The check sees a cycle where there is one, and a function-level import too.
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert "autofuse.evaluator" in graph["autofuse.checked"]  # checked._compare's import, inside a function
+    assert "autofuse.evaluator" in graph["autofuse.choose.check"]  # check._compare's import, inside a function

@@ -5,12 +5,12 @@ import torch
 from _helpers import DTYPES, assert_matches_reference
 
 from autofuse import workspaces
+from autofuse.choose import Choice, Source
 from autofuse.configs import KernelConfig
 from autofuse.ops.gated_up import gated_up
 from autofuse.ops.linear import linear
 from autofuse.ops.mlp import mlp_decode
 from autofuse.reference import eager_gated, eager_linear, gated_reference, linear_reference
-from autofuse.resolve import Choice
 
 SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=4)
 
@@ -120,7 +120,8 @@ def test_decode_mlp_matches_reference_every_launch(dtype, config, bias, M, devic
     for _ in range(2):
         x = torch.randn(M, D, dtype=dtype, device=device)
         out = torch.full((M, D), float("nan"), dtype=dtype, device=device)
-        mlp_decode(x, wg, wu, wd, *biases, "gelu_tanh", config, out=out)
+        bg, bu, bd = biases
+        mlp_decode(x, (wg, bg, wu, bu, wd, bd), "gelu_tanh", config, out=out)
         args = (x, wg, wu, wd, *biases, "gelu_tanh")
         assert_matches_reference(out, _mlp_reference(*args), _mlp_eager(*args))
         assert _workspaces_are_zero()
@@ -138,7 +139,7 @@ def test_per_call_workspaces_leave_the_persistent_ones_alone(dtype, device, monk
         for _ in range(2):
             h = gated_up(x, wg, wu, None, None, "silu", SPLIT)
             y = linear(h, wd, None, None, "none", SPLIT)
-            y1 = mlp_decode(x[:1], wg, wu, wd, None, None, None, "silu", DECODE_CONFIGS[0])
+            y1 = mlp_decode(x[:1], (wg, None, wu, None, wd, None), "silu", DECODE_CONFIGS[0])
     assert workspaces._workspaces == {} and workspaces._retired == []
     args = (x, wg, wu, None, None, "silu")
     assert_matches_reference(h, gated_reference(*args), eager_gated(*args))
@@ -166,7 +167,7 @@ def test_the_library_ops_run_with_per_call_workspaces(monkeypatch, device):
     lin = autofuse.get_linear(32, 24, dtype=torch.float32, device=device)
     x = torch.randn(3, 32, device=device)
     w = (mlp.gate_proj.weight, None, mlp.up_proj.weight, None, mlp.down_proj.weight, None)
-    torch.ops.autofuse.mlp(x, *w, "gelu_tanh", True)
+    torch.ops.autofuse.mlp(x, list(w), "gelu_tanh", True)
     torch.ops.autofuse.linear(x, lin.weight, lin.bias, None, "none", True)
     assert seen == [True, True] and not workspaces._per_call.get()
 
@@ -178,9 +179,9 @@ def test_the_library_ops_bind_no_per_call_workspace_and_replay_the_rest(device):
 
     workspaces.release_workspaces()
     x, (w,) = _operands(8, 32, 64, torch.float32, device)
-    split, plain = custom_ops.BoundLinear({"linear": Choice(SPLIT, "test")}, "none", 8, inside_ops=True), \
-        custom_ops.BoundLinear({"linear": Choice(KernelConfig(16, 32, 32, group_m=1, num_stages=2), "test")}, "none",
-                               8, inside_ops=True)
+    unsplit = KernelConfig(16, 32, 32, group_m=1, num_stages=2)
+    split, plain = (custom_ops.BoundLinear({"linear": Choice(config, Source.USER_CACHE)}, "none", 8, inside_ops=True)
+                    for config in (SPLIT, unsplit))
     expected = linear_reference(x, w, None, None, "none")
     with workspaces.workspaces_per_call():
         for entry in (split, plain, split, plain):

@@ -15,10 +15,10 @@ import torch
 from click.testing import CliRunner
 
 import autofuse
-from autofuse import resolve
+from autofuse.choose import lookup as resolve
 from autofuse.cli import main
 from autofuse.configs import KernelConfig
-from autofuse.key import current_environment, make_key
+from autofuse.key import Problem, current_environment
 from autofuse.resources import user_cache_dir
 from autofuse.store import Store, Winner
 
@@ -42,7 +42,7 @@ def _insert(db, **row):
 
 
 def _a_winner():
-    key = make_key("linear", 56, 40, 4, torch.float32, "gelu", True, False, current_environment(torch.device("cpu")))
+    key = Problem("linear", 56, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device("cpu")))
     return Winner(key, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0)
 
 

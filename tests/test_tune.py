@@ -14,10 +14,10 @@ from _helpers import write_json
 from click.testing import CliRunner
 
 import autofuse
-from autofuse import resolve
+from autofuse.choose import lookup as resolve
 from autofuse.cli import main
 from autofuse.configs import KernelConfig, Library
-from autofuse.key import TuningKey, current_environment, make_key
+from autofuse.key import Problem, TuningKey, current_environment
 from autofuse.store import Store, Winner
 
 TINY = {"dtype": "bfloat16", "tokens": [3, 37],
@@ -73,9 +73,9 @@ def test_mlp_takes_the_one_launch_kernel_only_where_it_was_timed_faster(fused_fa
     store = Store()
     pair = KernelConfig(16, 16, 16, num_stages=1)
     fused = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
-    store.put_winner(Winner(make_key("gated_up", 72, 40, 4, torch.float32, "silu", False, False, env), pair, 1.0, 2.0))
-    store.put_winner(Winner(make_key("down", 40, 72, 4, torch.float32, "none", False, False, env), pair, 1.0, 2.0))
-    store.put_winner(Winner(make_key("mlp", 72, 40, 4, torch.float32, "silu", False, False, env), fused,
+    store.put_winner(Winner(Problem("gated_up", 72, 40, 4, torch.float32, "silu").key(4, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(Problem("down", 40, 72, 4, torch.float32, "none").key(4, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(Problem("mlp", 72, 40, 4, torch.float32, "silu").key(4, env), fused,
                             1.5 if fused_faster else 2.5, 4.0))
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
     expected = {"mlp": fused} if fused_faster else {"gated_up": pair, "down": pair}
@@ -162,7 +162,7 @@ def test_import_rejects_a_bad_record_even_with_a_valid_checksum(tmp_path, monkey
 
 def _key(op="linear", n=56, k=40, m=37, activation="gelu", env=None):
     env = env or current_environment(torch.device("cpu"))
-    return make_key(op, n, k, m, torch.bfloat16, activation, True, False, env)
+    return Problem(op, n, k, m, torch.bfloat16, activation, True).key(m, env)
 
 
 def test_stale_keys_are_never_reused():
@@ -324,7 +324,7 @@ def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
 
 def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
     env = current_environment(torch.device("cpu"))
-    key = make_key("gated_bwd", 72, 40, 8, torch.float32, "silu", False, False, env)
+    key = Problem("gated_bwd", 72, 40, 8, torch.float32, "silu").key(8, env)
     Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0))  # the library path won
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
     assert mlp._training_configs(8, mlp.gate_proj.weight)[1] == Library("eager")
@@ -355,16 +355,16 @@ def test_ops_option_rejects_bad_selections_without_a_traceback(tmp_path, ops, me
 def test_a_gpu_without_tuned_configs_warns_once_and_runs_the_heuristic(monkeypatch, caplog):
     # A deployment on another GPU / Triton than the shipped files were tuned for: heuristic, one warning.
     from autofuse import key as key_module
-    from autofuse import resolve as resolve_module
+    from autofuse.choose import lookup as resolve_module
 
     elsewhere = key_module.Environment("NVIDIA H100 80GB HBM3", "9.0", "9.9.9", "13.0")
-    monkeypatch.setattr(resolve_module, "current_environment", lambda device: elsewhere)
+    monkeypatch.setattr(key_module, "current_environment", lambda device: elsewhere)
     monkeypatch.setattr(resolve_module, "_warned_environments", set())
     resolve_module.invalidate()
     with caplog.at_level(logging.WARNING, logger="autofuse"):
-        choices = [resolve_module.resolve("gated_up", M, 96, 64, torch.bfloat16, torch.device("cpu"),
-                                          activation="gelu_tanh", bias=False) for M in (1, 4096)]
-        resolve_module.resolve("down", 8, 64, 96, torch.bfloat16, torch.device("cpu"), activation="none", bias=False)
+        choices = [resolve_module.resolve(key_module.Problem("gated_up", 96, 64, M, torch.bfloat16, "gelu_tanh"))
+                   for M in (1, 4096)]
+        resolve_module.resolve(key_module.Problem("down", 64, 96, 8, torch.bfloat16, "none"))
     assert [c.source for c in choices] == ["heuristic", "heuristic"] and choices[0].config is not None
     caught = [r.getMessage() for r in caplog.records if "no tuned configs" in r.getMessage()]
     assert len(caught) == 1 and "no tuned configs for NVIDIA H100 80GB HBM3 / triton 9.9.9" in caught[0]

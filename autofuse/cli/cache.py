@@ -7,7 +7,7 @@ import json
 
 import click
 
-from .. import resolve as resolve_module
+from ..choose import lookup as resolve_module
 from ..configfile import export_winners, read_export
 from ..errors import AutofuseError
 from ..key import TuningKey

@@ -77,25 +77,27 @@ def _shape_option(text: str, kind: str):
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Forwards profiled per run.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="autofuse-profile", show_default=True,
               help="Folder for the Chrome traces and profile.json.")
-def profile_command(mlps, linears, shapes_path, model_path, tokens, dtype, providers, iters, out_dir):
+def profile_command(**options):
     """Profile eager, torch.compile and autofuse side by side: kernels, GPU and host time, traffic."""
-    cases = [_shape_option(t, "mlp") for t in mlps] + [_shape_option(t, "linear") for t in linears]
-    if shapes_path:
-        loaded = load_shapes(shapes_path)
+    cases = [_shape_option(t, "mlp") for t in options["mlps"]] + [_shape_option(t, "linear")
+                                                                   for t in options["linears"]]
+    if options["shapes_path"]:
+        loaded = load_shapes(options["shapes_path"])
         cases += [*loaded.mlps, *loaded.linears]
-    if model_path:
-        cases += list(shapes_from_model_config(model_path).mlps)
+    if options["model_path"]:
+        cases += list(shapes_from_model_config(options["model_path"]).mlps)
     if not cases:
         raise click.UsageError("name something to profile: --mlp, --linear, --shapes or --model")
-    names = parse_choices(providers, PROFILE_PROVIDERS, "provider", "--providers")
+    names = parse_choices(options["providers"], PROFILE_PROVIDERS, "provider", "--providers")
     device = torch.device(select_device())
-    dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    out = Path(out_dir)
+    dtype = DTYPES[options["dtype"]] if options["dtype"] else (torch.bfloat16 if device.type == "cuda"
+                                                               else torch.float32)
+    out = Path(options["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in cases:
-        for M in parse_tokens(tokens):
-            rows += profile_case(shape, M, dtype, device, out, providers=names, iters=iters)
+        for M in parse_tokens(options["tokens"]):
+            rows += profile_case(shape, M, dtype, device, out, providers=names, iters=options["iters"])
     click.echo(format_rows(rows))
     if device.type == "cpu":
         click.echo("[CPU: autofuse runs in Triton's interpreter here; host times are not GPU speed, no kernels]")

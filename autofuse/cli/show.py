@@ -19,12 +19,17 @@ from .common import DTYPE_NAMES, main
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16")
 @click.option("--ragged-k", is_flag=True, help="Show the masked K loop used when K is not a multiple of BLOCK_K.")
 @click.option("--interpret", is_flag=True, help="Show the interpreter variant (float32 operand upcasts).")
-@click.option("--split-k", is_flag=True, help="Show the split-K variant (programs share a tile through a workspace).")
-@click.option("--tma", is_flag=True, help="Show the persistent TMA-descriptor variant (Hopper).")
-def show_kernel_command(op, activation, bias, residual, dtype, ragged_k, interpret, split_k, tma):
+@click.option("--variant", type=click.Choice(("tile", "split_k", "tma")), default="tile", show_default=True,
+              help="tile: one output tile per program; split_k: programs share a tile through a workspace; tma: "
+                   "persistent over TMA descriptors (Hopper).")
+@click.option("--split-k", "variant", flag_value="split_k", help="Same as --variant split_k.")
+@click.option("--tma", "variant", flag_value="tma", help="Same as --variant tma.")
+def show_kernel_command(op, **options):
     """Print the Triton source autofuse generates for OP (the names `tune --ops` takes, and the pointwise passes)."""
-    click.echo(ops.show_kernel(op, activation=activation, bias=bias, residual=residual, dtype=DTYPES[dtype],
-                               even_k=not ragged_k, interpret=interpret, split_k=split_k, tma=tma), nl=False)
+    click.echo(ops.show_kernel(op, activation=options["activation"], bias=options["bias"],
+                               residual=options["residual"], dtype=DTYPES[options["dtype"]],
+                               even_k=not options["ragged_k"], interpret=options["interpret"],
+                               variant=options["variant"]), nl=False)
 
 
 @main.command("kernel")
@@ -40,5 +45,5 @@ def kernel_command(key):
     click.echo(f"# key {k.id()}\n# config {config.short()}")
     click.echo(ops.show_kernel(k.op, activation=k.activation, bias=k.bias, residual=k.residual,
                                dtype=k.torch_dtype, even_k=k.k % config.block_k == 0,
-                               interpret=k.gpu == "interpreter", split_k=config.split_k > 1,
-                               tma=config.tma), nl=False)
+                               interpret=k.gpu == "interpreter",
+                               variant="tma" if config.tma else "split_k" if config.split_k > 1 else "tile"), nl=False)

@@ -17,7 +17,7 @@ from ..shapes import DEFAULT_TOKENS, DTYPES, load_shapes
 from ..store import Store
 from ..tune import worklist
 from ..tune.coordinator import default_storage, parse_devices, run_workers
-from ..tune.driver import TuningInterrupted, jobs_for_shapes, tune_shapes
+from ..tune.driver import TuneOptions, TuningInterrupted, jobs_for_shapes, tune_shapes
 from ..tune.policies import POLICIES
 from ..tune.progress import RunProgress, duration, plural
 from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
@@ -62,13 +62,11 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
 @click.option("--stale-after", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds without a heartbeat after which another worker takes over a key.")
 @click.option("--worker", default=None, hidden=True, help="Internal: run as one worker of a --devices run.")
-def tune_command(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, fresh, replace, seed, train,
-                 only, devices, storage, stale_after, worker):
+def tune_command(**args):
     """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache.
     A run that was interrupted continues where it stopped when started again (--fresh starts over)."""
     try:
-        _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, not fresh, replace, seed, train,
-              only, devices, storage, stale_after, worker)
+        _tune(args)
     except TuningInterrupted as e:
         _interrupted(f"after {e.done} of {e.total} key{'s' if e.total != 1 else ''}")
     except KeyboardInterrupt:
@@ -82,37 +80,54 @@ def _interrupted(progress: str) -> None:
     sys.exit(130)
 
 
-def _tune(shapes_path, model_path, dtype, tokens, trials, time_budget, policy, resume, replace, seed, train, only,
-          devices, storage, stale_after, worker):
+@dataclasses.dataclass
+class _Run:
+    """One `autofuse tune` run: what it tunes and how, as a coordinator hands it to its workers."""
+
+    shapes: object  # shapes.ShapeSet
+    train: bool
+    only: set[str] | None
+    options: TuneOptions
+    source: dict  # the command line's own --shapes / --model / --dtype / --tokens, for the workers
+
+    def settings(self) -> dict:
+        """What names the run in a shared storage, beside its keys (worklist.run_name)."""
+        o = self.options
+        return dict(train=self.train, ops=sorted(self.only) if self.only else None, trials=o.trials,
+                    time_budget_s=o.time_budget_s, policy=o.policy, seed=o.seed)
+
+
+def _tune(args: dict) -> None:
+    shapes_path, model_path = args["shapes_path"], args["model_path"]
     if shapes_path is not None and model_path is not None:
         raise click.UsageError("give only one of --shapes FILE or --model CONFIG")
     if shapes_path is None and model_path is None:
         raise click.UsageError("give one of --shapes FILE or --model CONFIG")
     shapes = load_shapes(shapes_path) if shapes_path else shapes_from_model_config(model_path)
-    if dtype:
-        shapes = dataclasses.replace(shapes, dtype=DTYPES[dtype])
-    tokens = parse_tokens(tokens)
+    if args["dtype"]:
+        shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
+    tokens = parse_tokens(args["tokens"])
     if tokens:
         shapes = dataclasses.replace(shapes, tokens=tokens)
-    elif model_path is not None and _interpreter_run(devices):
+    elif model_path is not None and _interpreter_run(args["devices"]):
         shapes = dataclasses.replace(shapes, tokens=tuple(t for t in shapes.tokens if t <= INTERPRETER_MAX_M))
         click.echo(f"interpreter: tuning the model at M = {', '.join(map(str, shapes.tokens))} (the default "
                    f"goes up to M = {DEFAULT_TOKENS[-1]}, minutes a key on a CPU; --tokens picks others)", err=True)
-    only = _parse_ops(only, train)
+    options = TuneOptions(policy=args["policy"], trials=args["trials"], time_budget_s=args["time_budget"],
+                          seed=args["seed"], resume=not args["fresh"], replace=args["replace"])
+    source = dict(shapes_path=shapes_path, model_path=model_path, dtype=args["dtype"], tokens=tokens)
+    run = _Run(shapes, args["train"], _parse_ops(args["only"], args["train"]), options, source)
     start = time.perf_counter()
-    options = dict(trials=trials, time_budget_s=time_budget, policy=policy, seed=seed)
-    run = dict(shapes=shapes, train=train, only=only, options=options, resume=resume, replace=replace)
-    if devices is not None or storage is not None or worker is not None:
-        source = dict(shapes_path=shapes_path, model_path=model_path, dtype=dtype, tokens=tokens)
-        coordinated = _tune_distributed(run, source, devices, storage, stale_after, worker)
+    if args["devices"] is not None or args["storage"] is not None or args["worker"] is not None:
+        coordinated = _tune_distributed(run, args)
         if coordinated is None:  # this process was a worker
             return
         rows, interpret = coordinated
     else:
         device = select_device()
         interpret = device == "cpu"
-        results = tune_shapes(shapes, torch.device(device), train=train, only=only, resume=resume, replace=replace,
-                              progress=RunProgress(), **options)
+        results = tune_shapes(shapes, torch.device(device), options, train=run.train, only=run.only,
+                              progress=RunProgress())
         rows = [(job, r.winner, r.resumed, r.failures, r.not_stored) for job, r in results]
     _print_table(rows, interpret, time.perf_counter() - start)
 
@@ -160,47 +175,47 @@ def _devices_or_default(devices: str | None) -> list[str]:
     return ["0"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else ["cpu"]
 
 
-def _worker_args(run: dict, source: dict, storage: str, stale_after: float) -> list[str]:
+def _worker_args(run: _Run, storage: str, stale_after: float) -> list[str]:
     """The command line a worker process gets: the same run, so that it computes the same keys."""
-    options = run["options"]
+    options, source = run.options, run.source
     args = ["--shapes", source["shapes_path"]] if source["shapes_path"] else ["--model", source["model_path"]]
-    args += ["--trials", str(options["trials"]), "--policy", options["policy"], "--seed", str(options["seed"]),
+    args += ["--trials", str(options.trials), "--policy", options.policy, "--seed", str(options.seed),
              "--storage", storage, "--stale-after", repr(stale_after)]
     args += ["--dtype", source["dtype"]] if source["dtype"] else []
-    args += ["--tokens", ",".join(map(str, run["shapes"].tokens))] if source["tokens"] else []
-    args += ["--time-budget", repr(options["time_budget_s"])] if options["time_budget_s"] else []
-    args += ["--train"] if run["train"] else []
-    args += ["--ops", ",".join(sorted(run["only"]))] if run["only"] else []
-    args += [] if run["resume"] else ["--fresh"]
-    args += ["--replace"] if run["replace"] else []
+    args += ["--tokens", ",".join(map(str, run.shapes.tokens))] if source["tokens"] else []
+    args += ["--time-budget", repr(options.time_budget_s)] if options.time_budget_s else []
+    args += ["--train"] if run.train else []
+    args += ["--ops", ",".join(sorted(run.only))] if run.only else []
+    args += [] if options.resume else ["--fresh"]
+    args += ["--replace"] if options.replace else []
     return args
 
 
-def _tune_distributed(run: dict, source: dict, devices, storage, stale_after, worker):
+def _tune_distributed(run: _Run, args: dict):
     """--devices / --storage: coordinate worker processes (or, with --worker, be one). Returns the
     table rows and whether every worker ran under the interpreter, or None in a worker."""
-    storage = storage or default_storage()
-    shapes, train, only, options = run["shapes"], run["train"], run["only"], run["options"]
-    settings = dict(train=train, ops=sorted(only) if only else None, **options)
-    if worker is not None:
+    storage = args["storage"] or default_storage()
+    stale_after = args["stale_after"]
+    if args["worker"] is not None:
         device = torch.device(select_device())
-        jobs = jobs_for_shapes(shapes, device, train=train, only=only)
+        jobs = jobs_for_shapes(run.shapes, device, train=run.train, only=run.only)
         store = Store(user_cache_dir())
         try:
-            worklist.work(storage, worklist.run_name(jobs, settings), jobs, store, device, worker,
-                          stale_after_s=stale_after, resume=run["resume"], replace=run["replace"], **options)
+            work_list = worklist.WorkList(worklist.open_storage(storage), worklist.run_name(jobs, run.settings()),
+                                          jobs)
+            worklist.work(work_list, store, device, args["worker"], run.options, stale_after_s=stale_after)
         finally:
             store.close()
         return None
-    device_list = _devices_or_default(devices)
+    device_list = _devices_or_default(args["devices"])
 
     def plan():  # the same keys and run name the workers compute (the first device's GPU model)
         first = device_list[0]
         env_device = torch.device("cpu") if first == "cpu" else torch.device("cuda", int(first))
-        jobs = jobs_for_shapes(shapes, env_device, train=train, only=only)
-        return jobs, worklist.run_name(jobs, settings)
+        jobs = jobs_for_shapes(run.shapes, env_device, train=run.train, only=run.only)
+        return jobs, worklist.run_name(jobs, run.settings())
 
-    jobs, stored = run_workers(device_list, _worker_args(run, source, storage, stale_after), plan, storage,
-                               user_cache_dir() / "workers", replace=run["replace"])
+    jobs, stored = run_workers(device_list, _worker_args(run, storage, stale_after), plan, storage,
+                               user_cache_dir() / "workers", replace=run.options.replace)
     winners = {w.key: w for w in stored}
     return [(job, winners[job.key], 0, {}, None) for job in jobs], all(d == "cpu" for d in device_list)

@@ -68,17 +68,23 @@ for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GAT
     register(_spec)
 
 
+VARIANTS = ("tile", "split_k", "tma")
+
+
 def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, residual: bool = False,
                 dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None,
-                split_k: bool = False, tma: bool = False) -> str:
+                variant: str = "tile") -> str:
     """Rendered Triton source of the kernel autofuse builds for `op` (a registered name: see
     `autofuse show-kernel --help`), so users can read what runs.
 
     `activation` defaults to the op's first gated one or none; `even_k` picks the unmasked K loop (K
     divisible by BLOCK_K); `interpret` defaults to whether TRITON_INTERPRET=1 is set now, since
-    interpreted kernels upcast their operands; `split_k` and `tma` pick those variants.
+    interpreted kernels upcast their operands; `variant`: "tile" (one output tile per program), "split_k"
+    (programs share a tile through a workspace) or "tma" (persistent, over TMA descriptors).
     """
     spec = get(op)
+    if variant not in VARIANTS:
+        raise AutofuseError(f"unknown variant {shown(variant)}; choose one of {', '.join(VARIANTS)}")
     if activation is None:
         activation = "gelu_tanh" if "gelu_tanh" in spec.activations else spec.activations[0]
     try:
@@ -90,8 +96,8 @@ def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, r
             even_k=bool(even_k),
             input_precision=fp32_input_precision() if dtype == torch.float32 else None,
             upcast_operands=interpreting() if interpret is None else bool(interpret),
-            split_k=bool(split_k),
-            tma=bool(tma),
+            split_k=variant == "split_k",
+            tma=variant == "tma",
         )
     except ValueError as e:  # a variant this op's kernel does not have: KernelSpec says which
         raise AutofuseError(str(e)) from None

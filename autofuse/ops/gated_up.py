@@ -42,7 +42,7 @@ def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: 
     tensors = {"x": x, "wg": w_gate, "wu": w_up, "h": h}
     if b_gate is not None:
         tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())
-    L.launch_gemm(kernel, M, N, K, config, x.device, tensors, accumulators=2)
+    L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=2)
     return h
 
 

@@ -13,7 +13,7 @@ from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, SearchSpace, clamp_to_problem, fit_shared_memory
 from ..layout import run_width
 from ..opspec import Operand, OpSpec
-from ..reference import eager_mlp, mlp_reference
+from ..reference import eager_mlp, mlp_reference_rounded
 
 OPERANDS = (
     Operand("x", "[M, D]", "mk"),
@@ -31,11 +31,12 @@ OPERANDS = (
 MAX_M = 64
 
 
-def mlp_decode(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-               b_gate: torch.Tensor | None, b_up: torch.Tensor | None, b_down: torch.Tensor | None,
-               activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down in one launch,
-    x: [M, D], w_gate/w_up: [F, D], w_down: [D, F]."""
+def mlp_decode(x: torch.Tensor, params: tuple, activation: str, config: KernelConfig,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T + b_down in one launch, x: [M, D];
+    params: (w_gate, b_gate, w_up, b_up, w_down, b_down) as a module holds them, w_gate/w_up: [F, D],
+    w_down: [D, F], the biases None or all three given."""
+    w_gate, b_gate, w_up, b_up, w_down, b_down = params
     L.check_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     M, D = x.shape
     F = w_gate.shape[0]
@@ -67,8 +68,8 @@ def heuristic(M: int, N: int, K: int, dtype: torch.dtype, device: Device) -> Ker
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    return mlp_decode(ops["x"], ops["wg"], ops["wu"], ops["wd"], ops.get("bg"), ops.get("bu"), ops.get("bd"),
-                      activation, config, out=out)
+    params = (ops["wg"], ops.get("bg"), ops["wu"], ops.get("bu"), ops["wd"], ops.get("bd"))
+    return mlp_decode(ops["x"], params, activation, config, out=out)
 
 
 def _weights(ops: dict) -> tuple:
@@ -81,7 +82,8 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     # H rounded to the dtype, as the kernel and eager PyTorch store it.
-    return mlp_reference(*_weights(ops), activation, hidden_dtype=dtype)
+    x, *weights = _weights(ops)
+    return mlp_reference_rounded(x, tuple(weights), activation, dtype)
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:

@@ -26,7 +26,7 @@ from ..reference import (
     eager_linear,
     eager_mlp,
     linear_reference,
-    mlp_reference,
+    mlp_reference_rounded,
     relative_error,
 )
 from ..shapes import LinearShape, MLPShape, ShapeSet
@@ -66,8 +66,8 @@ class Case:
     def reference(self) -> torch.Tensor:
         p = self.params
         if self.is_mlp:
-            return mlp_reference(self.x, p["gate"], p["up"], p["down"], p["gate_b"], p["up_b"], p["down_b"],
-                                 self.shape.activation, hidden_dtype=self.dtype)
+            weights = (p["gate"], p["up"], p["down"], p["gate_b"], p["up_b"], p["down_b"])
+            return mlp_reference_rounded(self.x, weights, self.shape.activation, self.dtype)
         return linear_reference(self.x, p["weight"], p["bias"], None, self.shape.activation)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..device import interpreting
 from ..modules import get_linear, get_mlp
-from ..reference import eager_linear, eager_mlp, linear_reference, mlp_reference, relative_error
+from ..reference import eager_linear, eager_mlp, linear_reference, mlp_reference_rounded, relative_error
 from ..shapes import MLPShape, ShapeSet
 from ..timing import cpu_median_ms
 from .measure import gpu_median_ms
@@ -46,7 +46,7 @@ def run_demo(shapes: ShapeSet, device: str) -> Iterator[DemoRow]:
                 return eager_mlp(x, *weights, activation=act)
 
             def reference(x, weights=weights, act=shape.activation):
-                return mlp_reference(x, *weights, activation=act, hidden_dtype=dtype)
+                return mlp_reference_rounded(x, weights, act, dtype)
         else:
             module = get_linear(shape.in_features, shape.out_features, bias=shape.bias,
                                 activation=shape.activation, dtype=dtype, device=device)

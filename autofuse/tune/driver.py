@@ -17,19 +17,20 @@ from collections.abc import Callable
 import torch
 
 from .. import ops
-from .. import resolve as resolve_module
-from ..checked import kernel_margin
-from ..configs import KernelConfig
+from ..choose import lookup
+from ..choose.heuristics import heuristic_for
+from ..choose.policy import current as current_policy
+from ..choose.winner import Outcome, choose_winner, fastest_trial
+from ..configs import KernelConfig, SearchSpace
 from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
-from ..evaluator import Evaluator, choose_winner, fastest_trial
-from ..key import TuningKey, current_environment, make_key
-from ..resolve import heuristic_for
+from ..evaluator import Evaluator
+from ..key import Problem, TuningKey, current_environment
 from ..resources import user_cache_dir
 from ..shapes import ShapeSet
 from ..store import Store, TrialRecord, Winner
-from .policies import POLICIES, Policy, make_policy
+from .policies import POLICIES, make_policy
 from .progress import RunProgress, plural
-from .space import Problem
+from .space import SearchProblem
 
 logger = logging.getLogger("autofuse")
 
@@ -56,11 +57,35 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
                 continue
             for entry in entries[spec.serves]:
                 n, k, activation = spec.dims(entry)
-                key = make_key(spec.name, n, k, M, shapes.dtype, activation, entry.bias, False, env)
+                key = Problem(spec.name, n, k, M, shapes.dtype, activation, entry.bias).key(M, env)
                 jobs.append(Job(key, M, f"{entry.name} {spec.name}"))
     # One job per key: two shapes may share a projection.
     unique = {job.key: job for job in jobs if only is None or job.key.op in only}
     return list(unique.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneOptions:
+    """How a key is tuned: the search policy, its budget (trials, or seconds, whichever ends first), the seed,
+    whether to resume from stored trials, whether to store the winner over a faster stored record, and a
+    search space of one's own (default: the op's)."""
+
+    policy: str = "optuna"
+    trials: int | None = 20
+    time_budget_s: float | None = None
+    seed: int = 0
+    resume: bool = False
+    replace: bool = False
+    space: SearchSpace | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+
+    @classmethod
+    def of(cls, options: TuneOptions | None, overrides: dict) -> TuneOptions:
+        """`options` (default TuneOptions()) with the given fields replaced."""
+        return dataclasses.replace(options or cls(), **overrides)
 
 
 @dataclasses.dataclass
@@ -90,9 +115,10 @@ class KeyResult:
 class _Budget:
     """Trials and seconds left for one key, and its progress reports."""
 
-    def __init__(self, job: Job, trials: int | None, time_budget_s: float | None, baseline_ms: float, resumed: int,
-                 done: dict, progress: Callable[[Progress], None] | None) -> None:
-        self.job, self.trials, self.time_budget_s, self.baseline_ms = job, trials, time_budget_s, baseline_ms
+    def __init__(self, job: Job, options: TuneOptions, baseline_ms: float, resumed: int, done: dict,
+                 progress: Callable[[Progress], None] | None) -> None:
+        self.job, self.trials, self.time_budget_s = job, options.trials, options.time_budget_s
+        self.baseline_ms = baseline_ms
         self.resumed, self.done, self.progress = resumed, done, progress
         self.start = time.perf_counter()
         self.new = 0
@@ -118,25 +144,23 @@ class _Budget:
                                elapsed, eta, self.resumed, final=final, exhausted=final and self.left()))
 
 
-def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
-               time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
-               progress: Callable[[Progress], None] | None = None
-               ) -> tuple[dict, dict[str, float], KernelConfig, int, TrialRecord | None]:
+def run_trials(job: Job, store: Store, device: torch.device, options: TuneOptions,
+               progress: Callable[[Progress], None] | None = None) -> tuple[Outcome, int]:
     """Time the op's library candidates, then the heuristic's config and the policy's picks, each
     trial stored as it ends; then, where times mean speed, the fastest trial again beside every library
     candidate (Evaluator.retimed_side_by_side): the fastest of many separately timed trials is partly the
-    luckiest, and must not win against library times taken once at the start. Returns (trials by config,
-    library times, the heuristic, resumed, the fastest correct trial, retimed where times mean speed,
-    or None)."""
+    luckiest, and must not win against library times taken once at the start. Returns (what was timed, with
+    the fastest correct trial retimed where times mean speed; how many trials were resumed)."""
     key, M = job.key, job.M
-    if not resume:
+    start = time.perf_counter()
+    if not options.resume:
         store.clear_trials(key)
     done: dict[KernelConfig, TrialRecord] = {t.config: t for t in store.trials(key)}
     resumed = len(done)
-    evaluator = Evaluator(key, M, device, seed=seed)
+    evaluator = Evaluator(key, M, device, seed=options.seed, budget_ms=current_policy().trial_budget_ms)
     try:
         library_ms = evaluator.library_ms()
-        budget = _Budget(job, trials, time_budget_s, min(library_ms.values()), resumed, done, progress)
+        budget = _Budget(job, options, min(library_ms.values()), resumed, done, progress)
 
         def evaluate(config: KernelConfig) -> TrialRecord:
             record = evaluator.evaluate(config)
@@ -147,14 +171,16 @@ def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "o
             return record
 
         budget.report()
-        heuristic = heuristic_for(key.spec, M, key.n, key.k, key.torch_dtype, device)
+        heuristic = heuristic_for(Problem(key.op, key.n, key.k, M, key.torch_dtype, key.activation, key.bias,
+                                          key.residual, device))
         if heuristic not in done and budget.left():
             evaluate(heuristic)
-        problem = Problem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
+        problem = SearchProblem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
                           tma=tma_usable(device, key.k, key.torch_dtype))
         interpret = interpreting()
         limit = 0 if interpret else shared_memory_limit(cuda_index(device))
-        _policy(policy, key, problem, limit, interpret, seed, space).run(evaluate, budget.left, done)
+        space = options.space or key.spec.search_space(interpret)
+        make_policy(options.policy, space, problem, limit, interpret, options.seed).run(evaluate, budget.left, done)
         budget.report(final=True)  # budget left over means the space ran out of untried configs
         confirmed = fastest_trial(done)
         if confirmed is not None and not interpret:
@@ -165,28 +191,21 @@ def run_trials(job: Job, store: Store, device: torch.device, *, policy: str = "o
                         ", ".join(f"{name} {ms:.4f}" for name, ms in library_ms.items()))
     finally:
         evaluator.close()
-    return done, library_ms, heuristic, resumed, confirmed
+    return Outcome(done, library_ms, heuristic, time.perf_counter() - start, confirmed), resumed
 
 
-def _policy(name: str, key: TuningKey, problem: Problem, limit: int, interpret: bool, seed: int, space) -> Policy:
-    return make_policy(name, space or key.spec.search_space(interpret), problem, limit, interpret, seed)
-
-
-def tune_key(job: Job, store: Store, device: torch.device, *, policy: str = "optuna", trials: int | None = 20,
-             time_budget_s: float | None = None, resume: bool = False, seed: int = 0, space=None,
-             progress: Callable[[Progress], None] | None = None, replace: bool = False) -> KeyResult:
-    """Run one key's trials, then choose its winner and store it, unless the stored record outranks it
-    (store.outranked_by: e.g. a faster tuned record) and `replace` is off."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    start = time.perf_counter()
-    done, library_ms, heuristic, resumed, confirmed = run_trials(
-        job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s, resume=resume, seed=seed,
-        space=space, progress=progress)
-    winner = choose_winner(job.key, done, library_ms, heuristic, time.perf_counter() - start, policy,
-                           times_mean_speed=not interpreting(), confirmed=confirmed,
-                           kernel_margin=kernel_margin(library_ms, 0.0))
-    stored = store.put_winner(winner, replace=replace)
+def tune_key(job: Job, store: Store, device: torch.device, options: TuneOptions | None = None,
+             progress: Callable[[Progress], None] | None = None, **overrides) -> KeyResult:
+    """Run one key's trials, then choose its winner by the policy's rule (choose/winner.py) and store it,
+    unless the stored record outranks it (store.outranked_by: e.g. a faster tuned record) and
+    `options.replace` is off. `overrides`: fields of TuneOptions to change (policy="random", trials=3)."""
+    options = TuneOptions.of(options, overrides)
+    outcome, resumed = run_trials(job, store, device, options, progress)
+    policy = current_policy()
+    winner = choose_winner(job.key, outcome, options.policy, times_mean_speed=not interpreting(),
+                           kernel_margin=policy.kernel_margin(outcome.library_ms, policy.tune_margin))
+    stored = store.put_winner(winner, replace=options.replace)
+    done = outcome.done
     failures: dict[str, int] = {}
     for t in done.values():
         if t.status != "ok":
@@ -205,33 +224,32 @@ def key_weight(job: Job, interpret: bool) -> float:
     return job.M * job.key.n * job.key.k + _KEY_OVERHEAD[interpret]
 
 
-def tune_shapes(shapes: ShapeSet, device: torch.device, *, train: bool = False, only: set[str] | None = None,
-                trials: int | None = 20, time_budget_s: float | None = None, policy: str = "optuna",
-                resume: bool = False, seed: int = 0, replace: bool = False,
-                progress: RunProgress | None = None) -> list[tuple[Job, KeyResult]]:
+def tune_shapes(shapes: ShapeSet, device: torch.device, options: TuneOptions | None = None, *, train: bool = False,
+                only: set[str] | None = None, progress: RunProgress | None = None,
+                **overrides) -> list[tuple[Job, KeyResult]]:
     """Tune every key of `shapes` (only the ops in `only` when given) into the user cache; the runtime
     sees the winners at once. `progress` (the CLI's status lines) hands each key its callback and is told
     what each key weighs (key_weight), for an ETA that scales with the keys to come; each finished key is
-    also logged."""
+    also logged. `overrides`: fields of TuneOptions to change."""
+    options = TuneOptions.of(options, overrides)
     store = Store(user_cache_dir())
     jobs = jobs_for_shapes(shapes, device, train=train, only=only)
-    budget = f" or {time_budget_s:g} s" if time_budget_s else ""
+    budget = f" or {options.time_budget_s:g} s" if options.time_budget_s else ""
     logger.info("tuning %s (%s) with %s, %s trials%s each, cache %s", plural(len(jobs), "key"),
-                str(shapes.dtype).removeprefix("torch."), policy, trials, budget, store.directory)
+                str(shapes.dtype).removeprefix("torch."), options.policy, options.trials, budget, store.directory)
     if progress is not None:
         progress.weights = [key_weight(job, interpreting()) for job in jobs]
     results = []
     try:
         for i, job in enumerate(jobs, 1):
             line = progress.for_key(i, len(jobs)) if progress is not None else None
-            result = tune_key(job, store, device, policy=policy, trials=trials, time_budget_s=time_budget_s,
-                              resume=resume, seed=seed, progress=line, replace=replace)
+            result = tune_key(job, store, device, options, progress=line)
             logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
             results.append((job, result))
     except KeyboardInterrupt:
         raise TuningInterrupted(len(results), len(jobs)) from None
     finally:
-        resolve_module.invalidate()
+        lookup.invalidate()
         store.close()
     return results
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..configs import KernelConfig, SearchSpace
 from ..store import TrialRecord
-from .space import Problem, candidates, config_from, feasible
+from .space import SearchProblem, candidates, config_from, feasible
 
 # evaluate(config) -> the trial's record; budget() -> False once trials or time are spent.
 Evaluate = Callable[[KernelConfig], TrialRecord]
@@ -55,7 +55,7 @@ class OptunaPolicy:
 
     _MAX_SAMPLES_PER_TRIAL = 50  # infeasible or repeated samples cost nothing, but bound them
 
-    def __init__(self, space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool,
+    def __init__(self, space: SearchSpace, problem: SearchProblem, shared_memory_limit: int, interpret: bool,
                  seed: int = 0) -> None:
         self.space, self.problem = space, problem
         self.shared_memory_limit, self.interpret, self.seed = shared_memory_limit, interpret, seed
@@ -99,15 +99,15 @@ class OptunaPolicy:
                                          state=optuna.trial.TrialState.PRUNED)
 
 
-def _optuna(space: SearchSpace, problem: Problem, limit: int, interpret: bool, seed: int) -> Policy:
+def _optuna(space: SearchSpace, problem: SearchProblem, limit: int, interpret: bool, seed: int) -> Policy:
     return OptunaPolicy(space, problem, limit, interpret, seed=seed)
 
 
-def _exhaustive(space: SearchSpace, problem: Problem, limit: int, interpret: bool, seed: int) -> Policy:
+def _exhaustive(space: SearchSpace, problem: SearchProblem, limit: int, interpret: bool, seed: int) -> Policy:
     return ExhaustivePolicy(candidates(space, problem, limit, interpret))
 
 
-def _random(space: SearchSpace, problem: Problem, limit: int, interpret: bool, seed: int) -> Policy:
+def _random(space: SearchSpace, problem: SearchProblem, limit: int, interpret: bool, seed: int) -> Policy:
     return RandomPolicy(candidates(space, problem, limit, interpret), seed=seed)
 
 
@@ -115,7 +115,7 @@ def _random(space: SearchSpace, problem: Problem, limit: int, interpret: bool, s
 POLICIES: dict[str, Callable[..., Policy]] = {"optuna": _optuna, "exhaustive": _exhaustive, "random": _random}
 
 
-def make_policy(name: str, space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool,
+def make_policy(name: str, space: SearchSpace, problem: SearchProblem, shared_memory_limit: int, interpret: bool,
                 seed: int = 0) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -40,8 +40,8 @@ def points(space: SearchSpace):
 
 
 @dataclasses.dataclass(frozen=True)
-class Problem:
-    """One key's problem as the filters see it."""
+class SearchProblem:
+    """One key's problem as the search-space filters see it."""
 
     operand_tiles: tuple[int, int]  # the op's activation and weight tiles per K step (OpSpec)
     M: int
@@ -55,7 +55,8 @@ def accumulator_registers(config: KernelConfig, operand_tiles: tuple[int, int]) 
     return operand_tiles[1] * config.block_m * config.block_n // (32 * config.num_warps)
 
 
-def feasible(config: KernelConfig, problem: Problem, shared_memory_limit: int, interpret: bool) -> KernelConfig | None:
+def feasible(config: KernelConfig, problem: SearchProblem, shared_memory_limit: int,
+             interpret: bool) -> KernelConfig | None:
     """The config clamped to the problem, or None when it cannot run on this device."""
     config = clamp_to_problem(config, problem.M, problem.N, problem.K)
     if config.tma and not problem.tma:
@@ -71,7 +72,8 @@ def feasible(config: KernelConfig, problem: Problem, shared_memory_limit: int, i
     return config
 
 
-def candidates(space: SearchSpace, problem: Problem, shared_memory_limit: int, interpret: bool) -> list[KernelConfig]:
+def candidates(space: SearchSpace, problem: SearchProblem, shared_memory_limit: int,
+               interpret: bool) -> list[KernelConfig]:
     """Every distinct feasible config of `space` for `problem`, in a fixed order."""
     seen: dict[KernelConfig, None] = {}
     for point in points(space):

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from ..errors import AutofuseError, shown
 from ..store import Store, Winner
-from .driver import Job, tune_key
+from .driver import Job, TuneOptions, tune_key
 
 _PREFIX = "autofuse"
 logger = logging.getLogger("autofuse")
@@ -174,11 +174,11 @@ class WorkList:
         return done, running
 
 
-def work(storage_url: str, run: str, jobs: list[Job], store: Store, device, worker: str, *,
-         stale_after_s: float = 120.0, poll_s: float = 1.0, resume: bool = False, **tune_options) -> list[int]:
+def work(work_list: WorkList, store: Store, device, worker: str, options: TuneOptions, *,
+         stale_after_s: float = 120.0, poll_s: float = 1.0) -> list[int]:
     """Tune jobs of the shared list until every one is done (by this worker or another). Returns the
     indices this worker finished."""
-    work_list = WorkList(open_storage(storage_url), run, jobs)
+    jobs = work_list.jobs
     finished = []
     while True:
         claims = work_list.claims()
@@ -195,7 +195,7 @@ def work(storage_url: str, run: str, jobs: list[Job], store: Store, device, work
             work_list.set(study_id, heartbeat=time.time(), trials_done=progress.trials_done,
                           best_ms=progress.best_ms, baseline_ms=progress.baseline_ms)
 
-        result = tune_key(job, store, device, resume=takeover or resume, progress=beat, **tune_options)
+        result = tune_key(job, store, device, options, progress=beat, resume=takeover or options.resume)
         found = result.not_stored or result.winner  # this run's winner: each machine's cache ranks it itself
         work_list.set(study_id, done=True, heartbeat=time.time(), winner=found.to_record(),
                       trials_done=result.winner.trials)

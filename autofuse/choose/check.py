@@ -1,0 +1,206 @@
+"""First-use checks: no unchecked kernel config off the tuned grid.
+
+A kernel config that no tuning compared on this GPU and key (a nearest key's, or the heuristic's) is
+compared once, at its first eager use, against the op's library candidates on operands of the key's
+shape (evaluator.Evaluator: checked against the float64 reference, then timed like a tuning trial,
+only shorter). The faster is kept and stored in the user cache as a *checked* record (policy
+"checked"; `autofuse tune` replaces it with a tuned one, and a check never replaces a tuned record), so
+later processes reuse the decision.
+
+While a CUDA graph captures, torch.compile traces, or a torch.library op runs (`no_checks`: timing would
+allocate in a graph's pool or run during tracing), an op without a decision runs its eager library path
+(Source.PENDING); the modules do not keep such a table (their next eager call checks), the torch.library
+ops keep it until a check is remembered (lookup.remember moves the generation their entries are keyed on).
+
+Opt out with AUTOFUSE_CHECK=0: nearest and heuristic configs then run unchecked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ..configs import Library
+from ..device import capturing, interpreting
+from ..errors import AutofuseError
+from ..key import Problem
+from ..store import CHECKED, Store, Winner
+from . import lookup
+from .choice import Choice, Source
+from .heuristics import heuristic_for
+from .policy import current
+
+logger = logging.getLogger("autofuse")
+
+# How long a forward waits for the user cache to take a checked decision: a write takes milliseconds, but
+# another process may hold the cache's write lock (a long import, a stuck writer), for which SQLite would
+# make the forward wait a minute or more. Long enough for a write on a loaded machine.
+STORE_WAIT_S = 10.0
+
+_no_checks = threading.local()
+
+
+@contextlib.contextmanager
+def no_checks() -> Iterator[None]:
+    """Inside the block (the torch.library ops run here) no check runs: an unchecked choice waits, PENDING."""
+    depth = getattr(_no_checks, "depth", 0)
+    _no_checks.depth = depth + 1
+    try:
+        yield
+    finally:
+        _no_checks.depth = depth
+
+
+def enabled() -> bool:
+    """Whether first-use checks run (read at a check, never per call)."""
+    return os.environ.get("AUTOFUSE_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def checked(problem: Problem, choice: Choice) -> Choice:
+    """`choice`, where tuning or a check chose it for this key, or checks are off; otherwise (a nearest
+    key's choice, the heuristic's) the fastest of a kernel (the nearest key's, or the heuristic's where
+    the nearest key chose a library path) and the op's library candidates, checked and stored now
+    (or the eager library path, PENDING, where no check can run now)."""
+    if not choice.source.unchecked or not enabled():
+        return choice
+    if _cannot_time(problem.device):
+        return Choice(Library("eager"), Source.PENDING)
+    key = problem.key()
+    if choice.kernel is None:  # which library path is fastest also depends on the shape: compare here
+        choice = Choice(heuristic_for(problem.replace(M=problem.bucket)), Source.HEURISTIC)
+    try:
+        winner = _compare(key, problem.M, choice, problem.device)
+    except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
+        logger.warning("autofuse: could not check %s's %s config (%s: %s); running its eager library path",
+                       problem.op, choice.source.value, type(e).__name__, e)
+        return Choice(Library("eager"), Source.CHECK_FAILED)
+    logger.info("autofuse: checked %s (n=%d, k=%d, M bucket %d): %s %s (library %s)", problem.op, problem.n,
+                problem.k, key.m_bucket, winner.config.short(), _ms(winner.time_ms), _ms(winner.baseline_ms))
+    winner = _stored(winner)
+    lookup.remember(winner)
+    return Choice.of(winner, Source.CHECKED if winner.policy == CHECKED else Source.USER_CACHE)
+
+
+def _stored(winner: Winner) -> Winner:
+    """The record the key holds once `winner` is offered to the user cache (a record tuned meanwhile
+    stays, store.outranked_by, and is what runs), or `winner` itself where the cache cannot take it:
+    read-only, damaged, or locked past STORE_WAIT_S (the write then goes on in the background and lands
+    when the lock is free, unless the process ends first). The decision holds for this process either way."""
+    outcome: dict = {}
+
+    def write() -> None:
+        try:
+            outcome["record"] = Store(timeout=STORE_WAIT_S).put_winner(winner)
+        except AutofuseError as e:
+            outcome["error"] = e
+
+    writer = threading.Thread(target=write, name="autofuse-store-check", daemon=True)
+    writer.start()
+    writer.join(STORE_WAIT_S)
+    if writer.is_alive():
+        logger.warning("autofuse: the cache is locked by another process; a checked decision holds for this "
+                       "process and is stored once the lock is free")
+    elif "error" in outcome:
+        logger.warning("autofuse: could not store a checked decision: %s", outcome["error"])
+    return outcome.get("record", winner)
+
+
+def _cannot_time(device: torch.device) -> bool:
+    return getattr(_no_checks, "depth", 0) > 0 or torch.compiler.is_compiling() or capturing(device)
+
+
+def _compare(key, M: int, choice: Choice, device: torch.device) -> Winner:
+    # Imported here, not at the top: the evaluator is loaded only where a check runs.
+    from ..evaluator import Evaluator
+    from .winner import Outcome, choose_winner
+
+    start = time.perf_counter()
+    evaluator = Evaluator(key, M, device, budget_ms=current().check_budget_ms)
+    try:
+        with torch.no_grad():
+            library_ms = evaluator.library_ms()
+            record = evaluator.evaluate(choice.kernel)
+            if _times_on_gpu(device):
+                record, library_ms = _side_by_side_if_near(evaluator, record, library_ms)
+    finally:
+        evaluator.close()
+    if record.status != "ok":
+        logger.warning("autofuse: %s's %s config %s failed its check (%s: %s); running a library path", key.op,
+                       choice.source.value, choice.kernel.short(), record.status, record.detail)
+    policy = current()
+    outcome = Outcome({choice.kernel: record}, library_ms, choice.kernel, time.perf_counter() - start)
+    return choose_winner(key, outcome, CHECKED, times_mean_speed=not interpreting(),
+                         kernel_margin=policy.kernel_margin(library_ms, policy.check_margin))
+
+
+def _times_on_gpu(device: torch.device) -> bool:
+    """Whether times taken now are a GPU's (not the interpreter's, which say nothing about speed)."""
+    return device.type == "cuda" and not interpreting()
+
+
+def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float]):
+    """(record, library_ms) with every candidate near the fastest (the kernel, where its check passed, and the
+    library paths) timed again side by side, where two or more of them are a near tie. Library paths among
+    themselves too: each was timed on its own, and one timed during a moment of higher clocks could otherwise
+    win over a path that is faster in place (an H200's M=1 Linear chose cuBLASLt's epilogue, 5% slower there
+    than torch.compile's cuBLAS + one pass, while the kernel was far behind)."""
+    near_tie = current().near
+    kernel_ms = [record.time_ms] if record.status == "ok" else []
+    fastest = min(*kernel_ms, *library_ms.values())
+    near = [name for name, ms in library_ms.items() if near_tie(ms, fastest)]
+    kernel_near = bool(kernel_ms) and near_tie(record.time_ms, fastest)
+    if len(near) + kernel_near < 2:
+        return record, library_ms
+    retimed, library_ms = evaluator.retimed_side_by_side(record if kernel_near else None, library_ms, near)
+    return (retimed if kernel_near else record), library_ms
+
+
+def kernel_on_host_bound_tie(first: tuple[str, Choice], second: tuple[str, Choice]) -> str | None:
+    """Of two ops' choices computing the same result (gated_up and gated_pairs), the one that runs a kernel
+    where the other runs a library path taking under host_bound_ms, if the kernel's time is within
+    check_margin of it (the kernel margin's rule, between two ops' records); else None."""
+    policy = current()
+    (op_a, a), (op_b, b) = first, second
+    for (kernel_op, kernel), library in (((op_a, a), b), ((op_b, b), a)):
+        if (kernel.kernel is not None and library.kernel is None and policy.is_host_bound(library.time_ms)
+                and kernel.time_ms <= library.time_ms * (1 + policy.check_margin)):
+            return kernel_op
+    return None
+
+
+def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], problem: Problem) -> str:
+    """Which of two ops' choices computing the same result on keys of the problem's n and k (gated_up and
+    gated_pairs) is faster: by their recorded times, timed again side by side where those are a near tie and
+    a GPU can time now. Needs both times (tuned or checked choices)."""
+    (op_a, a), (op_b, b) = first, second
+    by_record = op_a if a.time_ms <= b.time_ms else op_b
+    device = problem.device
+    if not current().near(a.time_ms, b.time_ms) or not _times_on_gpu(device) or _cannot_time(device):
+        return by_record
+    from ..evaluator import Evaluator
+
+    evaluators = [Evaluator(problem.replace(op=op, residual=False).key(), problem.M, device,
+                            budget_ms=current().check_budget_ms) for op in (op_a, op_b)]
+    try:
+        with torch.no_grad():
+            times = evaluators[0].side_by_side_ms({op_a: evaluators[0].runner(a.config),
+                                                   op_b: evaluators[1].runner(b.config)})
+    except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: the records decide
+        logger.warning("autofuse: could not time %s and %s side by side (%s: %s)", op_a, op_b, type(e).__name__, e)
+        return by_record
+    finally:
+        for evaluator in evaluators:
+            evaluator.close()
+    logger.info("autofuse: %s %s against %s %s side by side (n=%d, k=%d, M=%d)", op_a, _ms(times[op_a]), op_b,
+                _ms(times[op_b]), problem.n, problem.k, problem.M)
+    return op_a if times[op_a] <= times[op_b] else op_b
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.1f} us" if value < 1 else f"{value:.3f} ms"

@@ -1,0 +1,119 @@
+"""Module plans as data, and the one `select` that turns a plan into the table of choices a module runs.
+
+A Linear's plan is one op, `linear`. A gated MLP's plan is one of three tables: gated_up + down, gated_pairs
++ down (where the module keeps gate and up interleaved, layout.py), or the one-launch `mlp` (up to the
+policy's one_launch_max_m rows, where the up-projection reads d_model unpadded). `select` resolves and
+checks each op's choice (lookup, then check) and picks the table by the policy's rules, returning the
+others it compared too (the un-graphed race, choose/race.py, runs them against each other).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..key import MAX_M_BUCKET, Problem, m_bucket
+from . import check, lookup
+from .choice import Choice, Source
+from .heuristics import heuristic_for
+from .policy import current
+
+Table = dict[str, Choice]
+
+
+def table_key(M: int, weight: torch.Tensor) -> tuple:
+    """What a resolved config table depends on: M itself up to the largest bucket (a user may have tuned
+    that exact token count), then its bucket; the weights' dtype and device; and what the process has read
+    of tuned configs (lookup.generation(): a tune or `cache import` in this process is seen at the next
+    forward)."""
+    return (M if M <= MAX_M_BUCKET else m_bucket(M), weight.dtype, weight.device, lookup.generation())
+
+
+def resolve_checked(problem: Problem, tuned: bool = True) -> Choice:
+    """lookup.resolve, with a kernel config that no tuning compared on this GPU and key checked against the
+    library paths first (choose/check.py). `tuned=False` (the heuristic, as it is) is never checked."""
+    choice = lookup.resolve(problem, tuned)
+    return check.checked(problem, choice) if tuned else choice
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearPlan:
+    """act(x @ W.T + b) [+ r]: one op."""
+
+    in_features: int
+    out_features: int
+    activation: str
+    bias: bool
+    residual: bool = False
+
+    def problem(self, M: int, dtype: torch.dtype, device: torch.device) -> Problem:
+        return Problem("linear", self.out_features, self.in_features, M, dtype, self.activation, self.bias,
+                       self.residual, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPPlan:
+    """down(act(gate(x)) * up(x)). `pairs`: gate and up interleaved in one buffer, so gated_pairs may stand in
+    for gated_up. `d_in`: the up-projection's K where the module pads d_model (layout.py); the one-launch
+    kernel, which reads one d_model for both projections, is then left out."""
+
+    d_model: int
+    d_ff: int
+    activation: str
+    bias: bool
+    pairs: bool = False
+    d_in: int | None = None
+
+    def problem(self, op: str, M: int, dtype: torch.dtype, device: torch.device) -> Problem:
+        """The problem of one of the plan's ops at M rows."""
+        k_in = self.d_model if self.d_in is None else self.d_in
+        n, k, activation = {"gated_up": (self.d_ff, k_in, self.activation),
+                            "gated_pairs": (self.d_ff, k_in, self.activation),
+                            "down": (self.d_model, self.d_ff, "none"),
+                            "mlp": (self.d_ff, self.d_model, self.activation),
+                            "gated_bwd": (self.d_ff, self.d_model, self.activation)}[op]
+        return Problem(op, n, k, M, dtype, activation, self.bias, False, device)
+
+
+def select(plan: LinearPlan | MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
+           tuned: bool) -> tuple[Table, list[Table]]:
+    """(the table of choices a module runs at M rows, the other tables that choice was compared with)."""
+    if isinstance(plan, LinearPlan):
+        return {"linear": resolve_checked(plan.problem(M, dtype, device), tuned)}, []
+    return _select_mlp(plan, M, dtype, device, tuned)
+
+
+def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
+                tuned: bool) -> tuple[Table, list[Table]]:
+    policy = current()
+    up_problem = plan.problem("gated_up", M, dtype, device)
+    up = resolve_checked(up_problem, tuned)
+    down = resolve_checked(plan.problem("down", M, dtype, device), tuned)
+    pair, others = {"gated_up": up, "down": down}, []
+    if plan.pairs and tuned:
+        one_gemm = resolve_checked(plan.problem("gated_pairs", M, dtype, device))
+        with_pairs = {"gated_pairs": one_gemm, "down": down}
+        others.append(with_pairs)
+        if None not in (one_gemm.time_ms, up.time_ms):
+            candidates = (("gated_pairs", one_gemm), ("gated_up", up))
+            faster = check.kernel_on_host_bound_tie(*candidates) or check.faster_of(*candidates, up_problem)
+            if faster == "gated_pairs":
+                pair, others = with_pairs, [pair]
+    if not tuned or M > policy.one_launch_max_m or plan.d_in not in (None, plan.d_model):
+        return pair, others
+    one_problem = plan.problem("mlp", M, dtype, device)
+    fused = lookup.resolve_tuned(one_problem)
+    if fused is None and all(c.source is Source.CHECKED for c in pair.values()):
+        # The pair was decided by first-use checks: the one-launch kernel gets its check too.
+        heuristic = Choice(heuristic_for(one_problem.replace(M=one_problem.bucket)), Source.HEURISTIC)
+        fused = check.checked(one_problem, heuristic)
+    if fused is None or fused.kernel is None:
+        return pair, others
+    # The pair must beat the one launch by one_launch_margin: on a near tie of GPU times one launch wins, as an
+    # un-graphed call pays each launch's host time (a bound Triton launch, or a whole PyTorch op for a library
+    # choice) on top of them.
+    pair_ms = [c.time_ms for c in pair.values()]
+    if None not in pair_ms and sum(pair_ms) * (1 + policy.one_launch_margin) <= fused.time_ms:
+        return pair, [*others, {"mlp": fused}]
+    return {"mlp": fused}, [pair, *others]

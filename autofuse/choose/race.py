@@ -1,0 +1,170 @@
+"""The un-graphed race: the table whose plain call is fastest, raced once per process.
+
+Tuning and first-use checks choose by GPU time, replayed from a CUDA graph: what a graphed step pays.
+An un-graphed call also pays host time, and at decode sizes that is of the order of the GPU time: a
+bound kernel launch costs a few microseconds of it, a library path one PyTorch op's per op. So a library
+path chosen by GPU time can make an un-graphed call slower than eager's.
+
+Where a module's table runs under the policy's host_bound_ms of GPU time and other tables compute the same
+(the tables the choice compared, each with its library choices replaced by their runner-up kernels
+(store.Winner.runner_up), and each with one op's choice replaced by another of its library paths), its
+first un-graphed call times every one of them as it is called, back to back through its bound entry, in
+turn, and its un-graphed calls keep the fastest. A call made while a CUDA graph captures runs the GPU-time
+winner. The decision is the host's as much as the GPU's, so it is kept for the process only, once per
+(module kind, shape, M, tables).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from .. import timing
+from ..configs import Library
+from ..device import interpreting
+from .choice import Choice, Source
+from .policy import current
+
+logger = logging.getLogger("autofuse")
+
+# How many calls and rounds each candidate gets, and the margin another table needs: DecisionPolicy's
+# race_calls, race_rounds and race_margin (choose/policy.py).
+# Decisions kept per process; past this many the memo starts over.
+_KEPT = 512
+
+_decided: dict[tuple, int] = {}
+
+
+def host_bound(table: dict[str, Choice]) -> bool:
+    """Whether a table's known GPU time is under the policy's host_bound_ms (an un-graphed call's host time is then of
+    its order); False where a time is unknown (the heuristic's, a nearest key's)."""
+    times = [c.time_ms for c in table.values()]
+    return None not in times and current().is_host_bound(sum(times))
+
+
+def candidates(winner: dict[str, Choice], others: list[dict[str, Choice]],
+               libraries: Mapping[str, Iterable[str]] | None = None) -> list[dict[str, Choice]]:
+    """The tables other than `winner` worth racing for its un-graphed calls: `others`, every table with
+    its library choices replaced by their runner-up kernels, and `winner` and `others` with one op's
+    choice replaced by another of that op's library paths (`libraries`: op -> the names of the library
+    candidates that compute it for this module; a library path's plain call costs its PyTorch ops' host
+    time, which GPU times do not show, and one path's may be far above another's at the same GPU time);
+    without repeats and without choices made before a check could run (the caller has seen that
+    `winner` is host_bound)."""
+    seen = {_signature(winner)}
+    found = []
+    tables = (*others, *(_with_kernels(t) for t in (winner, *others)),
+              *(t for base in (winner, *others) for t in _with_libraries(base, libraries or {})))
+    for table in tables:
+        if table is None or any(c.source in (Source.PENDING, Source.CHECK_FAILED) for c in table.values()):
+            continue
+        signature = _signature(table)
+        if signature not in seen:
+            seen.add(signature)
+            found.append(table)
+    return found
+
+
+def _with_libraries(table: dict[str, Choice], libraries: Mapping[str, Iterable[str]]) -> list[dict[str, Choice]]:
+    """`table` with one op's choice replaced by each other library path of that op, one op at a time."""
+    found = []
+    for op, choice in table.items():
+        for name in libraries.get(op, ()):
+            if choice.config != Library(name):
+                found.append({**table, op: Choice(Library(name), choice.source, detail=choice.detail)})
+    return found
+
+
+def _with_kernels(table: dict[str, Choice]) -> dict[str, Choice] | None:
+    """`table` with each library choice that has a runner-up kernel running it; None where none has."""
+    replaced = {op: c.kernel_instead() for op, c in table.items()}
+    if not any(replaced.values()):
+        return None
+    return {op: replaced[op] or c for op, c in table.items()}
+
+
+def _signature(table: dict[str, Choice]) -> tuple:
+    return tuple((op, c.config) for op, c in table.items())
+
+
+def racing(device: torch.device) -> bool:
+    """Whether plain calls can be raced on `device` now (times on the interpreter say nothing of speed)."""
+    return device.type == "cuda" and not interpreting()
+
+
+def memo_key(kind: str, shape: tuple, M: int, dtype: torch.dtype, device: torch.device,
+             tables: list[dict[str, Choice]]) -> tuple:
+    """What a race's decision depends on: the module kind and shape, M, dtype, device and the tables raced."""
+    return (kind, shape, M, dtype, device, tuple(_signature(t) for t in tables))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+class Raced:
+    """A module's table entry at one M that has other tables to race: calls made while a CUDA graph
+    captures (or a profiler records) run the GPU-time winner's entry, `graphed`; the first other call
+    races every entry (`graphed` first), and later ones run the fastest."""
+
+    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table")
+
+    def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
+        self.graphed = graphed
+        self.entries = [graphed, *entries]  # dropped once raced: each may hold an H buffer
+        self.tables = tables  # the table of each entry, `graphed`'s first
+        self.M, self.key = M, key
+        self.plain = None  # the entry un-graphed calls run, once raced
+        self.plain_table: dict[str, Choice] | None = None  # its table
+
+    @property
+    def table(self) -> dict[str, Choice]:
+        """The GPU-time winner's table (what config_for reports and pending() inspects)."""
+        return self.graphed.table
+
+    def __call__(self, *args):
+        plain = self.plain
+        if plain is self.graphed or _capturing() or torch.autograd.profiler._is_profiler_enabled:
+            return self.graphed(*args)
+        if plain is None:
+            best = self._decide(args)
+            plain, self.plain_table = self.entries[best], self.tables[best]
+            self.plain, self.entries, self.tables = plain, [], []
+        return plain(*args)
+
+    def _decide(self, args: tuple) -> int:
+        found = _decided.get(self.key)
+        if found is not None:
+            return found
+        try:
+            times = plain_call_us(self.entries, args)
+        except Exception as e:  # noqa: BLE001 - e.g. no memory for another table's buffers: a forward must not fail on a race
+            logger.warning("autofuse: could not race un-graphed calls at M=%d (%s: %s); running the GPU-time winner",
+                           self.M, type(e).__name__, e)
+            _decided[self.key] = 0
+            return 0
+        best = min(range(len(times)), key=times.__getitem__)
+        if times[best] > times[0] * (1 - current().race_margin):
+            best = 0
+        if len(_decided) >= _KEPT:
+            _decided.clear()
+        _decided[self.key] = best
+        logger.info("autofuse: un-graphed calls at M=%d run %s (%.1f us per plain call; %s)", self.M,
+                    _describe(self.tables[best]), times[best],
+                    ", ".join(f"{_describe(t)} {us:.1f} us" for t, us in zip(self.tables, times)))
+        return best
+
+
+def plain_call_us(entries: list[Callable], args: tuple) -> list[float]:
+    """Microseconds per plain call of each entry on `args` (timing.plain_call_us: race_calls calls back to back,
+    race_rounds rounds in turn, rotated, the median round); one call first, which binds."""
+    policy = current()
+    times = timing.plain_call_us({str(i): (lambda entry=entry: entry(*args)) for i, entry in enumerate(entries)},
+                                 calls=policy.race_calls, rounds=policy.race_rounds, warmup=1, rotate=True)
+    return [times[str(i)] for i in range(len(entries))]
+
+
+def _describe(table: dict[str, Choice]) -> str:
+    return "; ".join(f"{op} {c.config.short()}" for op, c in table.items())

@@ -1,0 +1,65 @@
+"""What every suite shares: its command line's --out, where raw results go (benchmarks/results/<gpu>/), and
+the run information each result file carries (GPU, host, versions, commit, date, command), so that
+RESULTS.md can name the command, commit and date of every number it states."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the suites' common --out (the suite's docstring as its help)."""
+    made = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    made.add_argument("--out", default=None,
+                      help="folder for the raw JSON (default: benchmarks/results/<gpu>/)")
+    return made
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def out_dir(out: str | None) -> Path:
+    """`out`, or results/<gpu slug>/; made if missing."""
+    folder = Path(out) if out else RESULTS / re.sub(r"[^a-z0-9]+", "-", gpu_name().lower()).strip("-")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def run_info() -> dict:
+    """What a number needs beside it to be reproduced."""
+    import torch
+    import triton
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    return dict(gpu=gpu_name(), host=platform.processor() or platform.machine(), torch=torch.__version__,
+                triton=triton.__version__, python=platform.python_version(), commit=commit,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                command="python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]))
+
+
+def write(folder: Path, name: str, payload: dict) -> Path:
+    """payload, with the run's information under "run", as folder/name (written beside and renamed: a killed
+    run leaves the previous file whole)."""
+    path = folder / name
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"run": run_info(), **payload}, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}", file=sys.stderr)
+    return path

@@ -1,0 +1,75 @@
+"""Every threshold that decides between candidates is a field of the one DecisionPolicy
+(autofuse/choose/policy.py): changing a field changes the decisions that read it."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from autofuse.choose import Choice, DecisionPolicy, Source, current, race, use
+from autofuse.choose import check as checked
+from autofuse.choose.winner import Outcome, choose_winner
+from autofuse.configs import KernelConfig, Library
+from autofuse.key import Problem, current_environment
+from autofuse.store import TrialRecord
+
+KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
+KEY = Problem("linear", 72, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device("cpu")))
+
+
+def _check_picks(library_ms: float, kernel_ms: float) -> object:
+    """A first-use check's winner rule on these times, as a GPU run applies it."""
+    outcome = Outcome({KERNEL: TrialRecord(KERNEL, "ok", kernel_ms)}, {"eager": library_ms}, KERNEL, 0.1)
+    policy = current()
+    margin = policy.kernel_margin(outcome.library_ms, policy.check_margin)
+    return choose_winner(KEY, outcome, "checked", kernel_margin=margin).config
+
+
+def test_the_check_margin_decides_a_near_tie():
+    assert _check_picks(1.0, 0.98) == Library("eager")  # 2% is within the default 3%: the library path
+    with use(dataclasses.replace(current(), check_margin=0.01)):
+        assert _check_picks(1.0, 0.98) == KERNEL
+
+
+def test_the_host_bound_time_turns_the_margin():
+    assert _check_picks(0.05, 0.0505) == KERNEL  # under 0.1 ms: the kernel is kept within the margin
+    with use(dataclasses.replace(current(), host_bound_ms=0.01)):
+        assert _check_picks(0.05, 0.0505) == Library("eager")
+
+
+def test_the_near_tie_width_decides_what_is_timed_again():
+    class Evaluator:
+        def retimed_side_by_side(self, record, library_ms, names):
+            self.names = names
+            return record, library_ms
+
+    evaluator = Evaluator()
+    record = TrialRecord(KERNEL, "ok", 1.0)
+    checked._side_by_side_if_near(evaluator, record, {"eager": 1.08})
+    assert evaluator.names == ["eager"]  # 8% apart: a near tie by default (10%)
+    evaluator.names = None
+    with use(dataclasses.replace(current(), near_tie=0.05)):
+        checked._side_by_side_if_near(evaluator, record, {"eager": 1.08})
+    assert evaluator.names is None
+
+
+def test_the_race_margin_decides_which_table_plain_calls_run(monkeypatch):
+    tables = [{"linear": Choice(Library(name), Source.USER_CACHE, 0.001)} for name in ("eager", "other")]
+    entries = [lambda *a: "eager", lambda *a: "other"]
+    monkeypatch.setattr(race, "plain_call_us", lambda entries, args: [10.0, 9.7])  # 3% faster
+    monkeypatch.setattr(race, "_decided", {})
+    monkeypatch.setattr(race, "_capturing", lambda: False)
+    assert race.Raced(entries[0], entries[1:], tables, 1, ("k", 1))("x") == "eager"  # default margin 5%
+    monkeypatch.setattr(race, "_decided", {})
+    with use(dataclasses.replace(current(), race_margin=0.02)):
+        assert race.Raced(entries[0], entries[1:], tables, 1, ("k", 2))("x") == "other"
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(DecisionPolicy)])
+def test_every_field_is_read_by_the_decisions(field):
+    """A field no decision reads is a threshold kept somewhere else: each is named in choose/ or the tuner."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "autofuse"
+    readers = [p for p in root.rglob("*.py") if f".{field}" in p.read_text()]  # a definition has no dot
+    assert readers, f"no module reads DecisionPolicy.{field}"
