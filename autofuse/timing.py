@@ -1,7 +1,7 @@
-"""The timings the runtime and the tuner decide by: GPU time replayed from CUDA graphs (one function, or
-several side by side), the wall time of plain calls in turn (the un-graphed race), and the interpreter's
-CPU wall-clock median, which says nothing about GPU speed and is labelled so. What only measurements use
-(do_bench, host time per call, profiles) is in autofuse/tools/measure.py."""
+"""The timings the tuner and the first-use checks decide by: GPU time replayed from CUDA graphs (one function,
+or several side by side), and the interpreter's CPU wall-clock median, which says nothing about GPU speed and
+is labelled so. What only measurements use (do_bench, host time per call, plain calls in turn, profiles) is in
+autofuse/tools/measure.py."""
 
 from __future__ import annotations
 
@@ -20,40 +20,6 @@ def synchronize() -> None:
 
 
 
-
-
-def plain_call_us(fns: dict[str, Callable[[], object]], calls: int = 200, rounds: int = 7,
-                  warmup: int = 10, rotate: bool = False) -> dict[str, float]:
-    """µs per plain call (un-graphed, host included, what a user's loop pays) of each function: wall time of
-    `calls` back-to-back calls / calls, synchronised before and after, median of `rounds` rounds taken in turn
-    over the functions so that host drift falls on all of them alike; `rotate`: each round starts one function
-    later, so that no function always runs first."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    order = list(fns.items())
-    for r in range(rounds):
-        shift = r % len(order) if rotate else 0
-        for name, fn in order[shift:] + order[:shift]:
-            synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            synchronize()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
-def round_robin(fns: dict[str, Callable[[], object]], sample: Callable[[Callable[[], object]], float],
-                rounds: int) -> dict[str, float]:
-    """The median of `rounds` samples of each function (`sample(fn)`, e.g. host_us_sample), the functions
-    sampled in turn each round so that host drift falls on all of them alike."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(sample(fn))
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 

@@ -27,8 +27,7 @@ import torch
 
 import autofuse
 from autofuse.reference import eager_mlp
-from autofuse.timing import plain_call_us, round_robin
-from autofuse.tools.measure import host_profile_text, host_us_sample, launch_hooks
+from autofuse.tools.measure import host_profile_text, host_us_sample, launch_hooks, plain_call_us, round_robin
 
 D_MODEL, D_FF, ACTIVATION = 2048, 16384, "gelu_tanh"
 GRAPH_REPLAY = "autofuse, torch.cuda.graph replay"  # a provider made per M: it captures at that M

@@ -23,8 +23,7 @@ from autofuse.key import Problem
 from autofuse.ops.linear import LINEAR
 from autofuse.opspec import launch_args
 from autofuse.reference import eager_mlp
-from autofuse.timing import plain_call_us
-from autofuse.tools.measure import graph_replay_us
+from autofuse.tools.measure import graph_replay_us, plain_call_us
 
 
 def _mlp_pair(d: int, f: int):

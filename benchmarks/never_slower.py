@@ -31,8 +31,7 @@ import torch.nn.functional as F
 
 import autofuse
 from autofuse.reference import eager_linear, eager_mlp
-from autofuse.timing import plain_call_us
-from autofuse.tools.measure import graph_replay_round_robin, launch_hooks
+from autofuse.tools.measure import graph_replay_round_robin, launch_hooks, plain_call_us
 
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 

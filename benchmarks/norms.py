@@ -19,7 +19,8 @@ import transformers
 
 from autofuse.norm import FusedRMSNorm
 from autofuse.ops import get
-from autofuse.timing import graph_side_by_side_ms, plain_call_us
+from autofuse.timing import graph_side_by_side_ms
+from autofuse.tools.measure import plain_call_us
 
 FAMILIES = {  # form -> (Hugging Face module, Liger's offset and casting mode)
     "one_plus_weight": (transformers.models.gemma.modeling_gemma.GemmaRMSNorm, 1.0, "gemma"),

@@ -450,3 +450,23 @@ def test_stacked_refuses_tensors_that_are_not_the_halves_of_one_buffer():
     assert stacked(buffer[1], buffer[0]) is None  # up before gate
     assert stacked(torch.randn(6, 4), torch.randn(6, 4)) is None  # two allocations
     assert stacked(buffer[0, :, :2], buffer[1, :, :2]) is None  # not dense
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d_ff, d_model", [(75, 40), (100, 43)], ids=["dff75", "dff100-dmodel43"])
+def test_training_at_an_unaligned_width_keeps_aligned_rows_and_the_reference_gradients(dtype, d_ff, d_model,
+                                                                                        device):
+    """A d_ff that is not a multiple of 8: G, U and H live in rows padded to an aligned width (what cuBLAS needs
+    for its fast kernels), the down weight's copy too, and the gradients are still the reference's."""
+    module = autofuse.get_mlp(d_model, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
+    x = torch.randn(21, d_model, dtype=dtype, device=device)
+    dy = torch.randn(21, d_model, dtype=dtype, device=device)
+    node = _mlp_node(module(x.clone().requires_grad_()))
+    assert all(t.shape == (21, d_ff) and t.stride(0) % 64 == 0 for t in node.kept)  # G, U, H
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    params = _mlp_params(module)
+    got = _module_grads(module, x, dy, names)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
+    eager = _grads(params, x, _mlp_fn("gelu_tanh"), dy)
+    _check_grads(got, ref, eager, dtype)
+    assert module.down_proj.weight.grad.is_contiguous()

@@ -67,7 +67,7 @@ def test_untuned_modules_ignore_the_cache(tmp_path):
 
 
 def test_plain_call_timing_calls_each_function_in_turn_and_returns_medians(monkeypatch):
-    from autofuse import timing
+    from autofuse.tools import measure as timing
 
     order = []
     clock = iter(range(10**6))
@@ -80,7 +80,7 @@ def test_plain_call_timing_calls_each_function_in_turn_and_returns_medians(monke
 
 
 def test_plain_call_timing_rotated_starts_each_round_one_function_later(monkeypatch):
-    from autofuse import timing
+    from autofuse.tools import measure as timing
 
     order = []
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
@@ -90,7 +90,7 @@ def test_plain_call_timing_rotated_starts_each_round_one_function_later(monkeypa
 
 
 def test_round_robin_samples_each_function_in_turn_and_returns_medians():
-    from autofuse import timing
+    from autofuse.tools import measure as timing
 
     order = []
     samples = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}

@@ -216,9 +216,10 @@ def test_a_near_tie_between_gated_up_and_gated_pairs_is_timed_side_by_side(caplo
     from autofuse.choose import Choice
     from autofuse.choose.check import faster_of
     from autofuse.configs import Library
+    from autofuse.key import Problem
 
     caplog.set_level(logging.INFO, logger="autofuse")
     up, pairs = Choice(Library("eager"), "checked", 1.0), Choice(Library("eager"), "checked", 1.05)
-    winner = faster_of(("gated_pairs", pairs), ("gated_up", up), 1024, 4096, 1024, torch.bfloat16,
-                       torch.device("cuda"), activation="silu", bias=False)
+    problem = Problem("gated_up", 4096, 1024, 1024, torch.bfloat16, "silu", device=torch.device("cuda"))
+    winner = faster_of(("gated_pairs", pairs), ("gated_up", up), problem)
     assert winner in ("gated_pairs", "gated_up") and "side by side" in caplog.text

@@ -5,6 +5,8 @@ the same as plain calls; a call made while a CUDA graph captures runs the GPU-ti
 On the CPU nothing can be timed: the race's timer is replaced by one that reports fixed times, and the
 interpreter's kernels run what the race chose."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from autofuse.choose import Choice, Source
 from autofuse.choose import lookup as resolve
 from autofuse.choose import race as plain
 from autofuse.choose.policy import current as current_policy
+from autofuse.choose.policy import use as use_policy
 from autofuse.choose.winner import Outcome, choose_winner
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import Problem, current_environment
@@ -22,6 +25,8 @@ from autofuse.store import Store, TrialRecord, Winner
 
 KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
 HOST_BOUND_MS = current_policy().host_bound_ms
+# A race of one window of one call per table (after each table's binding call): two calls a table.
+TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1)
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 # Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
 ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
@@ -122,82 +127,103 @@ def test_the_candidates_include_each_other_library_path_of_one_op_at_a_time():
 
 
 class _Entry:
-    def __init__(self, name):
-        self.name, self.calls, self.table = name, 0, {"linear": Choice(Library(name), Source.USER_CACHE, FAST)}
+    """A table entry on a fake clock: each call advances it by the entry's cost (µs)."""
+
+    clock = [0.0]
+
+    def __init__(self, name, cost=1.0):
+        self.name, self.cost, self.calls = name, cost, 0
+        self.table = {"linear": Choice(Library(name), Source.USER_CACHE, FAST)}
 
     def __call__(self, *args):
         self.calls += 1
+        self.clock[0] += self.cost * 1e-6
         return self.name
 
 
-def _raced(monkeypatch, times, key=("test", 1), fresh=True):
+def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     if fresh:
         plain._decided.pop(key, None)
-    timed = []
-    monkeypatch.setattr(plain, "plain_call_us", lambda entries, args: timed.append(len(entries)) or times)
-    entries = [_Entry(f"e{i}") for i in range(len(times))]
+    monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
+    monkeypatch.setattr(plain, "_synchronize", lambda: None)
+    entries = [_Entry(f"e{i}", cost) for i, cost in enumerate(costs)]
     raced = plain.Raced(entries[0], entries[1:], [e.table for e in entries], 1, key)
-    return raced, entries, timed
+    return raced, entries
 
 
-@pytest.mark.parametrize("times, expected", [
+@pytest.mark.parametrize("costs, expected", [
     ([30.0, 10.0, 20.0], "e1"),  # the fastest plain call
-    ([30.0, 29.0, 40.0], "e0"),  # within MARGIN of the GPU-time winner: the winner stays
+    ([30.0, 29.0, 40.0], "e0"),  # within race_margin of the GPU-time winner: the winner stays
 ])
-def test_the_first_plain_call_races_and_later_ones_run_the_fastest(monkeypatch, times, expected):
+def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    raced, entries, timed = _raced(monkeypatch, times)
-    assert [raced("x") for _ in range(3)] == [expected] * 3 and timed == [len(times)]
+    raced, entries = _raced(monkeypatch, costs)
+    racing = raced.race_calls()
+    policy = current_policy()
+    assert racing == len(costs) * (1 + policy.race_rounds * policy.race_calls)
+    during = [raced("x") for _ in range(racing)]
+    # Each entry: one binding call, then race_rounds windows of race_calls calls.
+    assert [e.calls for e in entries] == [1 + policy.race_rounds * policy.race_calls] * len(costs)
+    assert set(during) == {e.name for e in entries}
+    assert [raced("x") for _ in range(3)] == [expected] * 3
     assert raced.plain_table == next(e.table for e in entries if e.name == expected)
     assert raced.table is entries[0].table  # what config_for reports: the GPU-time winner's
-    # Another module of the same kind, shape and tables reuses the decision without timing.
-    again, _, timed_again = _raced(monkeypatch, times, fresh=False)
-    assert again("x") == expected and timed_again == []
+    # Another module of the same kind, shape and tables reuses the decision without racing.
+    again, others = _raced(monkeypatch, costs, fresh=False)
+    assert again("x") == expected and sum(e.calls for e in others) == 1
+
+
+def test_the_windows_take_the_entries_in_a_rotated_order(monkeypatch):
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3)):
+        raced, entries = _raced(monkeypatch, [1.0, 2.0, 3.0], key=("test", "order"))
+        order = [raced("x") for _ in range(raced.race_calls())]
+    # Each entry's first call binds (untimed); then rounds of windows of 2 calls, the order rotated each round.
+    expected = ["e0"] * 3 + ["e1"] * 3 + ["e2"] * 3 + ["e1", "e1", "e2", "e2", "e0", "e0"] + [
+        "e2", "e2", "e0", "e0", "e1", "e1"]
+    assert order == expected
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    raced, entries, _ = _raced(monkeypatch, [30.0, 10.0], key=("test", "fails"))
+    raced, entries = _raced(monkeypatch, [30.0, 10.0], key=("test", "fails"))
 
-    def out_of_memory(entries, args):
+    def out_of_memory(*args):
         raise torch.OutOfMemoryError("no memory for the test")
-    monkeypatch.setattr(plain, "plain_call_us", out_of_memory)
-    assert raced("x") == "e0" and raced("x") == "e0"
+    raced.entries[1] = out_of_memory
+    assert [raced("x") for _ in range(raced.race_calls())][-1] == "e0"
+    assert raced("x") == "e0" and raced.plain is entries[0]
     assert any("could not race" in r.getMessage() for r in caplog.records)
 
 
 def test_a_call_while_a_graph_captures_runs_the_gpu_time_winner(monkeypatch):
-    raced, entries, timed = _raced(monkeypatch, [30.0, 10.0])
+    raced, entries = _raced(monkeypatch, [30.0, 10.0])
     monkeypatch.setattr(plain, "_capturing", lambda: True)
-    assert raced("x") == "e0" and timed == []  # no race while capturing
+    assert raced("x") == "e0" and entries[1].calls == 0  # no race while capturing
     monkeypatch.setattr(plain, "_capturing", lambda: False)
+    for _ in range(raced.race_calls()):
+        raced("x")
     assert raced("x") == "e1"
     monkeypatch.setattr(plain, "_capturing", lambda: True)
     assert raced("x") == "e0"
 
 
-def test_the_race_times_every_entry_in_turn(monkeypatch):
-    # The real timer on plain Python callables (no GPU: synchronize is a no-op here).
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    calls = []
-    entries = [lambda *a, i=i: calls.append(i) for i in range(3)]
-    times = plain.plain_call_us(entries, ("x",))
-    assert len(times) == 3 and all(t > 0 for t in times)
-    assert [calls.count(i) for i in range(3)] == [1 + current_policy().race_rounds * current_policy().race_calls] * 3
-
-
 def _race_on_cpu(monkeypatch, times):
-    """Races on the CPU as on a GPU, with fixed plain-call times; records which tables were raced."""
+    """Races on the CPU as on a GPU, with fixed plain-call times and one window of one call per table; records
+    which tables were raced."""
     raced = []
     monkeypatch.setattr(plain, "racing", lambda device: True)
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-
-    def fake(entries, args):
-        raced.append([e.table for e in entries])
-        return times[:len(entries)]
-    monkeypatch.setattr(plain, "plain_call_us", fake)
+    monkeypatch.setattr(plain.Raced, "_times", lambda self: raced.append(list(self.tables)) or times[:len(self.tables)])
     plain._decided.clear()
     return raced
+
+
+def _race_through(call, tables: int):
+    """Call `call` for as long as a race of `tables` tables takes under _race_on_cpu's policy, then once more."""
+    for _ in range(tables * 2):
+        call()
+    return call()
 
 
 @ON_THE_CPU
@@ -207,8 +233,8 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
     layer = autofuse.get_linear(40, 72, activation="gelu", dtype=torch.float32, device="cpu")
     x = torch.randn(4, 40)
-    with torch.no_grad():
-        out = layer(x)
+    with torch.no_grad(), use_policy(TINY_RACE):
+        out = _race_through(lambda: layer(x), 3)
         again = layer(x)
     expected = linear(x, layer.weight, layer.bias, None, "gelu", KERNEL)
     assert torch.equal(out, expected) and torch.equal(again, expected)
@@ -250,8 +276,8 @@ def test_an_un_graphed_linear_races_the_other_library_paths_where_no_kernel_is_k
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0, 20.0])
     layer = autofuse.get_linear(40, 72, activation="gelu_tanh", dtype=torch.float32, device="cpu")
     x = torch.randn(4, 40)
-    with torch.no_grad():
-        out = layer(x)
+    with torch.no_grad(), use_policy(TINY_RACE):
+        out = _race_through(lambda: layer(x), 3)
     assert [t["linear"].config for t in raced[0]] == [Library(n) for n in ("cublaslt_gelu_tanh", "eager",
                                                                             "cublas_bias_act")]
     assert layer.plain_config_for(4) == {"linear": Library("eager")}
@@ -273,8 +299,8 @@ def test_an_un_graphed_mlp_races_the_two_up_projection_ops(monkeypatch):
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
     assert mlp.config_for(4) == {"gated_pairs": Library("cublas_pairs"), "down": pairs_config}
     x = torch.randn(4, 40)
-    with torch.no_grad():
-        out = mlp(x)
+    with torch.no_grad(), use_policy(TINY_RACE):
+        out = _race_through(lambda: mlp(x), 8)
     assert [list(t) for t in raced[0]][:2] == [["gated_pairs", "down"], ["gated_up", "down"]]
     assert mlp.plain_config_for(4) == {"gated_up": KERNEL, "down": pairs_config}
     g, u, d = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
@@ -292,6 +318,9 @@ def test_on_a_gpu_the_race_runs_for_real_and_a_captured_call_runs_the_graphed_wi
     layer = autofuse.get_linear(128, 256, activation="gelu", dtype=torch.bfloat16, device="cuda")
     x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
+        racing = layer._bound_table(1, layer.weight).race_calls()
+        for _ in range(racing):
+            out = layer(x)
         out = layer(x)
         chosen = layer.plain_config_for(1)["linear"]
         operands = {"x": x, "w": layer.weight, "b": layer.bias, "r": None}

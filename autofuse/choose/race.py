@@ -8,20 +8,21 @@ path chosen by GPU time can make an un-graphed call slower than eager's.
 Where a module's table runs under the policy's host_bound_ms of GPU time and other tables compute the same
 (the tables the choice compared, each with its library choices replaced by their runner-up kernels
 (store.Winner.runner_up), and each with one op's choice replaced by another of its library paths), its
-first un-graphed call times every one of them as it is called, back to back through its bound entry, in
-turn, and its un-graphed calls keep the fastest. A call made while a CUDA graph captures runs the GPU-time
-winner. The decision is the host's as much as the GPU's, so it is kept for the process only, once per
-(module kind, shape, M, tables).
+un-graphed calls time every one of them as they come (windows of consecutive calls, each entry's in turn, so
+that no call waits for a race), and later un-graphed calls keep the fastest. A call made while a CUDA graph
+captures runs the GPU-time winner. The decision is the host's as much as the GPU's, so it is kept for the
+process only, once per (module kind, shape, M, tables).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import statistics
+import time
+from collections.abc import Iterable, Mapping
 
 import torch
 
-from .. import timing
 from ..configs import Library
 from ..device import interpreting
 from .choice import Choice, Source
@@ -29,8 +30,8 @@ from .policy import current
 
 logger = logging.getLogger("autofuse")
 
-# How many calls and rounds each candidate gets, and the margin another table needs: DecisionPolicy's
-# race_calls, race_rounds and race_margin (choose/policy.py).
+# How many calls make a window and how many windows each candidate gets, and the margin another table needs:
+# DecisionPolicy's race_calls, race_rounds and race_margin (choose/policy.py).
 # Decisions kept per process; past this many the memo starts over.
 _KEPT = 512
 
@@ -105,11 +106,15 @@ def _capturing() -> bool:
 
 
 class Raced:
-    """A module's table entry at one M that has other tables to race: calls made while a CUDA graph
-    captures (or a profiler records) run the GPU-time winner's entry, `graphed`; the first other call
-    races every entry (`graphed` first), and later ones run the fastest."""
+    """A module's table entry at one M that has other tables to race. Calls made while a CUDA graph captures (or a
+    profiler records) run the GPU-time winner's entry, `graphed`. Other calls race the entries on the caller's own
+    calls, so that no call waits for a race: each entry's first call binds its launches (not timed); then windows
+    of race_calls consecutive calls each run one entry, timed from a synchronisation before the window's first call
+    to one after its last, race_rounds windows per entry, the entries in a rotated order each round. Then the
+    fastest entry (median window) runs every later call; the decision is kept for the process (`_decided`)."""
 
-    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table")
+    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "_schedule", "_samples",
+                 "_warm", "_window")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -118,6 +123,10 @@ class Raced:
         self.M, self.key = M, key
         self.plain = None  # the entry un-graphed calls run, once raced
         self.plain_table: dict[str, Choice] | None = None  # its table
+        self._schedule: list[int] | None = None  # the entry of each window still to run
+        self._samples: list[list[float]] = []  # µs per call of each entry's windows
+        self._warm: set[int] = set()  # entries whose first (binding) call has run
+        self._window: tuple[int, int, float] | None = None  # (entry, calls left, start) of the window running
 
     @property
     def table(self) -> dict[str, Choice]:
@@ -128,42 +137,88 @@ class Raced:
         plain = self.plain
         if plain is self.graphed or _capturing() or torch.autograd.profiler._is_profiler_enabled:
             return self.graphed(*args)
-        if plain is None:
-            best = self._decide(args)
-            plain, self.plain_table = self.entries[best], self.tables[best]
-            self.plain, self.entries, self.tables = plain, [], []
-        return plain(*args)
-
-    def _decide(self, args: tuple) -> int:
-        found = _decided.get(self.key)
-        if found is not None:
-            return found
+        if plain is not None:
+            return plain(*args)
+        decided = _decided.get(self.key)
+        if decided is not None:
+            return self._settle(decided)(*args)
         try:
-            times = plain_call_us(self.entries, args)
+            return self._race(args)
         except Exception as e:  # noqa: BLE001 - e.g. no memory for another table's buffers: a forward must not fail on a race
             logger.warning("autofuse: could not race un-graphed calls at M=%d (%s: %s); running the GPU-time winner",
                            self.M, type(e).__name__, e)
-            _decided[self.key] = 0
-            return 0
+            self._window = None
+            _remember(self.key, 0)
+            return self._settle(0)(*args)
+
+    def _race(self, args: tuple):
+        """Run this call through the entry the race has reached, timing its window."""
+        policy = current()
+        if self._schedule is None:
+            count = len(self.entries)
+            self._schedule = [(r + i) % count for r in range(policy.race_rounds) for i in range(count)]
+            self._samples = [[] for _ in range(count)]
+        if self._window is None:
+            if not self._schedule:
+                return self._settle(self._decide())(*args)
+            index = self._schedule[0]
+            if index not in self._warm:  # its first call binds its launches: not what later calls cost
+                self._warm.add(index)
+                return self.entries[index](*args)
+            _synchronize()
+            self._window = (index, policy.race_calls, _now())
+        index, left, start = self._window
+        out = self.entries[index](*args)
+        if left > 1:
+            self._window = (index, left - 1, start)
+            return out
+        _synchronize()
+        self._samples[index].append((_now() - start) / policy.race_calls * 1e6)
+        self._window = None
+        self._schedule.pop(0)
+        return out
+
+    def _times(self) -> list[float]:
+        """µs per plain call of each entry: the median of its windows."""
+        return [statistics.median(samples) for samples in self._samples]
+
+    def _decide(self) -> int:
+        times = self._times()
         best = min(range(len(times)), key=times.__getitem__)
         if times[best] > times[0] * (1 - current().race_margin):
             best = 0
-        if len(_decided) >= _KEPT:
-            _decided.clear()
-        _decided[self.key] = best
+        _remember(self.key, best)
         logger.info("autofuse: un-graphed calls at M=%d run %s (%.1f us per plain call; %s)", self.M,
                     _describe(self.tables[best]), times[best],
                     ", ".join(f"{_describe(t)} {us:.1f} us" for t, us in zip(self.tables, times)))
         return best
 
+    def _settle(self, best: int):
+        """Run entry `best` from now on; the others are dropped."""
+        self.plain, self.plain_table = self.entries[best], self.tables[best]
+        self.entries, self.tables, self._samples = [], [], []
+        return self.plain
 
-def plain_call_us(entries: list[Callable], args: tuple) -> list[float]:
-    """Microseconds per plain call of each entry on `args` (timing.plain_call_us: race_calls calls back to back,
-    race_rounds rounds in turn, rotated, the median round); one call first, which binds."""
-    policy = current()
-    times = timing.plain_call_us({str(i): (lambda entry=entry: entry(*args)) for i, entry in enumerate(entries)},
-                                 calls=policy.race_calls, rounds=policy.race_rounds, warmup=1, rotate=True)
-    return [times[str(i)] for i in range(len(entries))]
+    def race_calls(self) -> int:
+        """How many un-graphed calls the race takes from its first to the decision (each entry's binding call
+        included)."""
+        policy = current()
+        return len(self.entries) * (1 + policy.race_rounds * policy.race_calls)
+
+
+def _remember(key: tuple, best: int) -> None:
+    if len(_decided) >= _KEPT:
+        _decided.clear()
+    _decided[key] = best
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _describe(table: dict[str, Choice]) -> str:
