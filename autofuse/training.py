@@ -112,38 +112,63 @@ class TrainingLaunches:
             self.launches[name] = (launch.only_launch(recorded), weights)
 
 
-def aligned_rows(M: int, F_: int, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised [M, F_] tensor in `like`'s dtype and device whose rows are 16-byte aligned: a view of
-    [M, run_width(F_)] storage where F_ itself is not an aligned width (layout.py). The padding is zeroed (a
-    sliver of the buffer): PyTorch's CPU bf16 matmul reads past a strided operand's row into it."""
-    width = run_width(F_)
-    buffer = torch.empty((M, width), dtype=like.dtype, device=like.device)
-    if width == F_:
-        return buffer
-    buffer[:, F_:].zero_()
-    return buffer[:, :F_]
+class Padding:
+    """A training step of a gated MLP whose d_model or d_ff is not an aligned width (layout.run_width) runs in a
+    padded space: x, the weights and biases zero-padded to D = run_width(d_model) and W = run_width(d_ff), so that
+    every cuBLAS GEMM of the step has aligned sizes and rows (its fast kernels need them: unaligned, the same
+    GEMMs ran 3-4x slower), exactly, since the padding contributes zeros everywhere; the output and the gradients
+    are the live region of the padded results. The padded weights are copied once a step into buffers kept on the
+    table entry, gate and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
 
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        self.d, self.f = d_model, d_ff
+        self.D, self.W = run_width(d_model), run_width(d_ff)
 
-def _linear_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """out = x @ w.T + b, written in place (cuBLAS takes out's row stride as its leading dimension)."""
-    if b is None:
-        return torch.mm(x, w.t(), out=out)
-    return torch.addmm(b, x, w.t(), out=out)
+    @staticmethod
+    def of(x: torch.Tensor, w_gate: torch.Tensor) -> Padding | None:
+        f, d = w_gate.shape
+        return Padding(d, f) if (run_width(d), run_width(f)) != (d, f) else None
 
+    def params(self, params: tuple, launches: TrainingLaunches | None) -> tuple:
+        """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded, in buffers reused step after step where the
+        entry has launches (their padding stays zero: only the live region is written)."""
+        w_gate, b_gate, w_up, b_up, w_down, b_down = params
+        held = None if launches is None else launches.weights.get("padded")
+        if held is None or held[0].dtype != w_gate.dtype or held[0].device != w_gate.device:
+            like = dict(dtype=w_gate.dtype, device=w_gate.device)
+            gate_up = torch.zeros((2, self.W, self.D), **like)
+            biases = torch.zeros((2, self.W), **like) if b_gate is not None else None
+            held = (gate_up, biases, torch.zeros((self.D, self.W), **like),
+                    torch.zeros(self.D, **like) if b_down is not None else None)
+            if launches is not None:
+                launches.weights["padded"] = held
+        gate_up, biases, down, down_bias = held
+        d, f = self.d, self.f
+        gate_up[0, :f, :d].copy_(w_gate)
+        gate_up[1, :f, :d].copy_(w_up)
+        down[:d, :f].copy_(w_down)
+        if biases is not None:
+            biases[0, :f].copy_(b_gate)
+            biases[1, :f].copy_(b_up)
+            down_bias[:d].copy_(b_down)
+        return (gate_up[0], None if biases is None else biases[0], gate_up[1], None if biases is None else biases[1],
+                down, down_bias)
 
-def _aligned_weight(w_down: torch.Tensor, launches: TrainingLaunches | None) -> torch.Tensor:
-    """The down projection's weight [D, F] with aligned rows: itself where F is an aligned width, else a copy
-    into padded storage (D x F elements per training step, a small fraction of the step's traffic), kept on the
-    table entry's launches so that its address, which bound launches key on, stays the same step after step."""
-    D, F_ = w_down.shape
-    if run_width(F_) == F_ and w_down.is_contiguous():
-        return w_down
-    held = None if launches is None else launches.weights.get("down")
-    if held is None or held.shape != w_down.shape or held.dtype != w_down.dtype or held.device != w_down.device:
-        held = aligned_rows(D, F_, w_down)
-        if launches is not None:
-            launches.weights["down"] = held
-    return held.copy_(w_down)
+    def rows(self, t: torch.Tensor, width: int) -> torch.Tensor:
+        """t ([M, live columns]) in a new [M, width] tensor, zero beyond its columns."""
+        if t.shape[1] == width:
+            return t
+        padded = t.new_zeros((t.shape[0], width))
+        padded[:, :t.shape[1]].copy_(t)
+        return padded
+
+    def grads(self, grads: tuple) -> tuple:
+        """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) of the live region of the padded ones."""
+        dx, dw_gate, db_gate, dw_up, db_up, dw_down = grads
+        d, f = self.d, self.f
+        return (None if dx is None else dx[:, :d], None if dw_gate is None else dw_gate[:f, :d],
+                None if db_gate is None else db_gate[:f], None if dw_up is None else dw_up[:f, :d],
+                None if db_up is None else db_up[:f], None if dw_down is None else dw_down[:d, :f])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,18 +193,15 @@ def _training_forward(x, params: tuple, step: TrainingStep, separate: bool):
     activation, down_config, launches = step.activation, step.down_config, step.launches
     M, F_ = x.shape[0], w_gate.shape[0]
     if separate:
-        # Into rows padded to an aligned width where F is not one (layout.py): every GEMM and pass over G, U, H,
-        # dH, dG and dU then reads and writes 16-byte aligned rows, which cuBLAS runs several times faster.
-        pre = (_linear_into(aligned_rows(M, F_, x), x, w_gate, b_gate),
-               _linear_into(aligned_rows(M, F_, x), x, w_up, b_up))
+        pre = (F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up))
         g, u = pre
     else:
         pre = pre_activations(x, w_gate, b_gate, w_up, b_up)
         g, u = pre[:, :F_], pre[:, F_:]
     if launches is None or launches.M != M:
-        h = gated_activation(g, u, activation, out=aligned_rows(M, F_, g) if separate else None)
+        h = gated_activation(g, u, activation)
         return pre, h, _project(h, w_down, b_down, None, down_config)
-    h = aligned_rows(M, F_, g) if separate else g.new_empty((M, F_))
+    h = g.new_empty((M, F_))
     launches.run("gated_act", {"g": g, "u": u, "h": h}, [], lambda: gated_activation(g, u, activation, out=h))
     if down_config is None:  # a library path: nothing to bind
         return pre, h, _project(h, w_down, b_down, None, None)
@@ -209,11 +231,14 @@ class MLPFunction(torch.autograd.Function):
     def forward(ctx, x, *params_and_step):
         """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, step: TrainingStep)."""
         *params, step = params_and_step
+        padding = Padding.of(x, params[0])
+        if padding is not None:  # unaligned d_model or d_ff: the step runs in the padded space
+            params = padding.params(tuple(params), step.launches)
+            x = padding.rows(x, padding.D)
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         save_hidden = step.save_hidden
-        if save_hidden:  # the down projection (and the backward's dH) read an aligned copy where F is unaligned
-            params[4] = w_down = _aligned_weight(w_down, step.launches)
         pre, h, y = _training_forward(x, tuple(params), step, separate=save_hidden)
+        ctx.padding = padding
         ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
@@ -230,7 +255,7 @@ class MLPFunction(torch.autograd.Function):
             # offloading) they go through save_for_backward so that the hooks see them.
             ctx.save_for_backward(*saved)
             ctx.kept = [*pre, h]
-        return y
+        return y if padding is None else y[:, :padding.d]
 
     @staticmethod
     def backward(ctx, dy):
@@ -241,7 +266,8 @@ class MLPFunction(torch.autograd.Function):
                                "again instead of backward(retain_graph=True) twice")
         ctx.spent = True
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
-        dy = dy.contiguous()
+        padding = ctx.padding
+        dy = dy.contiguous() if padding is None else padding.rows(dy, padding.D)
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, step)
         if len(saved) == 1:  # save_hidden False: one [G | U] buffer, H recomputed
             grads = _backward_recomputing_h(ctx, dy, x, saved.pop(), w_gate, w_up, w_down, need)
@@ -250,6 +276,9 @@ class MLPFunction(torch.autograd.Function):
             ctx.kept = None
             saved.clear()  # `kept` holds this function's only references, which the callee drops as it goes
             grads = _backward_from_kept_h(ctx, dy, x, kept, w_gate, w_up, w_down, need)
+        if padding is not None:
+            grads = padding.grads(grads)
+            dy = dy[:, :padding.d]
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
         return (*grads, db_down, None)
 
@@ -261,10 +290,9 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
     last GEMM holds dU alone, not [dG | dU]."""
     g, u, h = kept
     kept.clear()
-    M, F_ = h.shape
-    dw_down = torch.mm(dy.t(), h, out=aligned_rows(w_down.shape[0], F_, h)) if need[5] else None
+    dw_down = dy.t() @ h if need[5] else None
     del h  # dH below takes its place
-    dh = torch.mm(dy, w_down, out=aligned_rows(M, F_, dy))
+    dh = dy @ w_down
     dg, du = gated_gradient_kept(dh, g, u, ctx.activation, out=(g, u))
     del dh, g, u  # dg and du are now the only references to those two buffers
     dx = None

@@ -454,15 +454,21 @@ def test_stacked_refuses_tensors_that_are_not_the_halves_of_one_buffer():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d_ff, d_model", [(75, 40), (100, 43)], ids=["dff75", "dff100-dmodel43"])
-def test_training_at_an_unaligned_width_keeps_aligned_rows_and_the_reference_gradients(dtype, d_ff, d_model,
-                                                                                        device):
-    """A d_ff that is not a multiple of 8: G, U and H live in rows padded to an aligned width (what cuBLAS needs
-    for its fast kernels), the down weight's copy too, and the gradients are still the reference's."""
-    module = autofuse.get_mlp(d_model, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
+@pytest.mark.parametrize("save_hidden", [True, False], ids=["keep-h", "recompute-h"])
+def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients(dtype, d_ff, d_model, save_hidden,
+                                                                                  device):
+    """A d_ff (or d_model) that is not a multiple of 8: the step runs in the padded space (every GEMM at aligned
+    sizes, what cuBLAS needs for its fast kernels), and the output and gradients are still the reference's."""
+    from autofuse.layout import run_width
+
+    module = autofuse.get_mlp(d_model, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
+                              save_hidden=save_hidden)
     x = torch.randn(21, d_model, dtype=dtype, device=device)
     dy = torch.randn(21, d_model, dtype=dtype, device=device)
-    node = _mlp_node(module(x.clone().requires_grad_()))
-    assert all(t.shape == (21, d_ff) and t.stride(0) % 64 == 0 for t in node.kept)  # G, U, H
+    out = module(x.clone().requires_grad_())
+    assert out.shape == (21, d_model)
+    if save_hidden:
+        assert [tuple(t.shape) for t in _mlp_node(out).kept] == [(21, run_width(d_ff))] * 3  # G, U, H padded
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     params = _mlp_params(module)
     got = _module_grads(module, x, dy, names)
