@@ -176,6 +176,11 @@ class Evaluator:
         except Exception:  # noqa: BLE001 - a dead CUDA context fails the next trial on its own
             pass
 
+    def precompile(self, config: KernelConfig) -> None:
+        """Compile `config`'s kernel for this key (Triton's cache keeps it for the trial or check that follows)."""
+        if not self.interpret:
+            self._compile(config)
+
     def _compile(self, config: KernelConfig) -> TrialRecord | None:
         """Run the candidate once so Triton compiles it, giving up after compile_timeout_s.
 

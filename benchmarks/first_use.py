@@ -1,14 +1,18 @@
 """First use: the wall time of a module's first forward at a token count nobody tuned, on an empty cache, and
-what it goes to: the first-use checks (choose/check.py), the Triton compiles inside them, the rest.
+what it goes to (the first-use checks, choose/check.py, and the Triton compiles inside them); then the plain
+(un-graphed) calls that follow, in windows of 50 calls, against eager PyTorch's: what the un-graphed race
+(choose/race.py) costs while it runs, and after how many calls it has decided.
 
-  python benchmarks/first_use.py [--out DIR] [--shapes 6] [--tokens 1,16,128,1024] [--seed 36]
+  python benchmarks/first_use.py [--out DIR] [--shapes 6] [--tokens 1,16,128,1024] [--seed 36] [--calls 1000]
 
 Gated MLPs drawn by a seeded generator (d_model 896-4096, d_ff 2-4x d_model, every other d_ff not a multiple
 of 8), none in the shipped files, bf16, each shape's modules built fresh. Run with AUTOFUSE_CACHE_DIR pointing
 at an empty folder; Triton's compile cache is a fresh folder of this process (TRITON_CACHE_DIR), so the first
 shape compiles cold and later ones reuse what an earlier shape compiled where Triton's specialisation allows,
 as a deployment's process would. Per (shape, M): the first forward's wall time (synchronised), the seconds its
-checks took and the seconds of compiling inside them, and the second forward's wall time.
+checks took and the seconds of compiling inside them; then --calls plain calls of the module and of eager
+PyTorch's MLP on the same weights, in turn by windows of 50 (each window synchronised at its ends), µs per call per
+window, the worst window's ratio autofuse / eager after the first call, and the calls the race took.
 """
 
 from __future__ import annotations
@@ -60,7 +64,43 @@ class _Clock:
         setattr(self.owner, self.name, self.real)
 
 
-def first_forward(d: int, f: int, activation: str, M: int) -> dict:
+WINDOW = 50
+
+
+def _window_us(fn, calls: int = WINDOW) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
+    """Windows of plain calls after the first, autofuse's and eager's in turn on the same weights."""
+    wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    act = torch.nn.functional.silu if mlp.activation == "silu" else (
+        lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+
+    def eager():
+        return torch.nn.functional.linear(act(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu),
+                                          wd)
+
+    ours, theirs = [], []
+    with torch.no_grad():
+        eager()
+        for _ in range(calls // WINDOW):
+            ours.append(_window_us(lambda: mlp(x)))
+            theirs.append(_window_us(eager))
+    entry = mlp._bound.get(mlp._key(x.shape[0], wg, False))
+    decided_after = None
+    if entry is not None and hasattr(entry, "race_calls"):
+        decided_after = "undecided" if entry.plain is None else "raced"
+    return dict(autofuse_us=ours, eager_us=theirs, worst_ratio=max(o / e for o, e in zip(ours, theirs)),
+                steady_ratio=statistics.median(o / e for o, e in zip(ours[-5:], theirs[-5:])), race=decided_after)
+
+
+def first_forward(d: int, f: int, activation: str, M: int, calls: int) -> dict:
     mlp = autofuse.get_mlp(d, f, activation=activation, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
@@ -75,9 +115,12 @@ def first_forward(d: int, f: int, activation: str, M: int) -> dict:
         mlp(x)
         torch.cuda.synchronize()
         second = time.perf_counter() - start
-    return dict(d_model=d, d_ff=f, activation=activation, M=M, first_s=first, checks_s=checks.seconds,
-                compiles_s=compiles.seconds, second_s=second, sources=mlp.config_sources(M),
-                choices={op: c.short() for op, c in mlp.config_for(M).items()})
+    row = dict(d_model=d, d_ff=f, activation=activation, M=M, first_s=first, checks_s=checks.seconds,
+               compiles_s=compiles.seconds, second_s=second, sources=mlp.config_sources(M),
+               choices={op: c.short() for op, c in mlp.config_for(M).items()})
+    if calls:
+        row["plain"] = plain_windows(mlp, x, calls)
+    return row
 
 
 def main() -> None:
@@ -85,16 +128,19 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, default=6)
     parser.add_argument("--tokens", default="1,16,128,1024")
     parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument("--calls", type=int, default=1000, help="plain calls after the first (0: none)")
     args = parser.parse_args()
     out = harness.out_dir(args.out)
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     for d, f, activation in draw(args.seed, args.shapes):
         for M in tokens:
-            row = first_forward(d, f, activation, M)
+            row = first_forward(d, f, activation, M, args.calls if M <= 256 else 0)
             rows.append(row)
             print(f"{d}->{f} {activation} M={M}: first {row['first_s']:.2f} s (checks {row['checks_s']:.2f}, "
-                  f"compiles {row['compiles_s']:.2f}), second {row['second_s'] * 1e3:.2f} ms {row['sources']}",
+                  f"compiles {row['compiles_s']:.2f}), second {row['second_s'] * 1e3:.2f} ms {row['sources']}"
+                  + (f"; plain windows: worst {row['plain']['worst_ratio']:.2f}x eager, steady "
+                     f"{row['plain']['steady_ratio']:.2f}x ({row['plain']['race']})" if "plain" in row else ""),
                   flush=True)
         harness.write(out, "first_use.json", dict(rows=rows, summary=_summary(rows, tokens)))
     print(_summary(rows, tokens))

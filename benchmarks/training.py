@@ -12,8 +12,9 @@ Providers: eager (F.linear + gate, autograd), torch.compile of the same function
 gemm-only: the nine GEMM-units of work a gated MLP's forward+backward needs (cuBLAS), with the
 fewest buffers any implementation must hold (the [M, 2F] pre-activations, reused for their
 gradient, and dH) and no pointwise work at all: a floor no implementation at cuBLAS's rate goes under.
-Time: do_bench median of one forward+backward (gradients accumulate; L2 flushed), and of the
-forward alone, the providers timed in turn for --rounds rounds (default 3; the median round reported). Peak
+Time: do_bench median of --steps back-to-back forward+backward steps, per step (gradients accumulate; L2 flushed
+before each sample), and of the forward alone, the providers timed in turn for --rounds rounds (default 3; the
+median round reported). Peak
 memory: torch.cuda.max_memory_allocated during one forward+backward, absolute (parameters, their
 .grad, the input and dY included, the same for every provider) and above what was allocated before
 it; autofuse is measured last, so its first-use checks' leftovers would count against it alone.
@@ -105,19 +106,26 @@ def _peak(fn, params, x, dy):
     return dict(peak_gib=peak / 2**30, peak_above_start_gib=(peak - before) / 2**30)
 
 
-def _times(fns: dict, params, x, dy, rounds: int = 3) -> dict:
-    """Per provider, the median over `rounds` of do_bench medians of one forward+backward and of the forward
-    alone, the providers taken in turn each round (a drift of clocks during the minutes this takes falls on
-    all of them alike, not on whichever runs last), the order rotated by one each round: what a provider
-    inherits from the one before it (clocks and temperature after a hotter or cooler step) then falls on each
-    provider alike over len(fns) rounds, not always on the same one."""
+def _times(fns: dict, params, x, dy, rounds: int = 3, steps: int = 4) -> dict:
+    """Per provider, the median over `rounds` of do_bench medians of `steps` back-to-back forward+backward steps
+    (per step) and of the forward alone, the providers taken in turn each round (a drift of clocks during the
+    minutes this takes falls on all of them alike, not on whichever runs last), the order rotated by one each
+    round: what a provider inherits from the one before it then falls on each provider alike over len(fns)
+    rounds. Back-to-back steps, because inside a model the host queues a step's kernels while earlier ones run:
+    a single isolated step would charge each provider its Python's latency before the first kernel, which a
+    real training step hides."""
     samples = {name: ([], []) for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn = fns[name]
-            samples[name][0].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params).backward(dy), warmup=50,
-                                                            rep=300, return_mode="median"))
+
+            def train_steps(fn=fn):
+                for _ in range(steps):
+                    fn(x, *params).backward(dy)
+
+            samples[name][0].append(triton.testing.do_bench(train_steps, warmup=50, rep=300,
+                                                            return_mode="median") / steps)
             samples[name][1].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params), warmup=25, rep=150,
                                                             return_mode="median"))
             for p in params:
@@ -150,6 +158,7 @@ def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of timing, the providers in turn in each")
     parser.add_argument("--no-training-run", action="store_true", help="skip the 300-step loss comparison")
+    parser.add_argument("--steps", type=int, default=4, help="back-to-back steps per timed sample")
     parser.add_argument("--held-out", type=int, default=0, metavar="N", help="N drawn shapes instead of the public")
     parser.add_argument("--seed", type=int, default=36)
     parser.add_argument("--tokens", default="2048,8192", help="the M of the drawn shapes")
@@ -217,7 +226,7 @@ def main() -> None:
             for p in params:
                 p.grad = None
             x.grad = None
-        times = _times(timed, params, x, dy, rounds=args.rounds)
+        times = _times(timed, params, x, dy, rounds=args.rounds, steps=args.steps)
         for row in shape_rows:
             row.update(times.get(row["provider"], {}))
             rows.append(row)

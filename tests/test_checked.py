@@ -313,3 +313,29 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     asked = len(evaluator.asked)
     checked._side_by_side_if_near(evaluator, kernel, {"eager": 0.4, "far": 2.0})
     assert len(evaluator.asked) == asked
+
+
+def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
+    """On a GPU a check's time is mostly its kernel's compile: the plan's unchecked ops (and the one-launch
+    kernel about to be checked beside them) are compiled on threads at once, before the checks run in turn."""
+    import threading
+
+    from autofuse.choose import MLPPlan, plans
+
+    compiled = []
+
+    def precompile(self, config):
+        compiled.append((self.key.op, config, threading.current_thread().name))
+
+    monkeypatch.setattr(objective.Evaluator, "precompile", precompile)
+    monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
+    monkeypatch.setattr(checked, "_compare", lambda key, M, choice, device: (_ for _ in ()).throw(
+        RuntimeError("the test stops at the checks")))
+    plan = MLPPlan(D, F_, "silu", False, pairs=True)
+    plans._precompile(plan, 4, torch.float32, torch.device("cpu"))
+    assert sorted(op for op, _, _ in compiled) == ["down", "gated_pairs", "gated_up", "mlp"]
+    assert {name for _, _, name in compiled} == {"autofuse-precompile"}
+    assert all(isinstance(config, KernelConfig) for _, config, _ in compiled)
+    compiled.clear()
+    plans._precompile(MLPPlan(D, F_, "silu", False), 128, torch.float32, torch.device("cpu"))  # no one launch
+    assert sorted(op for op, _, _ in compiled) == ["down", "gated_up"]

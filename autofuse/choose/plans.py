@@ -88,6 +88,8 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
                 tuned: bool) -> tuple[Table, list[Table]]:
     policy = current()
     up_problem = plan.problem("gated_up", M, dtype, device)
+    if tuned:
+        _precompile(plan, M, dtype, device)
     up = resolve_checked(up_problem, tuned)
     down = resolve_checked(plan.problem("down", M, dtype, device), tuned)
     pair, others = {"gated_up": up, "down": down}, []
@@ -117,3 +119,17 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
     if None not in pair_ms and sum(pair_ms) * (1 + policy.one_launch_margin) <= fused.time_ms:
         return pair, [*others, {"mlp": fused}]
     return {"mlp": fused}, [pair, *others]
+
+
+def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile at once the kernels the plan's first-use checks below will time (check.precompile): the ops'
+    unchecked choices, and the one-launch kernel's heuristic where the two ops are about to be checked and no
+    one-launch record exists."""
+    ops = ["gated_up", "down", *(["gated_pairs"] if plan.pairs else [])]
+    jobs = [(problem, lookup.resolve(problem)) for problem in (plan.problem(op, M, dtype, device) for op in ops)]
+    one_launch = M <= current().one_launch_max_m and plan.d_in in (None, plan.d_model)
+    if one_launch and all(choice.source.unchecked for _, choice in jobs[:2]):
+        problem = plan.problem("mlp", M, dtype, device)
+        if lookup.resolve_tuned(problem) is None:
+            jobs.append((problem, Choice(heuristic_for(problem.replace(M=problem.bucket)), Source.HEURISTIC)))
+    check.precompile(jobs)
