@@ -106,7 +106,7 @@ class FusedModule(nn.Module):
         self._check_parameters()
         entry = self._bound_table(M, weight, residual)
         if not pending(entry.table):
-            self._last = (M, residual, weights, current, entry)
+            self._last = (M, residual, weights, generation(), entry)
         return entry
 
     def _check_parameters(self) -> None:
@@ -134,8 +134,16 @@ class FusedModule(nn.Module):
             check_device(weight.device)
             table, compared = select(self._plan(residual), M, weight.dtype, weight.device, self.tuned)
             if not pending(table):  # a choice made while no check could run is made again next time
+                # Kept under the generation its own checks moved to (each stored decision moves it): the next
+                # forward must not resolve again (a near tie between two ops would be timed again).
+                self._seen_generation()
+                key = self._key(M, weight, residual)
                 self._configs[key], self._compared[key] = table, compared
         return table
+
+    def _seen_generation(self) -> None:
+        """What was read of tuned configs is up to date in this module's memos (its own checks moved it)."""
+        self._generation = generation()
 
     _table_key = staticmethod(table_key)
 
@@ -151,6 +159,7 @@ class FusedModule(nn.Module):
         bound = self._bound.get(key)
         if bound is None:
             table = self._config_table(M, residual)
+            key = self._key(M, weight, residual)  # under the generation the table's checks moved it to
             bound = self._bind(table, M)
             if not pending(table):
                 if self.tuned and plain.racing(weight.device) and plain.host_bound(table):

@@ -278,6 +278,8 @@ class FusedMLP(FusedModule):
             configs = (down.kernel, None if backward is None else backward.config)
             if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
                 return (*configs, None)
+            self._seen_generation()  # kept under the generation its checks moved to, as _config_table keeps
+            key = (*self._table_key(M, weight), save_hidden)
             self._training_table[key] = (*configs, TrainingLaunches(max(M, 1)))
         return self._training_table[key]
 

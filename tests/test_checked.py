@@ -339,3 +339,22 @@ def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
     compiled.clear()
     plans._precompile(MLPPlan(D, F_, "silu", False), 128, torch.float32, torch.device("cpu"))  # no one launch
     assert sorted(op for op, _, _ in compiled) == ["down", "gated_up"]
+
+
+def test_the_forward_after_the_checks_does_not_resolve_again(device, monkeypatch):
+    """Each stored decision moves lookup.generation(); the module keeps the table its first forward resolved
+    under the generation its own checks moved to, so the next forward resolves nothing (a near tie between two
+    ops would otherwise be timed again)."""
+    from autofuse import fused_module
+
+    _fake_timer(monkeypatch, library_ms=3.0, kernel_ms=2.0)
+    mlp, _ = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    selected = []
+    real = fused_module.select
+    monkeypatch.setattr(fused_module, "select", lambda *a: selected.append(1) or real(*a))
+    with torch.no_grad():
+        mlp(x)
+        mlp(x)
+        mlp(x)
+    assert len(selected) == 1
