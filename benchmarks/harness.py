@@ -44,8 +44,11 @@ def run_info() -> dict:
     import torch
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    git = dict(capture_output=True, text=True, cwd=Path(__file__).parent)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip() or "unknown"
+    # A tree that differs from its commit (edits, or a copy of a checkout over another commit's .git) says so.
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip():
+        commit += " with uncommitted changes"
     return dict(gpu=gpu_name(), host=platform.processor() or platform.machine(), torch=torch.__version__,
                 triton=triton.__version__, python=platform.python_version(), commit=commit,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
