@@ -2,19 +2,28 @@
 
 A choice has one of two kinds:
 - KernelConfig: one of autofuse's Triton kernels with the numbers that change its speed but not its
-  source (tile sizes, GROUP_M, warps, pipeline stages, split-K, TMA); stored as a JSON object.
+  source (tile sizes, GROUP_M, warps, pipeline stages) and its kernel variant with that variant's knobs
+  (autofuse/variants.py); stored as a JSON object.
 - Library: a library path the op can run instead (cuBLAS through PyTorch, plus pointwise work),
   named by its candidate name; spelled `library:<name>` in records, the CLI and profiler ranges.
-Both are validated on load; `choice_from_json` reads either (and "baseline", the spelling of the
-eager library path in records written before choice kinds existed).
+Both are validated on load by `choice_from_json`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
+
+from . import variants as variant_registry
+from .errors import shown
+from .variants import Device, Shape
+
+__all__ = ["Device", "EAGER", "KernelConfig", "Library", "SearchSpace", "Shape", "choice_from_json",
+           "gemm_heuristic"]
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
@@ -32,12 +41,10 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    # Programs that share one output tile, each over 1/split_k of K; partial sums meet in a float32
-    # workspace (launch.py). Lets small-M problems with few output tiles keep every SM streaming.
-    split_k: int = 1
-    # Persistent kernel fed by TMA tensor descriptors (Hopper and newer; launch.py falls back to the
-    # one-tile-per-program kernel where TMA cannot run). Never combined with split_k.
-    tma: bool = False
+    # The kernel variant (autofuse/variants.py: tile, split_k, tma, or one registered from outside) and its
+    # knobs, e.g. {"split_k": 4}; given as a mapping, kept as sorted (name, value) pairs.
+    variant: str = "tile"
+    knobs: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -51,42 +58,60 @@ class KernelConfig:
             raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps!r}")
         if type(self.num_stages) is not int or not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be an int in 1..8, got {self.num_stages!r}")
-        if type(self.split_k) is not int or not 1 <= self.split_k <= 64:
-            raise ValueError(f"split_k must be an int in 1..64, got {self.split_k!r}")
-        if type(self.tma) is not bool:
-            raise ValueError(f"tma must be true or false, got {self.tma!r}")
-        if self.tma and self.split_k > 1:
-            raise ValueError("tma and split_k > 1 do not combine")
+        variant = variant_registry.get(self.variant)
+        knobs = dict(self.knobs) if isinstance(self.knobs, (Mapping, tuple)) else None
+        if knobs is None or set(knobs) != set(variant.knobs):
+            wanted = ", ".join(variant.knobs) or "none"
+            raise ValueError(f"variant {self.variant} takes the knobs {wanted}, got {self.knobs!r}")
+        for name, value in knobs.items():
+            knob = variant.knobs[name]
+            if type(value) is not int or not knob.low <= value <= knob.high:
+                raise ValueError(f"{name} must be an int in {knob.low}..{knob.high}, got {value!r}")
+        object.__setattr__(self, "knobs", tuple(sorted(knobs.items())))
 
-    def to_dict(self) -> dict[str, int | bool]:
-        return dataclasses.asdict(self)
+    def knob(self, name: str) -> int:
+        """The value of one of the variant's knobs."""
+        return dict(self.knobs)[name]
+
+    @property
+    def tile(self) -> KernelConfig:
+        """The same tiles as the one-tile-per-program variant (what runs where this variant cannot)."""
+        return self if self.variant == "tile" else dataclasses.replace(self, variant="tile", knobs=())
+
+    def to_dict(self) -> dict[str, int | str]:
+        data: dict[str, int | str] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                      if f.name != "knobs"}
+        return {**data, **dict(self.knobs)}
 
     to_json = to_dict
 
     @classmethod
     def from_dict(cls, data: Any) -> KernelConfig:
-        """Build from JSON data; raise ValueError on unknown fields, missing tile sizes or bad values."""
+        """Build from JSON data (the tile fields, "variant", the variant's knobs); raise ValueError on unknown
+        fields, missing tile sizes or bad values."""
         if not isinstance(data, dict):
             raise ValueError(f"a kernel config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        if "tma" in data:
+            raise ValueError("a kernel config in the format before kernel variants (a 'tma' field): tune again")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"knobs"}
+        variant = variant_registry.get(data.get("variant", "tile"))
+        unknown = set(data) - fields - set(variant.knobs)
         if unknown:
-            raise ValueError(f"unknown kernel config fields: {', '.join(sorted(unknown))}")
+            names = ", ".join(sorted(unknown))  # JSON object keys: strings
+            raise ValueError(f"unknown kernel config fields: {names if names.isprintable() else shown(names, 80)}")
         missing = {"block_m", "block_n", "block_k"} - set(data)
         if missing:
             raise ValueError(f"kernel config lacks: {', '.join(sorted(missing))}")
-        return cls(**data)
+        knobs = {name: data[name] for name in variant.knobs if name in data}
+        return cls(**{name: value for name, value in data.items() if name in fields}, knobs=knobs)
 
     def short(self) -> str:
-        variant = f" k{self.split_k}" if self.split_k > 1 else " tma" if self.tma else ""
         tiles = f"{self.block_m}x{self.block_n}x{self.block_k}"
-        return f"{tiles} g{self.group_m} w{self.num_warps} s{self.num_stages}{variant}"
-
-
+        label = variant_registry.get(self.variant).label(dict(self.knobs))
+        return f"{tiles} g{self.group_m} w{self.num_warps} s{self.num_stages}{label}"
 
 
 _LIBRARY_PREFIX = "library:"
-_LEGACY_EAGER = "baseline"  # records written before choice kinds: the eager library path won
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,20 +138,19 @@ EAGER = Library("eager")  # every op's first library candidate: what a PyTorch m
 
 
 def choice_from_json(data: Any) -> KernelConfig | Library:
-    """A stored choice: a KernelConfig object, `library:<name>`, or the legacy "baseline" (eager)."""
+    """A stored choice: a KernelConfig object or `library:<name>`."""
     if isinstance(data, str):
-        if data == _LEGACY_EAGER:
-            return EAGER
         if data.startswith(_LIBRARY_PREFIX):
             return Library(data[len(_LIBRARY_PREFIX):])
-        raise ValueError(f"a choice is a kernel config object or 'library:<name>', got {data[:60]!r}")
+        raise ValueError(f"a choice is a kernel config object or 'library:<name>', got {shown(data, 60)}")
     return KernelConfig.from_dict(data)
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
-    """The values each knob of a kernel config may take; the tuner searches their product, filtered
-    (autofuse/tune/space.py) before anything compiles."""
+    """The values each tile knob of a kernel config may take; the tuner searches their product with every
+    variant that applies (each with its own knobs' values, variants.Knob), filtered (autofuse/tune/space.py)
+    before anything compiles."""
 
     block_m: tuple[int, ...] = (16, 32, 64, 128, 256)
     block_n: tuple[int, ...] = (16, 32, 64, 128, 256)
@@ -134,22 +158,44 @@ class SearchSpace:
     group_m: tuple[int, ...] = (1, 8, 16)
     num_warps: tuple[int, ...] = (2, 4, 8)
     num_stages: tuple[int, ...] = (2, 3, 4, 5)
-    split_k: tuple[int, ...] = (1, 2, 4, 8, 16)
-    tma: tuple[bool, ...] = (False, True)
+    variants: tuple[str, ...] | None = None  # None: every variant of the op that applies; else only these
 
     def dimensions(self) -> dict[str, tuple]:
-        return dataclasses.asdict(self)
+        """The tile knobs and their values."""
+        return {name: value for name, value in dataclasses.asdict(self).items() if name != "variants"}
 
-    def size(self) -> int:
+    def searched(self, kinds: Collection[variant_registry.Variant]) -> tuple[variant_registry.Variant, ...]:
+        """Of the variants that apply, those this space searches."""
+        return tuple(v for v in kinds if self.variants is None or v.name in self.variants)
+
+    def points(self, kinds: Collection[variant_registry.Variant], interpret: bool):
+        """Every config of the product of the tile knobs and, per variant of `kinds`, its knobs' values."""
+        dims = self.dimensions()
+        for values in itertools.product(*dims.values()):
+            tiles = dict(zip(dims, values))
+            for variant in kinds:
+                knobs = {name: knob.interpreter_values if interpret else knob.values
+                         for name, knob in variant.knobs.items()}
+                for chosen in itertools.product(*knobs.values()):
+                    yield KernelConfig(**tiles, variant=variant.name, knobs=dict(zip(knobs, chosen)))
+
+    def size(self, kinds: Collection[variant_registry.Variant] = (variant_registry.TILE,),
+             interpret: bool = False) -> int:
         n = 1
         for values in self.dimensions().values():
             n *= len(values)
-        return n
+        per_tile = 0
+        for variant in kinds:
+            count = 1
+            for knob in variant.knobs.values():
+                count *= len(knob.interpreter_values if interpret else knob.values)
+            per_tile += count
+        return n * per_tile
 
 
 # Under the interpreter every program costs milliseconds: a tiny space of large tiles.
 INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=(32, 64), group_m=(1, 8),
-                                num_warps=(4,), num_stages=(1, 2), split_k=(1, 2), tma=(False, True))
+                                num_warps=(4,), num_stages=(1, 2))
 
 
 def shared_memory_bytes(config: KernelConfig, operand_tiles: tuple[int, int], dtype: torch.dtype) -> int:
@@ -188,52 +234,66 @@ def fit_shared_memory(config: KernelConfig, operand_tiles: tuple[int, int], dtyp
 
 
 @dataclasses.dataclass(frozen=True)
-class Device:
-    """What a heuristic needs to know of where it runs."""
+class Rule:
+    """One row of a heuristic table: for M up to `max_m` (None: any), where `variant` (one without knobs)
+    applies (and, with `wide_only`, only for 16-bit operands), the config's numbers. `narrow` replaces
+    (block_n, num_stages) for ops whose tiles stay narrow (two accumulators, or an epilogue loading more
+    tiles); block_k is (16-bit operands, 32-bit operands): 16-bit ones fit twice the K per byte of shared
+    memory."""
 
-    interpret: bool
-    shared_memory_limit: int = 0
-    multiprocessors: int = 108
-    tma: bool = False  # TMA kernels can serve this problem here (device.tma_usable)
+    max_m: int | None
+    variant: str
+    block_m: int
+    block_n: int
+    block_k: tuple[int, int]
+    num_warps: int
+    num_stages: int
+    narrow: tuple[int, int] | None = None
+    wide_only: bool = False
 
 
-def gemm_heuristic(M: int, N: int, K: int, dtype: torch.dtype, device: Device, *, operand_tiles: tuple[int, int],
-                   narrow_n: bool, split_k: bool) -> KernelConfig:
-    """A sound default for a GEMM-shaped kernel: the fallback when no tuned config exists.
+# The GEMM family's heuristic on a GPU, first matching row wins. Small M is weight-streaming bound (narrow M,
+# long K tiles; split-K added below to fill the SMs); large M is compute bound (128-wide tiles, deep pipelines),
+# and on Hopper the persistent TMA kernels beat the best one-tile-per-program configs there (M = 4096).
+GEMM_RULES = (
+    Rule(16, "tile", 16, 64, (128, 64), num_warps=4, num_stages=4),
+    Rule(32, "tile", 32, 64, (128, 64), num_warps=4, num_stages=4),
+    Rule(64, "tile", 64, 64, (128, 64), num_warps=4, num_stages=4),
+    Rule(256, "tile", 64, 128, (64, 32), num_warps=4, num_stages=4, narrow=(64, 4)),
+    Rule(None, "tma", 128, 256, (64, 64), num_warps=8, num_stages=3, narrow=(128, 4), wide_only=True),
+    Rule(None, "tile", 128, 128, (64, 32), num_warps=8, num_stages=4, narrow=(128, 3)),
+)
+# Under the interpreter each program costs milliseconds, so the largest tiles win there.
+INTERPRETER_RULES = (Rule(None, "tile", 64, 64, (64, 64), num_warps=4, num_stages=1),)
 
-    Under the interpreter each program costs milliseconds, so the largest tiles win there; on a GPU
-    the tile grows with M (small M is weight-streaming bound: narrow M, long K tiles; large M is
-    compute bound: 128-wide tiles, deep pipelines). `narrow_n`: the kernel holds two accumulators or
-    an epilogue that loads two more tiles, so its N tiles stay narrower. `split_k`: the kernel has a
-    split-K variant, used at small M to fill the SMs.
-    """
-    if device.interpret:
-        return clamp_to_problem(KernelConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=1), M, N, K)
-    wide = dtype.itemsize <= 2  # 16-bit operands: twice the K per byte of shared memory
-    if M <= 64:
-        block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-        config = KernelConfig(block_m, 64, 128 if wide else 64, group_m=8, num_warps=4, num_stages=4)
-    elif M <= 256:
-        config = KernelConfig(64, 64 if narrow_n else 128, 64 if wide else 32, group_m=8, num_warps=4, num_stages=4)
-    elif device.tma and wide:
-        # Hopper, large M: the persistent TMA kernels, faster than the best one-tile-per-program configs
-        # at M = 4096.
-        config = KernelConfig(128, 128 if narrow_n else 256, 64, group_m=8, num_warps=8,
-                              num_stages=4 if narrow_n else 3, tma=True)
-    else:
-        config = KernelConfig(128, 128, 64 if wide else 32, group_m=8, num_warps=8, num_stages=3 if narrow_n else 4)
+
+def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, operand_tiles: tuple[int, int],
+                   narrow_n: bool) -> KernelConfig:
+    """A sound default for a GEMM-shaped kernel: the fallback when no tuned config exists, read from the rule
+    tables above. `kinds`: the names of the variants that apply to this op, shape and device
+    (variants.applicable); split-K, where it applies, splits K until the programs cover the SMs."""
+    M, N, K, dtype = shape.M, shape.N, shape.K, shape.dtype
+    wide = dtype.itemsize <= 2
+    rules = INTERPRETER_RULES if device.interpret else GEMM_RULES
+    rule = next(r for r in rules if (r.max_m is None or M <= r.max_m) and r.variant in kinds
+                and (wide or not r.wide_only))
+    block_n, stages = rule.narrow if narrow_n and rule.narrow else (rule.block_n, rule.num_stages)
+    config = KernelConfig(rule.block_m, block_n, rule.block_k[0 if wide else 1], group_m=8,
+                          num_warps=rule.num_warps, num_stages=stages, variant=rule.variant)
     config = clamp_to_problem(config, M, N, K)
-    if M <= 256 and split_k:
-        config = _split_to_fill(config, M, N, K, device.multiprocessors)
+    if device.interpret:
+        return config
+    if "split_k" in kinds and config.variant == "tile":
+        config = _split_to_fill(config, shape, device.multiprocessors)
     return fit_shared_memory(config, operand_tiles, dtype, device.shared_memory_limit)
 
 
-def _split_to_fill(config: KernelConfig, M: int, N: int, K: int, multiprocessors: int) -> KernelConfig:
+def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
     """Split K until the programs cover the SMs (a narrow output, e.g. a down projection at small M,
     has fewer tiles than SMs), keeping at least two K blocks per program."""
-    tiles = -(-M // config.block_m) * -(-N // config.block_n)
-    k_blocks = -(-K // config.block_k)
+    tiles = -(-shape.M // config.block_m) * -(-shape.N // config.block_n)
+    k_blocks = -(-shape.K // config.block_k)
     split = 1
     while tiles * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
         split *= 2
-    return dataclasses.replace(config, split_k=split)
+    return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})

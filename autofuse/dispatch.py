@@ -57,7 +57,7 @@ def _run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]):
 
 def _library(op: str, choice: Choice, operands: dict, activation: str) -> torch.Tensor:
     """The op's library candidate that `choice` names, on operands named as its OpSpec names them."""
-    return ops.get(op).library[choice.config.name](operands, activation)
+    return ops.get(op).library_candidate(choice.config.name)(operands, activation)
 
 
 def run_choice(op: str, choice: Choice, operands: dict, activation: str, out: torch.Tensor | None = None):
@@ -202,7 +202,7 @@ class BoundLinear:
         self.table, self.activation, self.M, self.inside_ops = table, activation, M, inside_ops
         choice = table["linear"]
         self.kernel = choice.kernel
-        self.library = None if self.kernel is not None else ops.get("linear").library[choice.config.name]
+        self.library = None if self.kernel is not None else ops.get("linear").library_candidate(choice.config.name)
         self.launch = None
         self.weights: list = []
 

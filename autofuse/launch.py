@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import threading
 from collections.abc import Callable
 from functools import cache
 
 import torch
 
-from . import workspaces
+from . import variants, workspaces
 from .bound import BoundLaunch
 from .configs import KernelConfig
-from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs, supports_tma
+from .device import cuda_index, fp32_input_precision, interpreting, persistent_programs
 from .opspec import OpSpec, launch_args
 from .render import Kernel, KernelSpec, load_kernel
-from .workspaces import split_k_workspace
 
 
 class LaunchError(RuntimeError):
@@ -42,7 +40,7 @@ def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: 
     precision = fp32_input_precision() if dtype == torch.float32 else None
     # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
     return load_kernel(KernelSpec(op, activation, has_bias, has_residual, K % config.block_k == 0, precision,
-                                  interpreting(), config.split_k > 1, config.tma))
+                                  interpreting(), config.variant))
 
 
 # The pointwise passes (ops gated_act, gated_grad, bias_act) take only BLOCK_M and BLOCK_N: any config selects their
@@ -104,19 +102,16 @@ def tiles(M: int, N: int, config: KernelConfig) -> int:
     return -(-M // config.block_m) * -(-N // config.block_n)  # ceil-divisions
 
 
-def grid(M: int, N: int, config: KernelConfig) -> tuple[int]:
-    return (tiles(M, N, config) * config.split_k,)
-
-
 @cache
 def launch_options(config: KernelConfig) -> dict[str, int]:
-    """Constexprs and launch options of a config (memoised: built once per config, never mutated)."""
+    """Constexprs (the tiles' and the variant's knobs') and launch options of a config (memoised: built once
+    per config, never mutated)."""
     return dict(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        **({"SPLIT_K": config.split_k} if config.split_k > 1 else {}),
+        **variants.get(config.variant).knob_constexprs(dict(config.knobs)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -167,20 +162,16 @@ def addresses(tensors) -> list[int]:
     return [t.data_ptr() for t in tensors if t is not None]
 
 
-def tma_config(config: KernelConfig, *operands: torch.Tensor) -> KernelConfig:
-    """`config`, or its one-tile-per-program twin where TMA cannot read these operands: descriptors
-    need sm_90+, a contiguous last dimension and 16-byte aligned bases and row strides."""
-    if not config.tma:
-        return config
-    for t in operands:
-        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return _without_tma(config)
-    return config if supports_tma(operands[0].device) else _without_tma(config)
+def runnable(config: KernelConfig, *operands: torch.Tensor) -> KernelConfig:
+    """`config`, or its one-tile-per-program twin where its variant cannot take these operands (TMA
+    descriptors need sm_90+, a contiguous last dimension and 16-byte aligned bases and row strides)."""
+    check = variants.get(config.variant).runs_with
+    return config if check is None or check(operands) else _tile(config)
 
 
 @cache
-def _without_tma(config: KernelConfig) -> KernelConfig:
-    return dataclasses.replace(config, tma=False)
+def _tile(config: KernelConfig) -> KernelConfig:
+    return config.tile
 
 
 def descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
@@ -214,28 +205,24 @@ def _ensure_context(device: torch.device) -> None:
     done.add(index)
 
 
-def persistent_launch(kernel: Kernel, M: int, N: int, config: KernelConfig, device: torch.device, tensors: dict,
-                      sizes: tuple[int, ...], **constexprs: int) -> None:
-    if device.type == "cuda":
+def launch_gemm(kernel: Kernel, sizes: tuple[int, ...], config: KernelConfig, device: torch.device,
+                tensors: dict, accumulators: int, **constexprs: int) -> None:
+    """Launch a GEMM-shaped kernel over an [M, N] output (sizes: M, N, then the rest) as its config's variant
+    says (variants.py: how many programs, which constexprs, whether the split-K workspace). `tensors` may hold
+    operands of every variant (each kernel takes those it has), `constexprs` the op's extra ones (each kernel
+    takes those it declares), `accumulators` the float32 partial sums per output element a workspace holds."""
+    M, N = sizes[0], sizes[1]
+    variant = variants.get(config.variant)
+    multiprocessors = persistent_programs(device) if variant.per_sm else 0
+    if variant.descriptors and device.type == "cuda":
         _ensure_context(device)
-    programs = persistent_programs(device)
-    # FLATTEN: one software pipeline across the tile and K loops, so the next tile's loads are
-    # already in flight during this tile's epilogue.
-    options = {**launch_options(config), "NUM_SMS": programs, "FLATTEN": True, **constexprs}
-    launch(kernel, (min(programs, tiles(M, N, config)),), tensors, sizes, options)
-
-
-def launch_gemm(kernel: Kernel, sizes: tuple[int, int, int], config: KernelConfig, device: torch.device,
-                tensors: dict, accumulators: int, **tma_constexprs: int) -> None:
-    """Launch a GEMM-shaped kernel of `sizes` (M, N, K) over an [M, N] output: persistent over TMA descriptors
-    where the config says so (with the op's `tma_constexprs`), else one tile per program, with split-K's
-    workspace for `accumulators` float32 partial sums per output element."""
-    M, N, K = sizes
-    if config.tma:
-        persistent_launch(kernel, M, N, config, device, tensors, (M, N, K), **tma_constexprs)
-    else:
-        launch(kernel, grid(M, N, config), tensors, (M, N, K), launch_options(config),
-               split_k_workspace(M, N, accumulators, config.split_k, tiles(M, N, config), device))
+    options = {**launch_options(config), **{name: value for name, value in constexprs.items()
+                                            if name in kernel.constexprs}}
+    if variant.launch_constexprs is not None:
+        options.update(variant.launch_constexprs(multiprocessors))
+    count = tiles(M, N, config)
+    workspace = workspaces.workspace(device, M * accumulators * N, count) if variant.workspace else ()
+    launch(kernel, (variant.programs(count, config, multiprocessors),), tensors, sizes, options, workspace)
 
 
 def allocate(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:

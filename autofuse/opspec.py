@@ -15,18 +15,20 @@ from pathlib import Path
 
 import torch
 
-from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, gemm_heuristic
+from . import variants
+from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, Shape, gemm_heuristic
 
 # A GEMM-shaped op with every variant the shared template pieces give (split-K, persistent TMA) and the
 # default search spaces: what linear and gated_up declare, and an op added outside may too.
-GEMM_VARIANTS = dict(split_k=True, tma=True, space=SearchSpace(), interpreter_space=INTERPRETER_SPACE)
+GEMM_VARIANTS = dict(variants=("tile", "split_k", "tma"), space=SearchSpace(), interpreter_space=INTERPRETER_SPACE)
 
 # A pass over memory with one fixed tile shape (BLOCK_M x BLOCK_N over an [M, N] problem), nothing to tune:
 # what the gated MLP's pointwise ops declare.
 POINTWISE = dict(sizes=("M", "N"), constexprs=("BLOCK_M", "BLOCK_N"))
 
-# KernelSpec flags an operand may depend on ("!" negates): its bias, residual, TMA variant.
-OPERAND_CONDITIONS = ("has_bias", "has_residual", "tma", "!tma")
+# KernelSpec flags an operand may depend on ("!" negates): its bias, its residual, or a variant's name (the
+# operand is present in that variant's kernel only).
+OPERAND_FLAGS = ("has_bias", "has_residual")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +40,12 @@ class Operand:
     name: str
     doc: str  # shape and meaning, written beside the parameter in the generated source
     axes: str = ""
-    when: str = ""  # one of OPERAND_CONDITIONS, or "" for always present
-    tma_block: tuple[str, str] | None = None  # TMA variants: a descriptor whose block is these constexprs
+    when: str = ""  # a flag of OPERAND_FLAGS or a variant's name, "!" negating it; "" for always present
+    tma_block: tuple[str, str] | None = None  # variants with descriptors: a descriptor of blocks of these constexprs
 
     def __post_init__(self) -> None:
-        if self.when and self.when not in OPERAND_CONDITIONS:
-            raise ValueError(f"operand {self.name}: condition {self.when!r} is not one of {OPERAND_CONDITIONS}")
+        if self.when and not self.when.removeprefix("!").isidentifier():
+            raise ValueError(f"operand {self.name}: condition {self.when!r} is not a flag or a variant's name")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +60,21 @@ class Parameter:
     doc: str = ""
 
 
-def _present(operand: Operand, flags: Mapping[str, bool]) -> bool:
+def _present(operand: Operand, flags: Mapping[str, bool], variant: str) -> bool:
     if not operand.when:
         return True
-    if operand.when.startswith("!"):
-        return not flags[operand.when[1:]]
-    return flags[operand.when]
+    name = operand.when.removeprefix("!")
+    value = flags[name] if name in OPERAND_FLAGS else name == variant
+    return value != operand.when.startswith("!")
 
 
-def parameters(operands: tuple[Operand, ...], sizes: tuple[str, ...], workspace: bool,
+def parameters(operands: tuple[Operand, ...], sizes: tuple[str, ...], variant: variants.Variant, workspace: bool,
                flags: Mapping[str, bool]) -> tuple[Parameter, ...]:
-    """The positional parameters of one kernel variant, in order: operands (pointers or descriptors),
-    sizes, strides, then the split-K workspace. `flags`: has_bias, has_residual, tma."""
-    present = [o for o in operands if _present(o, flags)]
-    as_descriptor = {o.name for o in present if flags["tma"] and o.tma_block is not None}
+    """The positional parameters of one kernel variant, in order: operands (pointers, or descriptors where
+    the variant reads through them), sizes, strides, then the split-K workspace. `flags`: has_bias,
+    has_residual."""
+    present = [o for o in operands if _present(o, flags, variant.name)]
+    as_descriptor = {o.name for o in present if variant.descriptors and o.tma_block is not None}
     params = []
     for o in present:
         if o.name in as_descriptor:
@@ -142,22 +145,41 @@ class LibraryPath:
         return self.run(operands, activation)
 
 
+# Library candidates registered from outside, per op name (register_library): they compete wherever the op's
+# own do (first-use checks, races, the tuner), and a record naming one is valid while it is registered.
+_REGISTERED_LIBRARY: dict[str, dict[str, Callable]] = {}
+
+
+def register_library(op: OpSpec, name: str, run: Callable) -> None:
+    """Add `run` (fn(operands: dict, activation) -> output, or a LibraryPath) as `op`'s library candidate `name`."""
+    if not isinstance(name, str) or not name.isidentifier() or len(name) > 40:
+        raise ValueError(f"a library candidate is named by an identifier of at most 40 characters, got {name!r}")
+    if name in op.candidates:
+        raise ValueError(f"op {op.name} already has a library candidate {name!r}")
+    _REGISTERED_LIBRARY.setdefault(op.name, {})[name] = run
+
+
+def unregister_library(op: OpSpec, name: str) -> None:
+    _REGISTERED_LIBRARY.get(op.name, {}).pop(name, None)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, so KernelSpec can hold one
 class OpSpec:
     """Everything about one op that is not its kernel source or its launcher's code."""
 
     name: str  # the op's key, CLI and record name
-    template: str  # kernel family: <template>.py.jinja, and <template>_tma.py.jinja for the TMA variant
+    template: str  # kernel family: <template>.py.jinja, and <template><suffix>.py.jinja for variants with a suffix
     doc: str  # one line for help texts
     operands: tuple[Operand, ...]
     activations: tuple[str, ...]
     run: Callable  # run(operands: dict, activation, config, out=None) -> output, through the kernel
     sizes: tuple[str, ...] = ("M", "N", "K")  # the kernel's size parameters; the last is reduced over
     constexprs: tuple[str, ...] = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
-    tma_constexprs: tuple[str, ...] = ()  # beyond NUM_SMS and FLATTEN, which every persistent kernel takes
+    # The kernel variants its templates implement (autofuse/variants.py), and constexprs one of them takes
+    # beyond the op's, the variant's and its knobs' (e.g. {"tma": ("BLOCK_H",)}).
+    variants: tuple[str, ...] = ("tile",)
+    variant_constexprs: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     residual: bool = False  # has a residual variant (has_residual)
-    split_k: bool = False  # has a split-K variant (programs share a tile through a float32 workspace)
-    tma: bool = False  # has a persistent TMA-descriptor variant
     always_workspace: bool = False  # takes the workspace in every variant (the one-launch MLP)
     # Activation tiles [BLOCK_M, BLOCK_K] and weight tiles [BLOCK_K, BLOCK_N] loaded per K step; each
     # weight tile feeds one float32 accumulator (shared memory and register estimates).
@@ -165,7 +187,8 @@ class OpSpec:
     narrow_n: bool = False  # two accumulators, or an epilogue loading more tiles: narrower default N tiles
     space: SearchSpace | None = None  # None: nothing to tune
     interpreter_space: SearchSpace | None = None
-    heuristic: Callable[[int, int, int, torch.dtype, Device], KernelConfig] | None = None  # None: gemm_heuristic
+    # heuristic(shape, device, kinds) -> config, kinds the names of the variants that apply; None: gemm_heuristic
+    heuristic: Callable[[Shape, Device, frozenset[str]], KernelConfig] | None = None
     # Library candidates: name -> fn(operands: dict, activation) -> output (or a LibraryPath, for
     # candidates that serve some keys only), what the op runs without a kernel. "eager" (what a
     # PyTorch model runs) comes first and is every op's fallback.
@@ -184,10 +207,22 @@ class OpSpec:
     def __post_init__(self) -> None:
         if self.library and next(iter(self.library)) != "eager":
             raise ValueError(f"op {self.name}: its first library candidate must be 'eager'")
+        if "tile" not in self.variants:
+            raise ValueError(f"op {self.name}: every op has the tile variant")
+
+    @property
+    def candidates(self) -> dict[str, Callable]:
+        """Every library candidate of the op: its own, then those registered for it from outside
+        (register_library)."""
+        return {**self.library, **_REGISTERED_LIBRARY.get(self.name, {})}
+
+    def library_candidate(self, name: str) -> Callable:
+        """The library candidate `name` (KeyError where the op has none of that name)."""
+        return self.candidates[name]
 
     def library_for(self, activation: str, bias: bool, residual: bool) -> dict[str, Callable]:
         """The library candidates that compute this op for a key with these flags (eager always does)."""
-        return {name: run for name, run in self.library.items()
+        return {name: run for name, run in self.candidates.items()
                 if not isinstance(run, LibraryPath) or run.applies(activation, bias, residual)}
 
     @functools.cached_property  # read on every pointwise launch
@@ -199,33 +234,31 @@ class OpSpec:
     def tunable(self) -> bool:
         return self.space is not None
 
-    def default_config(self, M: int, N: int, K: int, dtype: torch.dtype, device: Device) -> KernelConfig:
+    def default_config(self, shape: Shape, device: Device) -> KernelConfig:
         """The built-in heuristic's config: the op's own, or the GEMM heuristic fed with its numbers."""
+        kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
         if self.heuristic is not None:
-            return self.heuristic(M, N, K, dtype, device)
-        return gemm_heuristic(M, N, K, dtype, device, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n,
-                              split_k=self.split_k)
+            return self.heuristic(shape, device, kinds)
+        return gemm_heuristic(shape, device, kinds, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n)
 
     def search_space(self, interpret: bool) -> SearchSpace | None:
         return self.interpreter_space if interpret else self.space
 
-    def kernel_constexprs(self, split_k: bool, tma: bool) -> tuple[str, ...]:
-        extra = ("SPLIT_K",) if split_k else ()
-        return self.constexprs + extra + (("NUM_SMS", "FLATTEN") + self.tma_constexprs if tma else ())
+    def kernel_constexprs(self, variant: str) -> tuple[str, ...]:
+        """The constexprs of this op's kernel in `variant`, in signature order."""
+        own = tuple(self.variant_constexprs.get(variant, ()))
+        return self.constexprs + variants.get(variant).kernel_constexprs() + own
 
     def refuse_config(self, config: KernelConfig) -> str | None:
         """Why this op's kernel cannot run `config`, or None: the one rule that loading a record and
         launching apply alike."""
-        return self.variants_allowed(False, config.split_k > 1, config.tma)
+        return self.variants_allowed(False, config.variant)
 
-    def variants_allowed(self, has_residual: bool, split_k: bool, tma: bool) -> str | None:
-        """Why this op has no such variant, or None when it has."""
+    def variants_allowed(self, has_residual: bool, variant: str) -> str | None:
+        """Why this op has no such kernel, or None when it has."""
         if has_residual and not self.residual:
             return f"op {self.name!r} takes no residual"
-        if split_k and not self.split_k:
-            return f"the {self.name} kernel has no split-K variant"
-        if tma and not self.tma:
-            return f"the {self.name} kernel has no TMA variant"
-        if tma and split_k:
-            return "the TMA kernels have no split-K variant"
+        if not any(v.name == variant for v in variants.of(self)):
+            variants.get(variant)  # a name no variant has: ValueError lists the registered ones
+            return f"the {self.name} kernel has no {variant} variant"
         return None

@@ -20,6 +20,7 @@ from pathlib import Path
 import jinja2
 import jinja2.meta
 
+from . import variants
 from .device import check_interpreter_consistency, interpreting
 from .opspec import OpSpec, Parameter, parameters, signature_lines
 from .resources import templates_dir
@@ -36,14 +37,13 @@ class KernelSpec:
     even_k: bool = False  # K % BLOCK_K == 0: the K loop needs no mask
     input_precision: str | None = None  # for float32 operands: "ieee" or "tf32"; None for 16-bit
     upcast_operands: bool = False  # under the interpreter, bf16 arithmetic is wrong: dot in float32
-    split_k: bool = False  # SPLIT_K programs per output tile, meeting in a float32 workspace
-    tma: bool = False  # persistent kernel over TMA tensor descriptors (templates/<template>_tma.py.jinja)
+    variant: str = "tile"  # a registered kernel variant of the op (autofuse/variants.py)
 
     def __post_init__(self) -> None:
         if self.activation not in self.op.activations:
             raise ValueError(f"op {self.op.name!r} has no activation {self.activation!r}; "
                              f"it has {', '.join(self.op.activations)}")
-        refused = self.op.variants_allowed(self.has_residual, self.split_k, self.tma)
+        refused = self.op.variants_allowed(self.has_residual, self.variant)
         if refused:
             raise ValueError(refused)
         if self.input_precision not in (None, "ieee", "tf32"):
@@ -51,23 +51,33 @@ class KernelSpec:
 
     @property
     def kernel_name(self) -> str:
-        # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias.
-        flags = (("bias", self.has_bias), ("res", self.has_residual), ("splitk", self.split_k), ("tma", self.tma))
+        # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias_tma.
+        flags = (("bias", self.has_bias), ("res", self.has_residual), (self.variant, self.variant != "tile"))
         return "_".join(["autofuse", self.op.template, self.activation] + [name for name, on in flags if on])
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
-        flags = {"has_bias": self.has_bias, "has_residual": self.has_residual, "tma": self.tma}
-        workspace = self.split_k or self.op.always_workspace
-        return parameters(self.op.operands, self.op.sizes, workspace, flags)
+        variant = variants.get(self.variant)
+        flags = {"has_bias": self.has_bias, "has_residual": self.has_residual}
+        return parameters(self.op.operands, self.op.sizes, variant, variant.workspace or self.op.always_workspace,
+                          flags)
+
+    @property
+    def constexprs(self) -> tuple[str, ...]:
+        return self.op.kernel_constexprs(self.variant)
+
+
+def _folders(op: OpSpec, variant: variants.Variant, folder: Path) -> tuple[Path, ...]:
+    """Where a kernel's templates are looked up, in order: the variant's folder, the op's, then `folder`
+    (autofuse's templates/): a variant or an op defined outside keeps its templates in its own folder and still
+    imports ours."""
+    return tuple(Path(f) for f in (variant.template_dir, op.template_dir, folder) if f is not None)
 
 
 @cache
-def _environment(template_dir: Path | None) -> jinja2.Environment:
-    folders = [str(template_dir)] if template_dir is not None else []
+def _environment(folders: tuple[Path, ...]) -> jinja2.Environment:
     return jinja2.Environment(
-        # An op defined outside autofuse keeps its templates in its own folder and still imports ours.
-        loader=jinja2.FileSystemLoader([*folders, str(templates_dir())]),
+        loader=jinja2.FileSystemLoader([str(f) for f in folders]),
         undefined=jinja2.StrictUndefined,  # a missing variable fails loudly instead of rendering blank
         trim_blocks=True,
         lstrip_blocks=True,
@@ -78,55 +88,67 @@ def _environment(template_dir: Path | None) -> jinja2.Environment:
 
 def render(spec: KernelSpec) -> str:
     """The Python source of the kernel described by `spec`."""
-    template = _environment(spec.op.template_dir).get_template(
-        f"{spec.op.template}{'_tma' if spec.tma else ''}.py.jinja")
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("op", "tma")}
-    lines = signature_lines(spec.parameters, spec.op.kernel_constexprs(spec.split_k, spec.tma))
-    return template.render(kernel_name=spec.kernel_name, signature=lines, **fields)
+    variant = variants.get(spec.variant)
+    template = _environment(_folders(spec.op, variant, templates_dir())).get_template(
+        entry_template(spec.op, variant))
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op"}
+    # Every registered variant's name is a template variable, true for the one rendered: a variant without a
+    # file of its own is the op template's `{% if <name> %}` blocks.
+    flags = {name: name == spec.variant for name in variants.names()}
+    lines = signature_lines(spec.parameters, spec.constexprs)
+    return template.render(kernel_name=spec.kernel_name, signature=lines, **flags, **fields)
+
+
+def entry_template(op: OpSpec, variant: variants.Variant) -> str:
+    """The template `render` starts from for `op`'s kernel in `variant`."""
+    return f"{op.template}{variant.template_suffix}.py.jinja"
+
+
+def template_hash(op: OpSpec) -> str:
+    """Hash of the templates an op's kernels render from, so tuned configs notice a changed template (or a
+    variant registered for the op, or one taken away)."""
+    return _template_hash(op, variants.of(op))
 
 
 @cache
-def template_hash(op: OpSpec) -> str:
-    """Hash of the templates an op's kernels render from, so tuned configs notice a changed template."""
+def _template_hash(op: OpSpec, kinds: tuple[variants.Variant, ...]) -> str:
     return hash_template_files(op, templates_dir())
 
 
-def entry_templates(op: OpSpec, folder: Path) -> list[str]:
-    """The templates `render` starts from for `op`'s variants (found in op.template_dir, then `folder`)."""
-    names = [f"{op.template}.py.jinja", f"{op.template}_tma.py.jinja"]
-    return [name for name in names if _find(op, folder, name) is not None]
-
-
-def _find(op: OpSpec, folder: Path, name: str) -> Path | None:
-    for where in (op.template_dir, folder):
-        if where is not None and (Path(where) / name).is_file():
-            return Path(where) / name
+def _find(folders: tuple[Path, ...], name: str) -> Path | None:
+    for where in folders:
+        if (where / name).is_file():
+            return where / name
     return None
 
 
 def template_closure(op: OpSpec, folder: Path) -> dict[str, Path]:
-    """Every template `op`'s kernels render from: its entry templates and, recursively, every template they
-    import, include or extend (read from the sources by Jinja's own parser, not kept by hand)."""
+    """Every template `op`'s kernels render from: each variant's entry template and, recursively, every template
+    they import, include or extend (read from the sources by Jinja's own parser, not kept by hand), each as found
+    for its variant (the variant's folder, the op's, then `folder`)."""
     env = jinja2.Environment()
     found: dict[str, Path] = {}
-    todo = entry_templates(op, folder)
-    while todo:
-        name = todo.pop()
-        if name in found:
-            continue
-        path = _find(op, folder, name)
-        if path is None:
-            raise ValueError(f"op {op.name}: template {name} not found")
-        found[name] = path
-        for referenced in jinja2.meta.find_referenced_templates(env.parse(path.read_text())):
-            if referenced is None:  # a name computed at render time: what it loads cannot be known here
-                raise ValueError(f"op {op.name}: {name} loads a template whose name is computed; name it literally")
-            todo.append(referenced)
+    for variant in variants.of(op):
+        folders = _folders(op, variant, folder)
+        todo = [entry_template(op, variant)]
+        while todo:
+            name = todo.pop()
+            if name in found:
+                continue
+            path = _find(folders, name)
+            if path is None:
+                raise ValueError(f"op {op.name}: template {name} not found")
+            found[name] = path
+            for referenced in jinja2.meta.find_referenced_templates(env.parse(path.read_text())):
+                if referenced is None:  # a name computed at render time: what it loads cannot be known here
+                    raise ValueError(f"op {op.name}: {name} loads a template whose name is computed; name it "
+                                     "literally")
+                todo.append(referenced)
     return dict(sorted(found.items()))
 
 
 def hash_template_files(op: OpSpec, folder: Path) -> str:
-    """The hash of the templates in `op`'s closure (template_closure) as found in op.template_dir, then `folder`."""
+    """The hash of the templates in `op`'s closure (template_closure), `folder` standing for autofuse's templates/."""
     digest = hashlib.sha256()
     for name, path in template_closure(op, folder).items():
         digest.update(name.encode() + b"\0" + path.read_bytes())
@@ -149,8 +171,7 @@ class Kernel:
 def load_kernel(spec: KernelSpec) -> Kernel:
     """The kernel for `spec`, rendered and imported once per distinct source. Memoised: rendering
     costs far more than a launch, which must not pay it."""
-    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters,
-                  spec.op.kernel_constexprs(spec.split_k, spec.tma), spec.op.per_call)
+    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters, spec.constexprs, spec.op.per_call)
 
 
 _loaded: dict[str, object] = {}

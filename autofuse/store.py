@@ -131,7 +131,9 @@ def _positive_number(value: Any, allow_zero: bool = False) -> bool:
 
 def config_id(config: KernelConfig) -> str:
     """A trial's name within its key: every field, so configs that differ anywhere never collide."""
-    return "-".join(str(int(v)) for v in config.to_dict().values())
+    tiles = (config.block_m, config.block_n, config.block_k, config.group_m, config.num_warps, config.num_stages)
+    knobs = [f"{name}={value}" for name, value in config.knobs]
+    return "-".join([*map(str, tiles), config.variant, *knobs])
 
 
 @dataclasses.dataclass(frozen=True)

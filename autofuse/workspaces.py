@@ -97,8 +97,3 @@ def release_workspaces() -> None:
     captured an autofuse launch will be replayed again: it holds their addresses."""
     _workspaces.clear()
     _retired.clear()
-
-
-def split_k_workspace(M: int, N: int, accumulators: int, split_k: int, tiles: int, device: torch.device) -> tuple:
-    """() without split-K; else the workspace for `accumulators` partial sums per element of [M, N]."""
-    return () if split_k == 1 else workspace(device, M * accumulators * N, tiles)

@@ -48,7 +48,7 @@ def tiny_rows(calls: int, rounds: int) -> dict:
     tensors = {"x": x[1], "w": lin.weight, "y": y}
     options = launch.launch_options(config)
     args = launch_args(kernel.parameters, tensors, (1, f, d), options)
-    grid = launch.grid(1, f, config)
+    grid = (launch.tiles(1, f, config),)
     with launch.binding() as recorded:
         launch.launch(kernel, grid, tensors, (1, f, d), options)
     bound = recorded[0]

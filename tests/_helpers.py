@@ -70,12 +70,12 @@ BLOCK_CONFIGS = [
     KernelConfig(64, 64, 16, group_m=8, num_warps=8, num_stages=4),
     # Split-K: 3 slices over K=48 blocks of 16 (one slice per block); 2 slices over ragged K (one
     # program's slice may be shorter or, for small K, empty).
-    KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=3),
-    KernelConfig(32, 16, 32, group_m=4, num_warps=2, num_stages=2, split_k=2),
+    KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, variant="split_k", knobs={"split_k": 3}),
+    KernelConfig(32, 16, 32, group_m=4, num_warps=2, num_stages=2, variant="split_k", knobs={"split_k": 2}),
     # Persistent TMA kernels: under the interpreter 3 programs walk every tile, so each runs several;
     # ragged K and the M/N edges rely on the descriptors' zero fill.
-    KernelConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=3, tma=True),
-    KernelConfig(32, 16, 32, group_m=8, num_warps=8, num_stages=4, tma=True),
+    KernelConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=3, variant="tma"),
+    KernelConfig(32, 16, 32, group_m=8, num_warps=8, num_stages=4, variant="tma"),
 ]
 
 

@@ -25,7 +25,7 @@ def _constexprs(spec: KernelSpec, block: tuple[int, int, int], split_k: int) -> 
     values = dict(BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8, BLOCK_F=block[1],
                   BLOCK_D=block[2], SPLIT_K=split_k, NUM_SMS=132, FLATTEN=True, EPILOGUE_N=min(block[1], 64),
                   BLOCK_H=block[1] // 2)
-    return {name: values[name] for name in spec.op.kernel_constexprs(spec.split_k, spec.tma)}
+    return {name: values[name] for name in spec.constexprs}
 
 
 def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[int, int, int], split_k: int,

@@ -33,7 +33,7 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_first_use_checks(monkeypatch):
-    # First-use checks (autofuse/checked.py) verify and time each unchecked config once; under the
+    # First-use checks (autofuse/choose/check.py) verify and time each unchecked config once; under the
     # interpreter that would multiply the suite's time. tests/test_checked.py turns them on.
     monkeypatch.setenv("AUTOFUSE_CHECK", "0")
 

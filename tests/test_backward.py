@@ -193,9 +193,9 @@ BACKWARD_CONFIGS = [
     KernelConfig(32, 64, 32, group_m=4, num_warps=4, num_stages=2),
     KernelConfig(64, 32, 64, group_m=8, num_warps=8, num_stages=3),
     # Persistent over descriptors; the epilogue in one, two and four 64-column pieces.
-    KernelConfig(32, 32, 32, group_m=8, num_warps=4, num_stages=2, tma=True),
-    KernelConfig(16, 128, 32, group_m=8, num_warps=4, num_stages=2, tma=True),
-    KernelConfig(16, 256, 16, group_m=1, num_warps=4, num_stages=2, tma=True),
+    KernelConfig(32, 32, 32, group_m=8, num_warps=4, num_stages=2, variant="tma"),
+    KernelConfig(16, 128, 32, group_m=8, num_warps=4, num_stages=2, variant="tma"),
+    KernelConfig(16, 256, 16, group_m=1, num_warps=4, num_stages=2, variant="tma"),
 ]
 
 

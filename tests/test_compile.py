@@ -11,10 +11,9 @@ import pytest
 _HERE = Path(__file__).parent
 
 
-def _spec(op, activation, bias=False, residual=False, even_k=True, split_k=False, tma=False,
-          input_precision=None):
+def _spec(op, activation, bias=False, residual=False, even_k=True, variant="tile", input_precision=None):
     return dict(op=op, activation=activation, has_bias=bias, has_residual=residual, even_k=even_k,
-                split_k=split_k, tma=tma, input_precision=input_precision)
+                variant=variant, input_precision=input_precision)
 
 
 # One case per structural switch of each template (activation, bias, residual, ragged K, split-K,
@@ -22,19 +21,19 @@ def _spec(op, activation, bias=False, residual=False, even_k=True, split_k=False
 CASES = [
     dict(spec=_spec("linear", "gelu", bias=True, residual=True), dtype="bfloat16", capability=90,
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=4),
-    dict(spec=_spec("linear", "none", even_k=False, split_k=True), dtype="bfloat16", capability=90,
+    dict(spec=_spec("linear", "none", even_k=False, variant="split_k"), dtype="bfloat16", capability=90,
          block=(16, 64, 128), split_k=8, num_warps=4, num_stages=4),
     dict(spec=_spec("linear", "relu", bias=True, input_precision="tf32"), dtype="float32", capability=90,
          block=(64, 64, 32), split_k=1, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_up", "gelu_tanh"), dtype="bfloat16", capability=90,
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=3),
-    dict(spec=_spec("gated_up", "silu", bias=True, even_k=False, split_k=True), dtype="float16", capability=90,
+    dict(spec=_spec("gated_up", "silu", bias=True, even_k=False, variant="split_k"), dtype="float16", capability=90,
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
-    dict(spec=_spec("linear", "gelu", bias=True, residual=True, tma=True), dtype="bfloat16", capability=90,
+    dict(spec=_spec("linear", "gelu", bias=True, residual=True, variant="tma"), dtype="bfloat16", capability=90,
          block=(128, 256, 64), split_k=1, num_warps=8, num_stages=4),
-    dict(spec=_spec("gated_up", "gelu_tanh", tma=True), dtype="bfloat16", capability=90,
+    dict(spec=_spec("gated_up", "gelu_tanh", variant="tma"), dtype="bfloat16", capability=90,
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=3),
-    dict(spec=_spec("gated_up", "silu", bias=True, tma=True, input_precision="tf32"), dtype="float32",
+    dict(spec=_spec("gated_up", "silu", bias=True, variant="tma", input_precision="tf32"), dtype="float32",
          capability=90, block=(64, 64, 32), split_k=1, num_warps=4, num_stages=3),
     dict(spec=_spec("mlp", "gelu_tanh"), dtype="bfloat16", capability=90,
          block=(16, 64, 128), split_k=1, num_warps=4, num_stages=4),
@@ -42,21 +41,21 @@ CASES = [
          block=(32, 32, 64), split_k=1, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_bwd", "gelu_tanh", even_k=False), dtype="bfloat16", capability=90,
          block=(128, 64, 64), split_k=1, num_warps=8, num_stages=3),
-    dict(spec=_spec("gated_bwd", "silu", tma=True), dtype="bfloat16", capability=90,
+    dict(spec=_spec("gated_bwd", "silu", variant="tma"), dtype="bfloat16", capability=90,
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=4),
-    dict(spec=_spec("gated_bwd", "gelu", tma=True), dtype="bfloat16", capability=90,
+    dict(spec=_spec("gated_bwd", "gelu", variant="tma"), dtype="bfloat16", capability=90,
          block=(128, 256, 64), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("gated_act", "gelu"), dtype="bfloat16", capability=90,
          block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
-    dict(spec=_spec("gated_up", "gelu", split_k=True), dtype="bfloat16", capability=80,
+    dict(spec=_spec("gated_up", "gelu", variant="split_k"), dtype="bfloat16", capability=80,
          block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_grad", "gelu_tanh"), dtype="bfloat16", capability=90,
          block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
     dict(spec=_spec("bias_act", "gelu_tanh", bias=True, residual=True), dtype="bfloat16", capability=90,
          block=(4, 512, 0), split_k=1, num_warps=4, num_stages=1),
-    dict(spec=_spec("gated_pairs", "gelu_tanh", tma=True), dtype="bfloat16", capability=90,
+    dict(spec=_spec("gated_pairs", "gelu_tanh", variant="tma"), dtype="bfloat16", capability=90,
          block=(128, 256, 64), split_k=1, num_warps=8, num_stages=3),
-    dict(spec=_spec("gated_pairs", "silu", bias=True, even_k=False, split_k=True), dtype="bfloat16", capability=80,
+    dict(spec=_spec("gated_pairs", "silu", bias=True, even_k=False, variant="split_k"), dtype="bfloat16", capability=80,
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
 ]
 
@@ -87,9 +86,9 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
 def test_split_k_kernels_are_named_for_profilers(compiled):
     assert {c["kernel"] for c in compiled if "mlp_" in c["kernel"]} == {
         "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias"}
-    assert {c["kernel"] for c in compiled if "splitk" in c["kernel"]} == {
-        "autofuse_linear_none_splitk", "autofuse_gated_up_silu_bias_splitk", "autofuse_gated_up_gelu_splitk",
-        "autofuse_gated_pairs_silu_bias_splitk"}
+    assert {c["kernel"] for c in compiled if "split_k" in c["kernel"]} == {
+        "autofuse_linear_none_split_k", "autofuse_gated_up_silu_bias_split_k", "autofuse_gated_up_gelu_split_k",
+        "autofuse_gated_pairs_silu_bias_split_k"}
 
 
 def test_tma_kernels_use_the_tensor_copy_engine(compiled):

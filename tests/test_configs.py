@@ -8,6 +8,7 @@ from autofuse.configs import (
     Device,
     KernelConfig,
     Library,
+    Shape,
     choice_from_json,
     clamp_to_problem,
     fit_shared_memory,
@@ -16,8 +17,13 @@ from autofuse.configs import (
 from autofuse.key import m_bucket
 
 
-def heuristic_config(op, M, N, K, dtype, *, interpret, shared_memory_limit, multiprocessors=108, tma=False):
-    return ops.get(op).default_config(M, N, K, dtype, Device(interpret, shared_memory_limit, multiprocessors, tma))
+def heuristic_config(op, M, N, K, dtype, *, interpret, shared_memory_limit, multiprocessors=108, capability=(9, 0)):
+    return ops.get(op).default_config(Shape(M, N, K, dtype),
+                                      Device(interpret, shared_memory_limit, multiprocessors, capability))
+
+
+def _split(config):
+    return config.knob("split_k") if config.variant == "split_k" else 1
 
 
 def tiles(op):
@@ -76,7 +82,7 @@ def test_m_buckets():
 
 
 def _programs(config, M, N):
-    return -(-M // config.block_m) * -(-N // config.block_n) * config.split_k
+    return -(-M // config.block_m) * -(-N // config.block_n) * _split(config)
 
 
 @pytest.mark.parametrize("M", [1, 16, 128])
@@ -84,53 +90,62 @@ def test_small_m_heuristic_gives_every_sm_a_program(M):
     # The down projection (N=2048, K=16384) has 32 tiles of 64 columns: split-K must fill 132 SMs.
     down = heuristic_config("linear", M, 2048, 16384, torch.bfloat16, interpret=False,
                             shared_memory_limit=227 * 1024, multiprocessors=132)
-    assert down.split_k > 1 and _programs(down, M, 2048) >= 132
-    assert -(-16384 // down.block_k) >= 2 * down.split_k  # every slice keeps two K blocks or more
+    assert down.variant == "split_k" and _programs(down, M, 2048) >= 132
+    assert -(-16384 // down.block_k) >= 2 * _split(down)  # every slice keeps two K blocks or more
     # The gated up-projection (N=16384) has tiles enough without splitting.
     up = heuristic_config("gated_up", M, 16384, 2048, torch.bfloat16, interpret=False,
                           shared_memory_limit=227 * 1024, multiprocessors=132)
-    assert up.split_k == 1 and _programs(up, M, 16384) >= 132
+    assert up.variant == "tile" and _programs(up, M, 16384) >= 132
 
 
 def test_large_m_heuristic_never_splits():
     config = heuristic_config("linear", 4096, 2048, 16384, torch.bfloat16, interpret=False,
                               shared_memory_limit=227 * 1024, multiprocessors=132)
-    assert config.split_k == 1
+    assert config.variant != "split_k"
 
 
-def test_split_k_validated():
+def test_variants_and_their_knobs_validated():
     with pytest.raises(ValueError, match="split_k"):
-        KernelConfig(16, 16, 16, split_k=0)
+        KernelConfig(16, 16, 16, variant="split_k", knobs={"split_k": 0})
     with pytest.raises(ValueError, match="split_k"):
-        KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": "4"})
-    # Configs stored before split-K existed load as split_k=1.
-    assert KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16}).split_k == 1
+        KernelConfig(16, 16, 16, variant="split_k")  # a variant's knobs are all given
+    with pytest.raises(ValueError, match="split_k"):
+        KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "variant": "split_k", "split_k": "4"})
+    with pytest.raises(ValueError, match="unknown kernel config fields: split_k"):
+        KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 4})  # not the tile's knob
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "variant": "warp_specialized"})
+    with pytest.raises(ValueError, match="format before kernel variants"):
+        KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16, "split_k": 1, "tma": False})
+    # No variant named: the tile kernel.
+    assert KernelConfig.from_dict({"block_m": 16, "block_n": 16, "block_k": 16}).variant == "tile"
 
 
 def test_trial_names_tell_every_field_apart():
     from autofuse.store import config_id
 
     plain = KernelConfig(64, 64, 64)
-    variants = [plain, KernelConfig(64, 64, 64, tma=True), KernelConfig(64, 64, 64, split_k=2),
-                KernelConfig(64, 64, 64, split_k=4), KernelConfig(64, 64, 64, num_stages=4)]
+    variants = [plain, KernelConfig(64, 64, 64, variant="tma"),
+                KernelConfig(64, 64, 64, variant="split_k", knobs={"split_k": 2}),
+                KernelConfig(64, 64, 64, variant="split_k", knobs={"split_k": 4}),
+                KernelConfig(64, 64, 64, num_stages=4)]
     assert len({config_id(c) for c in variants}) == len(variants)
 
 
 def test_large_m_heuristic_takes_tma_where_the_gpu_has_it():
     for template in ("linear", "gated_up"):
         hopper = heuristic_config(template, 4096, 16384, 4096, torch.bfloat16, interpret=False,
-                                  shared_memory_limit=227 * 1024, multiprocessors=132, tma=True)
+                                  shared_memory_limit=227 * 1024, multiprocessors=132, capability=(9, 0))
         ampere = heuristic_config(template, 4096, 16384, 4096, torch.bfloat16, interpret=False,
-                                  shared_memory_limit=163 * 1024, multiprocessors=108, tma=False)
-        assert hopper.tma and not ampere.tma
+                                  shared_memory_limit=163 * 1024, multiprocessors=108, capability=(8, 0))
+        assert hopper.variant == "tma" and ampere.variant == "tile"
         assert shared_memory_bytes(hopper, tiles(template), torch.bfloat16) <= 227 * 1024
 
 
-def test_choices_of_both_kinds_round_trip_and_the_legacy_spelling_loads():
-    config = KernelConfig(64, 64, 64, split_k=2)
+def test_choices_of_both_kinds_round_trip():
+    config = KernelConfig(64, 64, 64, variant="split_k", knobs={"split_k": 2})
     assert choice_from_json(config.to_json()) == config
     assert choice_from_json("library:eager") == Library("eager") and Library("eager").short() == "library:eager"
-    assert choice_from_json("baseline") == Library("eager")  # records written before choice kinds
-    for bad in ("eager", "library:", "library:x y", "library:" + "a" * 41, 3):
+    for bad in ("eager", "baseline", "library:", "library:x y", "library:" + "a" * 41, 3):
         with pytest.raises(ValueError):
             choice_from_json(bad)

@@ -85,7 +85,7 @@ def test_split_k_and_one_launch_mlp_are_capturable_in_a_cuda_graph():
     from autofuse.configs import KernelConfig
 
     w = torch.randn(2048, 16384, dtype=torch.bfloat16, device="cuda") / 128
-    split = KernelConfig(16, 64, 128, num_warps=4, num_stages=4, split_k=8)
+    split = KernelConfig(16, 64, 128, num_warps=4, num_stages=4, variant="split_k", knobs={"split_k": 8})
     _graph_matches_eager(lambda x: linear(x, w, None, None, "none", split),
                          torch.randn(4, 16384, dtype=torch.bfloat16, device="cuda"))
     wg, wu = (torch.randn(2048, 768, dtype=torch.bfloat16, device="cuda") / 28 for _ in range(2))
@@ -104,7 +104,7 @@ def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
 
     x = torch.randn(1024, 2048, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(4096, 2048, dtype=torch.bfloat16, device="cuda") / 45
-    config = KernelConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True)
+    config = KernelConfig(128, 256, 64, num_warps=8, num_stages=3, variant="tma")
     result = {}
 
     def work():

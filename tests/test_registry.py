@@ -59,8 +59,7 @@ def _relu2_linear(x, w, b, config, out=None):
     N = w.shape[0]
     y = launch.output(out, (M, N), x)
     kernel = launch.kernel_for(TOY, "relu2", K, x.dtype, config, b is not None)
-    launch.launch(kernel, launch.grid(M, N, config), {"x": x, "w": w, "b": b, "y": y}, (M, N, K),
-                  launch.launch_options(config))
+    launch.launch_gemm(kernel, (M, N, K), config, x.device, {"x": x, "w": w, "b": b, "y": y}, accumulators=1)
     return y
 
 
@@ -85,8 +84,8 @@ TOY = OpSpec(
               Operand("y", "[M, N]", "mn")),
     activations=("relu2",),
     run=lambda ops_, activation, config, out=None: _relu2_linear(ops_["x"], ops_["w"], ops_.get("b"), config, out),
-    space=SearchSpace(split_k=(1,), tma=(False,)),
-    interpreter_space=dataclasses.replace(INTERPRETER_SPACE, split_k=(1,), tma=(False,)),
+    space=SearchSpace(),
+    interpreter_space=INTERPRETER_SPACE,
     library={"eager": _eager},
     reference=_reference,
     make_operands=_make_operands,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autofuse
-from autofuse import ops, render
+from autofuse import ops, render, variants
 from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from autofuse.render import KernelSpec
 
@@ -45,7 +45,7 @@ def test_every_spec_renders_valid_python(spec):
 
 
 def test_missing_variable_fails_loudly():
-    template = render._environment(None).get_template("linear.py.jinja")
+    template = render._environment((render.templates_dir(),)).get_template("linear.py.jinja")
     with pytest.raises(jinja2.UndefinedError):
         template.render(activation="none")
 
@@ -55,8 +55,10 @@ def test_spec_rejects_nonsense():
         KernelSpec(GATED_UP, "none")
     with pytest.raises(ValueError, match="residual"):
         KernelSpec(GATED_UP, "silu", has_residual=True)
-    with pytest.raises(ValueError, match="split-K"):
-        KernelSpec(ops.get("mlp"), "silu", split_k=True)
+    with pytest.raises(ValueError, match="no split_k variant"):
+        KernelSpec(ops.get("mlp"), "silu", variant="split_k")
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        KernelSpec(ops.get("linear"), "none", variant="stream_k")
     with pytest.raises(autofuse.AutofuseError, match="unknown op"):
         ops.get("conv")
 
@@ -88,16 +90,16 @@ def test_generated_once_per_source(monkeypatch):
 def _variants(spec):
     import itertools
 
-    for act, bias, residual, even_k, split_k, tma in itertools.product(
-            spec.activations, (False, True), (False, True), (False, True), (False, True), (False, True)):
-        if spec.variants_allowed(residual, split_k, tma) is None:
-            yield KernelSpec(spec, act, bias, residual, even_k, None, False, split_k, tma)
+    for act, bias, residual, even_k, variant in itertools.product(
+            spec.activations, (False, True), (False, True), (False, True), variants.of(spec)):
+        if spec.variants_allowed(residual, variant.name) is None:
+            yield KernelSpec(spec, act, bias, residual, even_k, None, False, variant.name)
 
 
 def _templates_rendered(spec) -> set[str]:
     """The names of every template Jinja loads while rendering all of `spec`'s variants."""
     loaded = set()
-    environment = render._environment(spec.template_dir)
+    environment = render._environment(render._folders(spec, variants.TILE, render.templates_dir()))
     real = environment.loader.get_source
 
     def recording(env, name):

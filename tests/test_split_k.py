@@ -12,7 +12,7 @@ from autofuse.ops.linear import linear
 from autofuse.ops.mlp import mlp_decode
 from autofuse.reference import eager_gated, eager_linear, gated_reference, linear_reference
 
-SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, split_k=4)
+SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, variant="split_k", knobs={"split_k": 4})
 
 
 def _workspaces_are_zero() -> bool:

@@ -180,8 +180,8 @@ def _to_mlp_with(**fields):
 
 
 @pytest.mark.parametrize("change, message", [
-    (_to_mlp_with(tma=True), "no TMA variant"),
-    (_to_mlp_with(split_k=4), "no split-K variant"),
+    (_to_mlp_with(variant="tma"), "no tma variant"),
+    (_to_mlp_with(variant="split_k", split_k=4), "no split_k variant"),
     (lambda r: r["key"].update(n=10**400), "n must be an integer in"),
     (lambda r: r["key"].update(k=2**40), "k must be an integer in"),
 ])

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import jinja2
 
-from autofuse import ops
+from autofuse import ops, variants
 from autofuse.configfile import _checksum
 from autofuse.opspec import signature_lines
-from autofuse.render import KernelSpec, render, template_hash
+from autofuse.render import KernelSpec, entry_template, render, template_hash
 
 _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render import template_hash\n"
                "print(json.dumps({s.name: template_hash(s) for s in ops.specs()}))\n")
@@ -35,18 +35,20 @@ _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render impo
 def _variants(spec):
     for act, bias, even_k, precision, upcast in itertools.product(
             spec.activations, (False, True), (False, True), (None, "ieee", "tf32"), (False, True)):
-        for residual, split_k, tma in itertools.product((False, True), (False, True), (False, True)):
-            if spec.variants_allowed(residual, split_k, tma) is None and not (bias and spec.name == "gated_bwd"):
-                yield KernelSpec(spec, act, bias, residual, even_k, precision, upcast, split_k, tma)
+        for residual, variant in itertools.product((False, True), variants.of(spec)):
+            if spec.variants_allowed(residual, variant.name) is None and not (bias and spec.name == "gated_bwd"):
+                yield KernelSpec(spec, act, bias, residual, even_k, precision, upcast, variant.name)
 
 
 def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
-    template = env.get_template(f"{k.op.template}{'_tma' if k.tma else ''}.py.jinja")
-    # `signature`: today's generated parameter list, for revisions whose templates write it with the macro.
+    template = env.get_template(entry_template(k.op, variants.get(k.variant)))
+    # `signature`: today's generated parameter list, for revisions whose templates write it with the macro; every
+    # variant's name as a flag, as render() passes them.
+    flags = {name: name == k.variant for name in variants.names()}
     return template.render(kernel_name=k.kernel_name, activation=k.activation, has_bias=k.has_bias,
                            has_residual=k.has_residual, even_k=k.even_k, input_precision=k.input_precision,
-                           upcast_operands=k.upcast_operands, split_k=k.split_k,
-                           signature=signature_lines(k.parameters, k.op.kernel_constexprs(k.split_k, k.tma)))
+                           upcast_operands=k.upcast_operands, signature=signature_lines(k.parameters, k.constexprs),
+                           **flags)
 
 
 def _old_revision(old_rev: str) -> tuple[Path, dict[str, str]]:

@@ -3,16 +3,29 @@ compares with the library paths). The tuner starts its search from it too."""
 
 from __future__ import annotations
 
-from ..configs import Device, KernelConfig
-from ..device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit, tma_usable
+from functools import cache
+
+import torch
+
+from ..configs import Device, KernelConfig, Shape
+from ..device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit
 from ..key import Problem
 
 
-def heuristic_for(problem: Problem) -> KernelConfig:
-    """The op's default config for the problem's shape, on its device (the interpreter's where it runs)."""
-    spec, M, N, K, dtype, device = problem.spec, problem.M, problem.n, problem.k, problem.dtype, problem.device
+def device_info(device: torch.device) -> Device:
+    """What the heuristics and the variants' predicates know of `device` (the interpreter's where it runs)."""
     if interpreting() or device.type != "cuda":
-        return spec.default_config(M, N, K, dtype, Device(interpret=True))
-    index = cuda_index(device)
-    return spec.default_config(M, N, K, dtype, Device(False, shared_memory_limit(index), multiprocessor_count(index),
-                                                      tma_usable(device, K, dtype)))
+        return Device(interpret=True)
+    return _gpu(cuda_index(device))
+
+
+@cache
+def _gpu(index: int) -> Device:
+    return Device(False, shared_memory_limit(index), multiprocessor_count(index),
+                  tuple(torch.cuda.get_device_capability(index)))
+
+
+def heuristic_for(problem: Problem) -> KernelConfig:
+    """The op's default config for the problem's shape, on its device."""
+    shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
+    return problem.spec.default_config(shape, device_info(problem.device))

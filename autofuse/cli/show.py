@@ -19,9 +19,9 @@ from .common import DTYPE_NAMES, main
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="bfloat16")
 @click.option("--ragged-k", is_flag=True, help="Show the masked K loop used when K is not a multiple of BLOCK_K.")
 @click.option("--interpret", is_flag=True, help="Show the interpreter variant (float32 operand upcasts).")
-@click.option("--variant", type=click.Choice(("tile", "split_k", "tma")), default="tile", show_default=True,
-              help="tile: one output tile per program; split_k: programs share a tile through a workspace; tma: "
-                   "persistent over TMA descriptors (Hopper).")
+@click.option("--variant", default="tile", show_default=True,
+              help="The kernel variant: tile (one output tile per program), split_k (programs share a tile through "
+                   "a workspace), tma (persistent over TMA descriptors, Hopper), or one registered from outside.")
 @click.option("--split-k", "variant", flag_value="split_k", help="Same as --variant split_k.")
 @click.option("--tma", "variant", flag_value="tma", help="Same as --variant tma.")
 def show_kernel_command(op, **options):
@@ -46,4 +46,4 @@ def kernel_command(key):
     click.echo(ops.show_kernel(k.op, activation=k.activation, bias=k.bias, residual=k.residual,
                                dtype=k.torch_dtype, even_k=k.k % config.block_k == 0,
                                interpret=k.gpu == "interpreter",
-                               variant="tma" if config.tma else "split_k" if config.split_k > 1 else "tile"), nl=False)
+                               variant=config.variant), nl=False)

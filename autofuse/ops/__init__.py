@@ -11,6 +11,7 @@ import difflib
 
 import torch
 
+from .. import opspec, variants
 from ..activations import canonical_activation
 from ..device import fp32_input_precision, interpreting
 from ..errors import AutofuseError, shown
@@ -26,7 +27,8 @@ from .linear import DOWN, LINEAR
 from .mlp import MLP
 from .rms_norm import RMS_NORM
 
-__all__ = ["OpSpec", "Operand", "get", "names", "register", "show_kernel", "unregister"]
+__all__ = ["OpSpec", "Operand", "get", "names", "register", "register_library", "show_kernel", "unregister",
+           "unregister_library"]
 
 _REGISTRY: dict[str, OpSpec] = {}
 
@@ -43,6 +45,17 @@ def register(spec: OpSpec) -> OpSpec:
 
 def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
+
+
+def register_library(op: str, name: str, run) -> None:
+    """Add a library candidate to a registered op: `run(operands: dict, activation) -> output` (or an
+    opspec.LibraryPath, for a candidate that serves some keys only). It competes wherever the op's own do: the
+    first-use check, the un-graphed race, the tuner; every output is checked against float64 first."""
+    opspec.register_library(get(op), name, run)
+
+
+def unregister_library(op: str, name: str) -> None:
+    opspec.unregister_library(get(op), name)
 
 
 def get(name: str) -> OpSpec:
@@ -68,9 +81,6 @@ for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GAT
     register(_spec)
 
 
-VARIANTS = ("tile", "split_k", "tma")
-
-
 def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, residual: bool = False,
                 dtype: torch.dtype = torch.bfloat16, even_k: bool = True, interpret: bool | None = None,
                 variant: str = "tile") -> str:
@@ -79,12 +89,14 @@ def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, r
 
     `activation` defaults to the op's first gated one or none; `even_k` picks the unmasked K loop (K
     divisible by BLOCK_K); `interpret` defaults to whether TRITON_INTERPRET=1 is set now, since
-    interpreted kernels upcast their operands; `variant`: "tile" (one output tile per program), "split_k"
-    (programs share a tile through a workspace) or "tma" (persistent, over TMA descriptors).
+    interpreted kernels upcast their operands; `variant`: one of the op's kernel variants (autofuse/variants.py:
+    "tile", one output tile per program; "split_k", programs share a tile through a workspace; "tma",
+    persistent over TMA descriptors; or one registered from outside).
     """
     spec = get(op)
-    if variant not in VARIANTS:
-        raise AutofuseError(f"unknown variant {shown(variant)}; choose one of {', '.join(VARIANTS)}")
+    kinds = [v.name for v in variants.of(spec)]
+    if variant not in kinds:
+        raise AutofuseError(f"the {spec.name} kernel has no variant {shown(variant)}; it has {', '.join(kinds)}")
     if activation is None:
         activation = "gelu_tanh" if "gelu_tanh" in spec.activations else spec.activations[0]
     try:
@@ -96,9 +108,8 @@ def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, r
             even_k=bool(even_k),
             input_precision=fp32_input_precision() if dtype == torch.float32 else None,
             upcast_operands=interpreting() if interpret is None else bool(interpret),
-            split_k=variant == "split_k",
-            tma=variant == "tma",
+            variant=variant,
         )
-    except ValueError as e:  # a variant this op's kernel does not have: KernelSpec says which
+    except ValueError as e:  # e.g. a residual the op does not take: KernelSpec says which
         raise AutofuseError(str(e)) from None
     return render(kernel)

@@ -44,16 +44,12 @@ def gated_backward(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor, act
     if M == 0:
         return dgu, h
     halves = {"g": gu[:, :F], "u": gu[:, F:], "dg": dgu[:, :F], "du": dgu[:, F:]}
-    config = L.tma_config(config, dy, w_down, *halves.values(), h)
+    config = L.runnable(config, dy, w_down, *halves.values(), h)
     kernel = L.kernel_for(GATED_BWD, activation, D, dy.dtype, config, False)
-    if config.tma:
-        # The epilogue works in pieces at most 64 columns wide: two 64-wide halves of a 128-wide tile
-        # beat the whole, which spills registers.
-        L.persistent_launch(kernel, M, F, config, dy.device, {"dy": dy, "wd": w_down, **halves, "h": h}, (M, F, D),
-                            EPILOGUE_N=min(config.block_n, 64))
-    else:
-        L.launch(kernel, L.grid(M, F, config), {"dy": dy, "wd": w_down, "gu": gu, "dgu": dgu, "h": h}, (M, F, D),
-                 L.launch_options(config))
+    # The TMA kernel's epilogue works in pieces at most 64 columns wide: two 64-wide halves of a 128-wide
+    # tile beat the whole, which spills registers.
+    L.launch_gemm(kernel, (M, F, D), config, dy.device, {"dy": dy, "wd": w_down, "gu": gu, "dgu": dgu, **halves,
+                                                         "h": h}, accumulators=0, EPILOGUE_N=min(config.block_n, 64))
     return dgu, h
 
 
@@ -127,11 +123,11 @@ GATED_BWD = OpSpec(
     operands=OPERANDS,
     activations=GATED_ACTIVATIONS,
     run=_run,
-    tma=True,
-    tma_constexprs=("EPILOGUE_N",),
+    variants=("tile", "tma"),
+    variant_constexprs={"tma": ("EPILOGUE_N",)},
     narrow_n=True,  # the epilogue loads G and U tiles
-    space=SearchSpace(split_k=(1,)),
-    interpreter_space=SearchSpace(**{**INTERPRETER_SPACE.dimensions(), "split_k": (1,)}),
+    space=SearchSpace(),
+    interpreter_space=INTERPRETER_SPACE,
     library={name: _library(name) for name in LIBRARY_BACKWARDS},
     reference=_reference,
     make_operands=_make_operands,

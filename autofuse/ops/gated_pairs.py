@@ -11,12 +11,14 @@ or tunes this op beside gated_up and runs the faster (dispatch.mlp_choices)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
-from ..configs import Device, KernelConfig, gemm_heuristic
+from ..configs import Device, KernelConfig, Shape, gemm_heuristic
 from ..layout import run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
@@ -62,7 +64,7 @@ def gated_pairs(x: torch.Tensor, w_pairs: torch.Tensor, b_pairs: torch.Tensor | 
     h = L.output(out, (M, N // 2), x)
     if M == 0:
         return h
-    config = L.tma_config(config, x, w_pairs, h)
+    config = L.runnable(config, x, w_pairs, h)
     kernel = L.kernel_for(GATED_PAIRS, activation, K, x.dtype, config, b_pairs is not None)
     tensors = {"x": x, "w": w_pairs, "b": None if b_pairs is None else b_pairs.contiguous(), "h": h}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1, BLOCK_H=config.block_n // 2)
@@ -101,9 +103,10 @@ def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> 
     return {"x": rand(M, k), "w": rand(2 * n, k) * k**-0.5, "b": rand(2 * n) if bias else None}
 
 
-def _heuristic(M: int, N: int, K: int, dtype: torch.dtype, device: Device) -> KernelConfig:
+def _heuristic(shape: Shape, device: Device, kinds: frozenset[str]) -> KernelConfig:
     # The GEMM is 2N wide and keeps one accumulator: the plain GEMM's default over that width.
-    return gemm_heuristic(M, 2 * N, K, dtype, device, operand_tiles=(1, 1), narrow_n=False, split_k=True)
+    return gemm_heuristic(dataclasses.replace(shape, N=2 * shape.N), device, kinds, operand_tiles=(1, 1),
+                          narrow_n=False)
 
 
 GATED_PAIRS = OpSpec(
@@ -113,7 +116,7 @@ GATED_PAIRS = OpSpec(
     operands=OPERANDS,
     activations=GATED_ACTIVATIONS,
     run=_run,
-    tma_constexprs=("BLOCK_H",),
+    variant_constexprs={"tma": ("BLOCK_H",)},
     heuristic=_heuristic,
     **GEMM_VARIANTS,
     library={"eager": _eager, "cublas_pairs": _cublas_pairs},

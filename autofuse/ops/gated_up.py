@@ -37,7 +37,7 @@ def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: 
     h = L.output(out, (M, N), x)
     if M == 0:
         return h
-    config = L.tma_config(config, x, w_gate, w_up)
+    config = L.runnable(config, x, w_gate, w_up)
     kernel = L.kernel_for(GATED_UP, activation, K, x.dtype, config, b_gate is not None)
     tensors = {"x": x, "wg": w_gate, "wu": w_up, "h": h}
     if b_gate is not None:

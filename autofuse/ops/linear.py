@@ -38,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     y = L.output(out, (M, N), x)
     if M == 0:
         return y
-    config = L.tma_config(config, x, weight)
+    config = L.runnable(config, x, weight)
     kernel = L.kernel_for(LINEAR, activation, K, x.dtype, config, bias is not None, residual is not None)
     tensors = {"x": x, "w": weight, "b": None if bias is None else bias.contiguous(), "r": residual, "y": y}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)

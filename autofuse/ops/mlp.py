@@ -10,7 +10,7 @@ import torch
 from .. import launch as L
 from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
-from ..configs import Device, KernelConfig, SearchSpace, clamp_to_problem, fit_shared_memory
+from ..configs import Device, KernelConfig, SearchSpace, Shape, clamp_to_problem, fit_shared_memory
 from ..layout import run_width
 from ..opspec import Operand, OpSpec
 from ..reference import eager_mlp, mlp_reference_rounded
@@ -59,7 +59,8 @@ def mlp_decode(x: torch.Tensor, params: tuple, activation: str, config: KernelCo
     return y
 
 
-def heuristic(M: int, N: int, K: int, dtype: torch.dtype, device: Device) -> KernelConfig:
+def heuristic(shape: Shape, device: Device, kinds: frozenset[str]) -> KernelConfig:
+    M, N, K, dtype = shape.M, shape.N, shape.K, shape.dtype
     config = KernelConfig(16 if M <= 16 else 32 if M <= 32 else 64, 64, 128, group_m=1, num_warps=4,
                           num_stages=1 if device.interpret else 4)
     config = clamp_to_problem(config, M, N, K)
@@ -106,9 +107,9 @@ MLP = OpSpec(
     operand_tiles=(1, 2),  # its first product dominates
     # No GROUP_M, split-K or TMA, and its atomics grow with M: small tiles only.
     space=SearchSpace(block_m=(16, 32, 64), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256), group_m=(1,),
-                      num_warps=(2, 4, 8), num_stages=(2, 3, 4, 5), split_k=(1,), tma=(False,)),
+                      num_warps=(2, 4, 8), num_stages=(2, 3, 4, 5)),
     interpreter_space=SearchSpace(block_m=(16, 32), block_n=(16, 32, 64), block_k=(32, 64), group_m=(1,),
-                                  num_warps=(4,), num_stages=(1, 2), split_k=(1,), tma=(False,)),
+                                  num_warps=(4,), num_stages=(1, 2)),
     heuristic=heuristic,
     library={"eager": _eager},
     reference=_reference,

@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops
+from .. import ops, variants
 from ..choose import lookup
-from ..choose.heuristics import heuristic_for
+from ..choose.heuristics import device_info, heuristic_for
 from ..choose.policy import current as current_policy
 from ..choose.winner import Outcome, choose_winner, fastest_trial
-from ..configs import KernelConfig, SearchSpace
-from ..device import cuda_index, interpreting, shared_memory_limit, tma_usable
+from ..configs import KernelConfig, SearchSpace, Shape
+from ..device import cuda_index, interpreting, shared_memory_limit
 from ..evaluator import Evaluator
 from ..key import Problem, TuningKey, current_environment
 from ..resources import user_cache_dir
@@ -173,13 +173,15 @@ def run_trials(job: Job, store: Store, device: torch.device, options: TuneOption
         budget.report()
         heuristic = heuristic_for(Problem(key.op, key.n, key.k, M, key.torch_dtype, key.activation, key.bias,
                                           key.residual, device))
-        if heuristic not in done and budget.left():
-            evaluate(heuristic)
-        problem = SearchProblem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
-                          tma=tma_usable(device, key.k, key.torch_dtype))
+        shape = Shape(M, key.n, key.k, key.torch_dtype)
         interpret = interpreting()
         limit = 0 if interpret else shared_memory_limit(cuda_index(device))
         space = options.space or key.spec.search_space(interpret)
+        problem = SearchProblem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
+                                space.searched(variants.applicable(key.spec, device_info(device), shape)))
+        # The search starts from the heuristic's config, where the space searches its variant.
+        if heuristic not in done and budget.left() and any(v.name == heuristic.variant for v in problem.kinds):
+            evaluate(heuristic)
         make_policy(options.policy, space, problem, limit, interpret, options.seed).run(evaluate, budget.left, done)
         budget.report(final=True)  # budget left over means the space ran out of untried configs
         confirmed = fastest_trial(done)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..configs import KernelConfig, SearchSpace
 from ..store import TrialRecord
-from .space import SearchProblem, candidates, config_from, feasible
+from .space import SearchProblem, candidates, config_from, feasible, flat_dimensions, flat_point
 
 # evaluate(config) -> the trial's record; budget() -> False once trials or time are spent.
 Evaluate = Callable[[KernelConfig], TrialRecord]
@@ -50,8 +50,9 @@ class RandomPolicy(_ListPolicy):
 
 
 class OptunaPolicy:
-    """TPE over the space's dimensions (categorical), seeded. Trials already done (a resumed run)
-    are handed to the study first, so the sampler learns from them and none is repeated."""
+    """TPE over the space's dimensions (categorical: the tile knobs, the variant, each variant's knobs),
+    seeded. Trials already done (a resumed run) are handed to the study first, so the sampler learns from
+    them and none is repeated."""
 
     _MAX_SAMPLES_PER_TRIAL = 50  # infeasible or repeated samples cost nothing, but bound them
 
@@ -64,12 +65,12 @@ class OptunaPolicy:
         import optuna  # here, not at the top: only a tuning run that uses it pays its import
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        dims = self.space.dimensions()
+        dims = flat_dimensions(self.space, self.problem, self.interpret)
         distributions = {name: optuna.distributions.CategoricalDistribution(values) for name, values in dims.items()}
         study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=self.seed))
         for config, record in done.items():
-            params = config.to_dict()
-            if all(params[name] in dims[name] for name in dims):
+            params = flat_point(config, dims)
+            if params is not None:
                 study.add_trial(self._frozen(optuna, params, distributions, record))
         samples = 0
         limit = self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1)

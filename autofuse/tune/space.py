@@ -1,42 +1,25 @@
 """The filter pipeline that runs on a search space (configs.SearchSpace, an OpSpec's) before
-anything compiles: a sampled point is clamped to the problem, then dropped if its shared memory
-exceeds the device's limit or its accumulators would need more registers than a thread has; what
-survives is deduplicated.
+anything compiles: a sampled point is clamped to the problem, then dropped if its variant does not
+apply or does not fit the problem, if its shared memory exceeds the device's limit or its accumulators
+would need more registers than a thread has; what survives is deduplicated.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import torch
 
-from ..configs import KernelConfig, SearchSpace, clamp_to_problem, shared_memory_bytes
+from .. import variants
+from ..configs import KernelConfig, SearchSpace, Shape, clamp_to_problem, shared_memory_bytes
 
 # Registers: each thread holds its share of the fp32 accumulator tile(s). 255 registers per
 # thread at most; leave ~25% for addresses, loads and the epilogue.
 _MAX_ACCUMULATOR_REGS_PER_THREAD = 192
 
-# Split-K pays where few output tiles leave SMs idle: small M. Above this M its float32 workspace
-# traffic (split_k x M x N x 4 bytes each way) outweighs what it gains, so it is not searched.
-SPLIT_K_MAX_M = 256
-
-
-def config_from(params: dict) -> KernelConfig | None:
-    """The config of a point in the space, or None for a combination no kernel has (TMA + split-K)."""
-    try:
-        return KernelConfig(**params)
-    except ValueError:
-        return None
-
-
-def points(space: SearchSpace):
-    """Every config of the space's product, in a fixed order."""
-    dims = space.dimensions()
-    for values in itertools.product(*dims.values()):
-        config = config_from(dict(zip(dims, values)))
-        if config is not None:
-            yield config
+# The dimension of a flat search (Optuna's) that picks the variant; each variant's knobs are the
+# dimensions "<variant>.<knob>", read only where that variant is picked.
+VARIANT_DIM = "variant"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +31,45 @@ class SearchProblem:
     N: int
     K: int
     dtype: torch.dtype
-    tma: bool = False  # whether TMA kernels can run here (device.tma_usable)
+    # The op's variants that apply to this shape on this device (variants.applicable): what is searched.
+    kinds: tuple[variants.Variant, ...] = (variants.TILE,)
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.M, self.N, self.K, self.dtype)
+
+
+def flat_dimensions(space: SearchSpace, problem: SearchProblem, interpret: bool) -> dict[str, tuple]:
+    """The space as independent categorical dimensions: the tile knobs, the variant, every variant's knobs."""
+    dims: dict[str, tuple] = {**space.dimensions(), VARIANT_DIM: tuple(v.name for v in problem.kinds)}
+    for variant in problem.kinds:
+        for name, knob in variant.knobs.items():
+            dims[f"{variant.name}.{name}"] = knob.interpreter_values if interpret else knob.values
+    return dims
+
+
+def config_from(params: dict) -> KernelConfig | None:
+    """The config of a point of flat_dimensions (its variant's knobs read, the others' ignored), or None for
+    a point no kernel has."""
+    variant = params[VARIANT_DIM]
+    prefix = f"{variant}."
+    knobs = {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+    tiles = {name: value for name, value in params.items() if name != VARIANT_DIM and "." not in name}
+    try:
+        return KernelConfig(**tiles, variant=variant, knobs=knobs)
+    except ValueError:
+        return None
+
+
+def flat_point(config: KernelConfig, dims: dict[str, tuple]) -> dict | None:
+    """The point of flat_dimensions that config_from maps to `config` (the knobs of variants it is not given
+    their first values), or None where `config` is outside the dimensions."""
+    params = {name: values[0] for name, values in dims.items()}
+    own = {f"{config.variant}.{name}": value for name, value in config.knobs}
+    params.update({**config.to_dict(), **own})
+    for name in [name for name in params if name not in dims]:
+        del params[name]
+    return params if all(params[name] in dims[name] for name in dims) else None
 
 
 def accumulator_registers(config: KernelConfig, operand_tiles: tuple[int, int]) -> int:
@@ -59,10 +80,11 @@ def feasible(config: KernelConfig, problem: SearchProblem, shared_memory_limit: 
              interpret: bool) -> KernelConfig | None:
     """The config clamped to the problem, or None when it cannot run on this device."""
     config = clamp_to_problem(config, problem.M, problem.N, problem.K)
-    if config.tma and not problem.tma:
+    variant = next((v for v in problem.kinds if v.name == config.variant), None)
+    if variant is None:
+        return None  # a variant that does not apply here
+    if variant.fits is not None and not variant.fits(config, problem.shape):
         return None
-    if config.split_k > 1 and (problem.M > SPLIT_K_MAX_M or config.split_k > -(-problem.K // config.block_k)):
-        return None  # large M, or more K slices than K blocks
     if interpret:
         return config
     if shared_memory_bytes(config, problem.operand_tiles, problem.dtype) > shared_memory_limit:
@@ -76,7 +98,7 @@ def candidates(space: SearchSpace, problem: SearchProblem, shared_memory_limit: 
                interpret: bool) -> list[KernelConfig]:
     """Every distinct feasible config of `space` for `problem`, in a fixed order."""
     seen: dict[KernelConfig, None] = {}
-    for point in points(space):
+    for point in space.points(problem.kinds, interpret):
         config = feasible(point, problem, shared_memory_limit, interpret)
         if config is not None:
             seen.setdefault(config)
