@@ -52,7 +52,7 @@ def run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]) -> to
 def _run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]):
     if "mlp" in table:
         return mlp_decode(x2d, params, activation, table["mlp"].kernel)
-    return _down(_up(x2d, params, activation, table), params, table["down"])
+    return run_down(run_up(x2d, params, activation, table), params, table["down"])
 
 
 def _library(op: str, choice: Choice, operands: dict, activation: str) -> torch.Tensor:
@@ -139,9 +139,9 @@ class BoundMLP:
             return y, {"mlp": launch.only_launch(recorded)}
         up, down = table[up_op_of(table)], table["down"]
         with launch.binding() as up_launches:
-            h = _up(x2d, params, act, table)
+            h = run_up(x2d, params, act, table)
         with launch.binding() as down_launches:
-            y = _down(h, params, down)
+            y = run_down(h, params, down)
         return y, {"up": None if up.kernel is None else launch.only_launch(up_launches),
                    "down": None if down.kernel is None else launch.only_launch(down_launches)}
 
@@ -163,10 +163,10 @@ class BoundMLP:
             h = x.new_empty((self.M, wg.shape[0]))
         bound = launches["up"]
         if bound is None or not bound({"x": x, "h": h}):
-            h = _up(_rows(x), params, act, table)
+            h = run_up(_rows(x), params, act, table)
         bound = launches["down"]
         if bound is None:
-            return _down(h, params, table["down"]).reshape(out_shape)
+            return run_down(h, params, table["down"]).reshape(out_shape)
         y = x.new_empty(out_shape)
         if not bound({"x": h, "y": y}):
             linear(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
@@ -178,7 +178,7 @@ def up_op_of(table: dict[str, Choice]) -> str:
     return "gated_pairs" if "gated_pairs" in table else "gated_up"
 
 
-def _up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
+def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
     """H through the table's gated_up or gated_pairs choice."""
     wg, bg, wu, bu = params[:4]
     if "gated_pairs" in table:
@@ -187,7 +187,7 @@ def _up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
     return run_choice("gated_up", table["gated_up"], {"x": x2d, "wg": wg, "wu": wu, "bg": bg, "bu": bu}, activation)
 
 
-def _down(h, params, down: Choice) -> torch.Tensor:
+def run_down(h, params, down: Choice) -> torch.Tensor:
     wd, bd = params[4:]
     if down.kernel is None:
         return _library("down", down, {"x": h, "w": wd, "b": bd}, "none")

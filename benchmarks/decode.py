@@ -1,0 +1,206 @@
+"""Decode at the memory wall: gated MLPs at M = 1..256 against their roofline, whole and per step.
+
+  python benchmarks/decode.py [--out DIR] [--seed 37] [--mlps 12] [--tokens 1,2,4,8,16,32,64,128,256]
+      [--max-autotune-tokens 1,16] [--no-max-autotune] [--write-shapes FILE]
+
+Shapes: never_slower.py's generator with its own seed (d_model 512-8192, d_ff 1-8x d_model, some not multiples
+of 8 or 64), none in the shipped files. Run it with an empty user cache (first-use checks decide), then again after
+`autofuse tune --shapes FILE` of the shapes `--write-shapes FILE` writes.
+
+Ceilings, measured in this process: copy bandwidth (a 1 GiB device-to-device copy, bytes read + written per
+second), read bandwidth (a sum over 1 GiB of bf16) and the bf16 GEMM peak (an 8192^3 matmul). The roofline of an
+MLP at M is max(bytes / copy bandwidth, FLOPs / GEMM peak) with bytes its three weights, x and y and FLOPs
+6 M d_model d_ff. Whole MLP: CUDA-graph-replayed GPU time of autofuse, eager PyTorch, torch.compile (default),
+torch.compile max-autotune-no-cudagraphs (compiled per M, static shapes; at --max-autotune-tokens only: each M
+autotunes for tens of seconds) and Liger (where installed), each over the roofline. Per step of the plan autofuse
+runs (the up projection with act(G) * U in its epilogue, then the down projection; or the one-launch MLP): its
+choice, graph-replayed µs, the bytes it must move (its weights as stored, its input and output), TB/s and the
+percentage of the read ceiling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+
+import harness
+import torch
+import torch.nn.functional as F
+from never_slower import _liger_gate, draw_shapes, write_shapes
+
+import autofuse
+from autofuse import dispatch
+from autofuse.launch import addresses
+from autofuse.reference import eager_mlp
+from autofuse.tools.measure import graph_replay_round_robin
+
+GIB = 1 << 30
+# A point's MLP weights must reach this many bytes for the wall acceptance's M <= 16 figures: below it the fixed
+# cost of a launch, not the weight stream, decides.
+LARGE_WEIGHTS = 50e6
+
+
+def ceilings() -> dict:
+    """Copy and read bandwidth (bytes/s) and the bf16 GEMM peak (FLOP/s), graph-replayed."""
+    src = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    half = src.view(torch.bfloat16)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    times = graph_replay_round_robin({"copy": lambda: dst.copy_(src), "read": lambda: half.sum(),
+                                      "gemm": lambda: a @ a}, replays=20, calls_per_graph=2)
+    return dict(copy_bytes_per_s=2 * GIB / (times["copy"] * 1e-6), read_bytes_per_s=GIB / (times["read"] * 1e-6),
+                gemm_flop_per_s=2 * 8192**3 / (times["gemm"] * 1e-6))
+
+
+def roofline_us(d: int, f: int, M: int, ceiling: dict) -> float:
+    weights_and_io = 2 * (3 * d * f + 2 * M * d)  # bf16
+    return max(weights_and_io / ceiling["copy_bytes_per_s"], 6 * M * d * f / ceiling["gemm_flop_per_s"]) * 1e6
+
+
+def _bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def plan_steps(module, x: torch.Tensor, M: int) -> list[dict]:
+    """The steps autofuse runs for `module` at M (its resolved table), each as a call on the operands it runs
+    with (the stored layout, padded where it pads) and the bytes it must move."""
+    table = module._config_table(M)
+    params = module._params()
+    layout = module._layout
+    if layout is not None:
+        wide = layout.widen(params, addresses(params))
+        if wide is not None:
+            params = wide
+            if layout.d_in != module.d_model:
+                x = F.pad(x, (0, layout.d_in - module.d_model))
+    act = module.activation
+    wg, bg, wu, bu, wd, bd = params
+    if "mlp" in table:
+        y = dispatch.run_mlp(x, params, act, table)
+        return [dict(step="mlp", choice=table["mlp"].short(), call=lambda: dispatch.run_mlp(x, params, act, table),
+                     bytes=_bytes(x, wg, wu, wd, bg, bu, bd, y))]
+    up = dispatch.up_op_of(table)
+    h = dispatch.run_up(x, params, act, table)
+    y = dispatch.run_down(h, params, table["down"])
+    return [dict(step=up, choice=table[up].short(), call=lambda: dispatch.run_up(x, params, act, table),
+                 bytes=_bytes(x, wg, wu, bg, bu, h)),
+            dict(step="down", choice=table["down"].short(), call=lambda: dispatch.run_down(h, params, table["down"]),
+                 bytes=_bytes(h, wd, bd, y))]
+
+
+def providers(shape: dict, liger) -> tuple[dict, object]:
+    d, f, act = shape["d_model"], shape["d_ff"], shape["activation"]
+    module = autofuse.get_mlp(d, f, activation=act, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    wg, wu, wd = (p.detach().contiguous() for p in (module.gate_proj.weight, module.up_proj.weight,
+                                                     module.down_proj.weight))
+
+    def eager(x):
+        return eager_mlp(x, wg, wu, wd, activation=act)
+
+    found = {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
+    if liger is not None:
+        gate = liger[act]
+        found["liger"] = lambda x: F.linear(gate(F.linear(x, wg), F.linear(x, wu)), wd)
+    return found, eager
+
+
+def measure(shape: dict, found: dict, eager, M: int, ceiling: dict, max_autotune: bool) -> dict:
+    d, f = shape["d_model"], shape["d_ff"]
+    x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+    fns = dict(found)
+    if max_autotune:
+        # Compiled for this M alone (static shapes): what Inductor's max-autotune makes of one decode shape.
+        fns["max-autotune"] = torch.compile(eager, mode="max-autotune-no-cudagraphs", dynamic=False)
+    ref = eager(x).float()
+    errors = {}
+    for name, fn in fns.items():
+        out = fn(x)  # first calls: compile, autotune, first-use checks
+        errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}, replays=50)
+    peers = {k: v for k, v in times.items() if k != "autofuse"}
+    best = min(peers, key=peers.get)
+    roof = roofline_us(d, f, M, ceiling)
+    steps = plan_steps(found["autofuse"], x, M)
+    step_us = graph_replay_round_robin({s["step"]: s["call"] for s in steps}, replays=50)
+    for s in steps:
+        del s["call"]
+        s["us"] = step_us[s["step"]]
+        s["tb_per_s"] = s["bytes"] / (s["us"] * 1e-6) / 1e12
+        s["pct_read_ceiling"] = 100 * s["bytes"] / (s["us"] * 1e-6) / ceiling["read_bytes_per_s"]
+    return dict(M=M, us=times, rel_error=errors, roofline_us=roof,
+                over_roofline={k: v / roof for k, v in times.items()}, best_peer=best,
+                ratio=peers[best] / times["autofuse"], weight_bytes=2 * 3 * d * f, steps=steps,
+                sources=found["autofuse"].config_sources(M))
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(map(math.log, values))) if values else float("nan")
+
+
+def summarize(rows: list[dict]) -> dict:
+    def over(select) -> dict:
+        values = [r["over_roofline"]["autofuse"] for r in rows if select(r)]
+        return dict(points=len(values), geomean=_geomean(values), max=max(values, default=float("nan")))
+
+    small = [r["ratio"] for r in rows if r["M"] <= 16]
+    autotuned = [r["us"]["max-autotune"] / r["us"]["autofuse"] for r in rows if "max-autotune" in r["us"]]
+    return dict(points=len(rows),
+                roofline_m_le_16_large=over(lambda r: r["M"] <= 16 and r["weight_bytes"] >= LARGE_WEIGHTS),
+                roofline_m_le_16=over(lambda r: r["M"] <= 16), roofline_m_32_256=over(lambda r: 32 <= r["M"] <= 256),
+                best_peer_m_le_16=dict(geomean=_geomean(small), min=min(small, default=float("nan")),
+                                       below_1=sum(v < 1 for v in small)),
+                max_autotune_over_autofuse=dict(points=len(autotuned), geomean=_geomean(autotuned),
+                                                min=min(autotuned, default=float("nan"))))
+
+
+def main() -> None:
+    parser = harness.parser(__doc__)
+    parser.add_argument("--seed", type=int, default=37)
+    parser.add_argument("--mlps", type=int, default=12)
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    parser.add_argument("--max-autotune-tokens", default="1,16",
+                        help="the M at which torch.compile max-autotune runs too (each autotunes anew)")
+    parser.add_argument("--no-max-autotune", action="store_true")
+    parser.add_argument("--write-shapes", metavar="FILE", default=None,
+                        help="write the drawn shapes and --tokens as a shapes file for `autofuse tune`, then stop")
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    gated, _ = draw_shapes(args.seed, args.mlps, 0)
+    if args.write_shapes:
+        write_shapes(args.write_shapes, gated, [], tokens)
+        return
+    args.out = harness.out_dir(args.out)
+    autotune_at = set() if args.no_max_autotune else {int(t) for t in args.max_autotune_tokens.split(",")}
+    # One compiled function per M for max-autotune (static shapes), plus torch.compile's default one.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
+    liger = _liger_gate()
+    ceiling = ceilings()
+    print(json.dumps({k: f"{v:.4g}" for k, v in ceiling.items()}), flush=True)
+    rows, start = [], time.perf_counter()
+    with torch.no_grad():
+        for i, shape in enumerate(gated):
+            found, eager = providers(shape, liger)
+            for M in tokens:
+                row = dict(name=f"drawn-mlp-{i}", **shape, **measure(shape, found, eager, M, ceiling, M in autotune_at))
+                rows.append(row)
+                steps = "; ".join(f"{s['step']} {s['choice']} {s['us']:.1f} us {s['pct_read_ceiling']:.0f}%"
+                                  for s in row["steps"])
+                print(f"{shape['d_model']}->{shape['d_ff']} M={M}: autofuse {row['us']['autofuse']:.1f} us, "
+                      f"{row['over_roofline']['autofuse']:.2f}x roofline ({row['roofline_us']:.1f}); best peer "
+                      f"{row['best_peer']} ratio {row['ratio']:.3f}; {steps}", flush=True)
+            del found
+            torch._dynamo.reset()
+            harness.write(args.out, "decode.json", dict(seed=args.seed, ceilings=ceiling, liger=liger is not None,
+                                                        summary=summarize(rows), rows=rows,
+                                                        seconds=time.perf_counter() - start))
+    print(json.dumps(summarize(rows)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
