@@ -79,15 +79,15 @@ def plan_steps(module, x: torch.Tensor, M: int) -> list[dict]:
     wg, bg, wu, bu, wd, bd = params
     if "mlp" in table:
         y = dispatch.run_mlp(x, params, act, table)
-        return [dict(step="mlp", choice=table["mlp"].short(), call=lambda: dispatch.run_mlp(x, params, act, table),
-                     bytes=_bytes(x, wg, wu, wd, bg, bu, bd, y))]
+        return [dict(step="mlp", choice=table["mlp"].config.short(),
+                     call=lambda: dispatch.run_mlp(x, params, act, table), bytes=_bytes(x, wg, wu, wd, bg, bu, bd, y))]
     up = dispatch.up_op_of(table)
     h = dispatch.run_up(x, params, act, table)
     y = dispatch.run_down(h, params, table["down"])
-    return [dict(step=up, choice=table[up].short(), call=lambda: dispatch.run_up(x, params, act, table),
+    return [dict(step=up, choice=table[up].config.short(), call=lambda: dispatch.run_up(x, params, act, table),
                  bytes=_bytes(x, wg, wu, bg, bu, h)),
-            dict(step="down", choice=table["down"].short(), call=lambda: dispatch.run_down(h, params, table["down"]),
-                 bytes=_bytes(h, wd, bd, y))]
+            dict(step="down", choice=table["down"].config.short(),
+                 call=lambda: dispatch.run_down(h, params, table["down"]), bytes=_bytes(h, wd, bd, y))]
 
 
 def providers(shape: dict, liger) -> tuple[dict, object]:
