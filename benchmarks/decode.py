@@ -7,10 +7,12 @@ Shapes: never_slower.py's generator with its own seed (d_model 512-8192, d_ff 1-
 of 8 or 64), none in the shipped files. Run it with an empty user cache (first-use checks decide), then again after
 `autofuse tune --shapes FILE` of the shapes `--write-shapes FILE` writes.
 
-Ceilings, measured in this process: copy bandwidth (a 1 GiB device-to-device copy, bytes read + written per
-second), read bandwidth (a sum over 1 GiB of bf16) and the bf16 GEMM peak (an 8192^3 matmul). The roofline of an
-MLP at M is max(bytes / copy bandwidth, FLOPs / GEMM peak) with bytes its three weights, x and y and FLOPs
-6 M d_model d_ff. Whole MLP: CUDA-graph-replayed GPU time of autofuse, eager PyTorch, torch.compile (default),
+Ceilings, measured in this process: read bandwidth (a sum over 1 GiB of bf16), copy bandwidth (a 1 GiB
+device-to-device copy, bytes read + written per second; reported beside it) and the bf16 GEMM peak (an 8192^3
+matmul). The roofline of an MLP at M is max(bytes / read bandwidth, FLOPs / GEMM peak) with bytes its three
+weights, x and y and FLOPs 6 M d_model d_ff: at decode M an MLP reads its weights once and writes M d_model
+elements, so the read ceiling is the wall (a copy, half writes, runs at 65% of it on an H200). Whole MLP:
+CUDA-graph-replayed GPU time of autofuse, eager PyTorch, torch.compile (default),
 torch.compile max-autotune-no-cudagraphs (compiled per M, static shapes; at --max-autotune-tokens only: each M
 autotunes for tens of seconds) and Liger (where installed), each over the roofline. Per step of the plan autofuse
 runs (the up projection with act(G) * U in its epilogue, then the down projection; or the one-launch MLP): its
@@ -56,7 +58,7 @@ def ceilings() -> dict:
 
 def roofline_us(d: int, f: int, M: int, ceiling: dict) -> float:
     weights_and_io = 2 * (3 * d * f + 2 * M * d)  # bf16
-    return max(weights_and_io / ceiling["copy_bytes_per_s"], 6 * M * d * f / ceiling["gemm_flop_per_s"]) * 1e6
+    return max(weights_and_io / ceiling["read_bytes_per_s"], 6 * M * d * f / ceiling["gemm_flop_per_s"]) * 1e6
 
 
 def _bytes(*tensors) -> int:
