@@ -250,6 +250,19 @@ class Rule:
     num_stages: int
     narrow: tuple[int, int] | None = None
     wide_only: bool = False
+    group_m: int = 8
+
+
+def from_rules(rules: tuple[Rule, ...], shape: Shape, kinds: Collection[str], narrow_n: bool = False) -> KernelConfig:
+    """The config of the first row of `rules` that matches `shape` (M, 16-bit operands) among the variants
+    `kinds` that apply, clamped to the problem."""
+    wide = shape.dtype.itemsize <= 2
+    rule = next(r for r in rules if (r.max_m is None or shape.M <= r.max_m) and r.variant in kinds
+                and (wide or not r.wide_only))
+    block_n, stages = rule.narrow if narrow_n and rule.narrow else (rule.block_n, rule.num_stages)
+    config = KernelConfig(rule.block_m, block_n, rule.block_k[0 if wide else 1], group_m=rule.group_m,
+                          num_warps=rule.num_warps, num_stages=stages, variant=rule.variant)
+    return clamp_to_problem(config, shape.M, shape.N, shape.K)
 
 
 # The GEMM family's heuristic on a GPU, first matching row wins. Small M is weight-streaming bound (narrow M,
@@ -272,20 +285,12 @@ def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, oper
     """A sound default for a GEMM-shaped kernel: the fallback when no tuned config exists, read from the rule
     tables above. `kinds`: the names of the variants that apply to this op, shape and device
     (variants.applicable); split-K, where it applies, splits K until the programs cover the SMs."""
-    M, N, K, dtype = shape.M, shape.N, shape.K, shape.dtype
-    wide = dtype.itemsize <= 2
-    rules = INTERPRETER_RULES if device.interpret else GEMM_RULES
-    rule = next(r for r in rules if (r.max_m is None or M <= r.max_m) and r.variant in kinds
-                and (wide or not r.wide_only))
-    block_n, stages = rule.narrow if narrow_n and rule.narrow else (rule.block_n, rule.num_stages)
-    config = KernelConfig(rule.block_m, block_n, rule.block_k[0 if wide else 1], group_m=8,
-                          num_warps=rule.num_warps, num_stages=stages, variant=rule.variant)
-    config = clamp_to_problem(config, M, N, K)
+    config = from_rules(INTERPRETER_RULES if device.interpret else GEMM_RULES, shape, kinds, narrow_n)
     if device.interpret:
         return config
     if "split_k" in kinds and config.variant == "tile":
         config = _split_to_fill(config, shape, device.multiprocessors)
-    return fit_shared_memory(config, operand_tiles, dtype, device.shared_memory_limit)
+    return fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit)
 
 
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:

@@ -5,12 +5,14 @@ n = d_ff, k = d_model; config block_m rows, block_n = BLOCK_F columns of H, bloc
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import launch as L
 from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
-from ..configs import Device, KernelConfig, SearchSpace, Shape, clamp_to_problem, fit_shared_memory
+from ..configs import Device, KernelConfig, Rule, SearchSpace, Shape, fit_shared_memory, from_rules
 from ..layout import run_width
 from ..opspec import Operand, OpSpec
 from ..reference import eager_mlp, mlp_reference_rounded
@@ -59,13 +61,18 @@ def mlp_decode(x: torch.Tensor, params: tuple, activation: str, config: KernelCo
     return y
 
 
+# The one-launch MLP's heuristic: BLOCK_M grows with M, BLOCK_F (block_n) 64, BLOCK_D (block_k) 128; one
+# pipeline stage under the interpreter, where stages only cost time.
+MLP_RULES = tuple(Rule(max_m, "tile", block_m, 64, (128, 128), num_warps=4, num_stages=4, group_m=1)
+                  for max_m, block_m in ((16, 16), (32, 32), (None, 64)))
+INTERPRETER_MLP_RULES = tuple(dataclasses.replace(rule, num_stages=1) for rule in MLP_RULES)
+
+
 def heuristic(shape: Shape, device: Device, kinds: frozenset[str]) -> KernelConfig:
-    M, N, K, dtype = shape.M, shape.N, shape.K, shape.dtype
-    config = KernelConfig(16 if M <= 16 else 32 if M <= 32 else 64, 64, 128, group_m=1, num_warps=4,
-                          num_stages=1 if device.interpret else 4)
-    config = clamp_to_problem(config, M, N, K)
-    return config if device.interpret else fit_shared_memory(config, MLP.operand_tiles, dtype,
-                                                              device.shared_memory_limit)
+    if device.interpret:
+        return from_rules(INTERPRETER_MLP_RULES, shape, kinds)
+    return fit_shared_memory(from_rules(MLP_RULES, shape, kinds), MLP.operand_tiles, shape.dtype,
+                             device.shared_memory_limit)
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
