@@ -1,17 +1,19 @@
-"""How a gated MLP keeps its parameters: padded storage for a d_ff that is not a multiple of 8, and
+"""How a gated MLP keeps its parameters: padded storage for a d_ff that is not a multiple of 16, and
 optionally the gate and up weights interleaved in one buffer.
 
-Padding. Triton specialises a kernel on pointers and strides divisible by 16 bytes. Rows of d_ff
-elements that are not (the down projection's weight [d_model, d_ff], H [M, d_ff]) make every load
-element-wise, and a d_ff that no BLOCK_K divides masks every K step; at decode sizes, where reading
-the weights is all a kernel does, that cost up to 27x (benchmarks/unaligned_probe.py, RESULTS.md).
-cuBLAS slows down on such rows too. The parameters then become views of storage padded with zeros
-along d_ff to run_width(d_ff), and inference runs the MLP at that width on as_strided views of it.
-That is exact: the padded gate and up rows and biases are 0, so H's padded columns are
-act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them. A d_model that is not a multiple
-of 8 (the up-projection's K: rows of x and of the gate and up weights) pads the same way: the gate and
-up weights get zero columns up to run_width(d_model), and inference pads x's rows with zeros to match
-(one small copy per call), so every GEMM of the up-projection reads aligned rows; x's padded columns
+Padding. Triton specialises a kernel on pointers divisible by 16 bytes and on integer arguments (strides)
+divisible by 16: a row stride that is not gives the compiler no alignment for the rows, and every load
+along them is element-wise. Rows of d_ff elements that are not (the down projection's weight [d_model,
+d_ff], H [M, d_ff]) cost that even where they are 16-byte aligned (d_ff = 20024, a multiple of 8: its down
+projection streamed at 38-62% of the read ceiling at M <= 16, padded to 20032 at 85-93%; H200,
+benchmarks/decode.py), and rows that are not 16-byte aligned cost up to 27x at decode sizes (docs/design.md);
+a d_ff that no BLOCK_K divides masks every K step, and cuBLAS slows down on such rows too. The parameters
+then become views of storage padded with zeros along d_ff to run_width(d_ff), and inference runs the MLP at
+that width on as_strided views of it. That is exact: the padded gate and up rows and biases are 0, so H's
+padded columns are act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them. A d_model that is
+not a multiple of 8 (the up-projection's K: rows of x and of the gate and up weights) pads the same way: the
+gate and up weights get zero columns up to input_width(d_model), and inference pads x's rows with zeros to
+match (one small copy per call), so every GEMM of the up-projection reads aligned rows; x's padded columns
 meet zero weights. The down projection's output keeps d_model columns.
 
 Interleaving (the default; get_mlp(interleaved=False) / fuse(..., interleaved=False) opt out). The gate
@@ -31,15 +33,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Elements: rows of PAD_TO elements are 16-byte aligned in every supported dtype, and PAD_TO is a
-# multiple of every BLOCK_K the templates use, so the padded K needs no mask.
+# Elements: rows of PAD_TO elements are 16-byte aligned in every supported dtype, PAD_TO is a multiple of
+# 16 (what Triton specialises a stride on) and of every BLOCK_K the templates use, so the padded K needs no
+# mask.
 PAD_TO = 64
+# A width that Triton's divisibility specialisation sees as aligned: rows of it need no padding.
+ALIGNED = 16
+
+
+# Rows that are 16-byte aligned in 16-bit dtypes: a width that is a multiple of this needs no padding for them.
+ROW_ALIGNED = 8
+
+
+def _padded(d: int, multiple: int) -> int:
+    return d if d % multiple == 0 else -(-d // PAD_TO) * PAD_TO
 
 
 def run_width(d_ff: int) -> int:
-    """The d_ff a gated MLP's inference kernels run at: d_ff itself where its rows are 16-byte aligned
-    in 16-bit dtypes (a multiple of 8), else d_ff rounded up to PAD_TO (padded storage)."""
-    return d_ff if d_ff % 8 == 0 else -(-d_ff // PAD_TO) * PAD_TO
+    """The d_ff a gated MLP's inference kernels run at: d_ff itself where it is a multiple of ALIGNED, else
+    d_ff rounded up to PAD_TO (padded storage)."""
+    return _padded(d_ff, ALIGNED)
+
+
+def input_width(d_model: int) -> int:
+    """The d_model (x's rows, the gate and up rows) inference runs at: padded only where rows are not 16-byte
+    aligned, since a padded d_model costs a copy of x per call and takes the one-launch MLP out of the plan."""
+    return _padded(d_model, ROW_ALIGNED)
+
+
+def training_width(d: int) -> int:
+    """The width a training step runs a d_model or d_ff at (training.Padding): padded only where rows are not
+    16-byte aligned. Its padded space copies the weights every step, and padded to multiples of 16 as well,
+    d_model 2368 -> d_ff 4872 stepped in 1.012 ms at M = 2048 against 0.850 unpadded (2.998 against 3.111 at
+    M = 8192; H200, benchmarks/training.py)."""
+    return _padded(d, ROW_ALIGNED)
 
 
 class MLPLayout:
@@ -49,7 +76,7 @@ class MLPLayout:
 
     def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
         self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
-        self.d_in = run_width(d_model)  # the up-projection's K: x's and the gate/up rows' padded width
+        self.d_in = input_width(d_model)  # the up-projection's K: x's and the gate/up rows' padded width
         self.storages = self._storages(params)
         self._memo: tuple | None = None  # (weights' addresses, widened parameters or None)
 
@@ -109,9 +136,9 @@ def _relay(param: nn.Parameter, storage: torch.Tensor, view) -> None:
 
 def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool = False) -> MLPLayout | None:
     """Re-lays a gated MLP's parameters into the storage described in the module docstring; None where
-    nothing needs it (d_ff a multiple of 8 and not interleaved) or can have it (the meta device)."""
+    nothing needs it (d_ff and d_model multiples of ALIGNED and not interleaved) or can have it (the meta device)."""
     d_ff, d_model = gate.weight.shape
-    width, d_in = run_width(d_ff), run_width(d_model)
+    width, d_in = run_width(d_ff), input_width(d_model)
     if (width == d_ff and d_in == d_model and not interleaved) or gate.weight.device.type == "meta":
         return None
     # Made outside inference mode: an inference tensor could not stay a parameter's data.

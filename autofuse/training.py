@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from . import launch
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .configs import KernelConfig
-from .layout import run_width
+from .layout import training_width
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_grad import gated_gradient_kept
@@ -113,8 +113,9 @@ class TrainingLaunches:
 
 
 class Padding:
-    """A training step of a gated MLP whose d_model or d_ff is not an aligned width (layout.run_width) runs in a
-    padded space: x, the weights and biases zero-padded to D = run_width(d_model) and W = run_width(d_ff), so that
+    """A training step of a gated MLP whose d_model or d_ff is not an aligned width (layout.training_width) runs
+    in a padded space: x, the weights and biases zero-padded to D = training_width(d_model) and
+    W = training_width(d_ff), so that
     every cuBLAS GEMM of the step has aligned sizes and rows (its fast kernels need them: unaligned, the same
     GEMMs ran 3-4x slower), exactly, since the padding contributes zeros everywhere; the output and the gradients
     are the live region of the padded results. The padded weights are copied once a step into buffers kept on the
@@ -122,12 +123,12 @@ class Padding:
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         self.d, self.f = d_model, d_ff
-        self.D, self.W = run_width(d_model), run_width(d_ff)
+        self.D, self.W = training_width(d_model), training_width(d_ff)
 
     @staticmethod
     def of(x: torch.Tensor, w_gate: torch.Tensor) -> Padding | None:
         f, d = w_gate.shape
-        return Padding(d, f) if (run_width(d), run_width(f)) != (d, f) else None
+        return Padding(d, f) if (training_width(d), training_width(f)) != (d, f) else None
 
     def params(self, params: tuple, launches: TrainingLaunches | None) -> tuple:
         """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded, in buffers reused step after step where the

@@ -415,7 +415,7 @@ def test_training_stacks_gate_and_up_into_one_buffer_and_both_layouts_give_the_g
     from autofuse.ops.gated_up import stacked
 
     dtype = torch.float32
-    module = autofuse.get_mlp(40, 72, activation="silu", bias=True, dtype=dtype, device=device,
+    module = autofuse.get_mlp(40, 80, activation="silu", bias=True, dtype=dtype, device=device,
                               interleaved=interleaved)
     params = _mlp_params(module)
     before = {k: v.detach().clone() for k, v in params.items()}

@@ -13,7 +13,7 @@ import autofuse
 from autofuse import evaluator, ops
 from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
-from autofuse.layout import PAD_TO, run_width
+from autofuse.layout import PAD_TO, input_width, run_width, training_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
 from autofuse.store import TrialRecord
@@ -25,7 +25,11 @@ def _is_padded(module) -> bool:
 
 
 def test_run_width():
-    assert run_width(72) == 72 and run_width(16384) == 16384  # aligned rows: unchanged
+    assert run_width(80) == 80 and run_width(16384) == 16384  # multiples of 16: unchanged
+    # A multiple of 8 (16-byte aligned rows) but not of 16: Triton's stride specialisation sees no alignment.
+    assert run_width(72) == 128 and run_width(20024) == 20032
+    # d_model (x's rows) and training pad only rows that are not 16-byte aligned.
+    assert input_width(72) == 72 and training_width(72) == 72 and input_width(75) == training_width(75) == 128
     assert run_width(75) == 128 and run_width(10485) == 10496 and run_width(68) == 128
     assert all(run_width(f) % PAD_TO == 0 for f in (1, 7, 63, 65, 4097))
 
@@ -45,14 +49,14 @@ def test_odd_d_ff_runs_padded_and_correct(dtype, bias, M, device):
 
 
 def test_aligned_d_ff_keeps_plain_parameters_when_not_interleaved(device):
-    module = autofuse.get_mlp(40, 72, dtype=torch.float16, device=device, interleaved=False)
-    assert module.d_ff_run == 72 and all(p.is_contiguous() for p in module.parameters()) and not module.runs_pairs
+    module = autofuse.get_mlp(40, 80, dtype=torch.float16, device=device, interleaved=False)
+    assert module.d_ff_run == 80 and all(p.is_contiguous() for p in module.parameters()) and not module.runs_pairs
     assert "interleaved=False" in repr(module)
 
 
 def test_gate_and_up_are_interleaved_by_default(device):
-    module = autofuse.get_mlp(40, 72, dtype=torch.float16, device=device)
-    assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == 72
+    module = autofuse.get_mlp(40, 80, dtype=torch.float16, device=device)
+    assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == 80
     assert module.down_proj.weight.is_contiguous()  # aligned d_ff: the down projection stays as it was
 
 

@@ -73,11 +73,11 @@ def test_mlp_takes_the_one_launch_kernel_only_where_it_was_timed_faster(fused_fa
     store = Store()
     pair = KernelConfig(16, 16, 16, num_stages=1)
     fused = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
-    store.put_winner(Winner(Problem("gated_up", 72, 40, 4, torch.float32, "silu").key(4, env), pair, 1.0, 2.0))
-    store.put_winner(Winner(Problem("down", 40, 72, 4, torch.float32, "none").key(4, env), pair, 1.0, 2.0))
-    store.put_winner(Winner(Problem("mlp", 72, 40, 4, torch.float32, "silu").key(4, env), fused,
+    store.put_winner(Winner(Problem("gated_up", 80, 40, 4, torch.float32, "silu").key(4, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(Problem("down", 40, 80, 4, torch.float32, "none").key(4, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(Problem("mlp", 80, 40, 4, torch.float32, "silu").key(4, env), fused,
                             1.5 if fused_faster else 2.5, 4.0))
-    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
+    mlp = autofuse.get_mlp(40, 80, activation="silu", dtype=torch.float32, device="cpu")
     expected = {"mlp": fused} if fused_faster else {"gated_up": pair, "down": pair}
     assert mlp.config_for(4) == expected
     assert mlp.config_for(128) != {"mlp": fused}  # above MLP_MAX_M the one-launch kernel never runs
