@@ -14,7 +14,8 @@ weights, x and y and FLOPs 6 M d_model d_ff: at decode M an MLP reads its weight
 elements, so the read ceiling is the wall (a copy, half writes, runs at 65% of it on an H200). Whole MLP:
 CUDA-graph-replayed GPU time of autofuse, eager PyTorch, torch.compile (default),
 torch.compile max-autotune-no-cudagraphs (compiled per M, static shapes; at --max-autotune-tokens only: each M
-autotunes for tens of seconds) and Liger (where installed), each over the roofline. Per step of the plan autofuse
+autotunes for tens of seconds) and Liger (where installed), each over the roofline, and at M <= 16 their plain
+(un-graphed) calls too, as never_slower.py times them. Per step of the plan autofuse
 runs (the up projection with act(G) * U in its epilogue, then the down projection; or the one-launch MLP): its
 choice, graph-replayed µs, the bytes it must move (its weights as stored, its input and output), TB/s and the
 percentage of the read ceiling.
@@ -23,19 +24,16 @@ percentage of the read ceiling.
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import time
 
 import harness
+import never_slower
 import torch
 import torch.nn.functional as F
-from never_slower import _liger_gate, draw_shapes, write_shapes
+from never_slower import draw_shapes, geomean, liger_gate, mlp_providers, write_shapes
 
-import autofuse
 from autofuse import dispatch
 from autofuse.launch import addresses
-from autofuse.reference import eager_mlp
 from autofuse.tools.measure import graph_replay_round_robin
 
 GIB = 1 << 30
@@ -92,41 +90,17 @@ def plan_steps(module, x: torch.Tensor, M: int) -> list[dict]:
                  call=lambda: dispatch.run_down(h, params, table["down"]), bytes=_bytes(h, wd, bd, y))]
 
 
-def providers(shape: dict, liger) -> tuple[dict, object]:
-    d, f, act = shape["d_model"], shape["d_ff"], shape["activation"]
-    module = autofuse.get_mlp(d, f, activation=act, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-    wg, wu, wd = (p.detach().contiguous() for p in (module.gate_proj.weight, module.up_proj.weight,
-                                                     module.down_proj.weight))
-
-    def eager(x):
-        return eager_mlp(x, wg, wu, wd, activation=act)
-
-    found = {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
-    if liger is not None:
-        gate = liger[act]
-        found["liger"] = lambda x: F.linear(gate(F.linear(x, wg), F.linear(x, wu)), wd)
-    return found, eager
-
-
-def measure(shape: dict, found: dict, eager, M: int, ceiling: dict, max_autotune: bool) -> dict:
+def measure(shape: dict, found: dict, M: int, ceiling: dict, max_autotune: bool) -> dict:
+    """never_slower.measure's row (graph-replayed and, at small M, plain-call times of every provider) with
+    the roofline and autofuse's plan step by step."""
     d, f = shape["d_model"], shape["d_ff"]
-    x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     fns = dict(found)
     if max_autotune:
         # Compiled for this M alone (static shapes): what Inductor's max-autotune makes of one decode shape.
-        fns["max-autotune"] = torch.compile(eager, mode="max-autotune-no-cudagraphs", dynamic=False)
-    ref = eager(x).float()
-    errors = {}
-    for name, fn in fns.items():
-        out = fn(x)  # first calls: compile, autotune, first-use checks
-        errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in fns.items()}, replays=50)
-    peers = {k: v for k, v in times.items() if k != "autofuse"}
-    best = min(peers, key=peers.get)
+        fns["max-autotune"] = torch.compile(found["eager"], mode="max-autotune-no-cudagraphs", dynamic=False)
+    row = never_slower.measure(fns, d, M)
     roof = roofline_us(d, f, M, ceiling)
+    x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     steps = plan_steps(found["autofuse"], x, M)
     step_us = graph_replay_round_robin({s["step"]: s["call"] for s in steps}, replays=50)
     for s in steps:
@@ -134,29 +108,23 @@ def measure(shape: dict, found: dict, eager, M: int, ceiling: dict, max_autotune
         s["us"] = step_us[s["step"]]
         s["tb_per_s"] = s["bytes"] / (s["us"] * 1e-6) / 1e12
         s["pct_read_ceiling"] = 100 * s["bytes"] / (s["us"] * 1e-6) / ceiling["read_bytes_per_s"]
-    return dict(M=M, us=times, rel_error=errors, roofline_us=roof,
-                over_roofline={k: v / roof for k, v in times.items()}, best_peer=best,
-                ratio=peers[best] / times["autofuse"], weight_bytes=2 * 3 * d * f, steps=steps,
-                sources=found["autofuse"].config_sources(M))
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(map(math.log, values))) if values else float("nan")
+    return dict(row, roofline_us=roof, over_roofline={k: v / roof for k, v in row["us"].items()},
+                weight_bytes=2 * 3 * d * f, steps=steps, sources=found["autofuse"].config_sources(M))
 
 
 def summarize(rows: list[dict]) -> dict:
     def over(select) -> dict:
         values = [r["over_roofline"]["autofuse"] for r in rows if select(r)]
-        return dict(points=len(values), geomean=_geomean(values), max=max(values, default=float("nan")))
+        return dict(points=len(values), geomean=geomean(values), max=max(values, default=float("nan")))
 
     small = [r["ratio"] for r in rows if r["M"] <= 16]
     autotuned = [r["us"]["max-autotune"] / r["us"]["autofuse"] for r in rows if "max-autotune" in r["us"]]
     return dict(points=len(rows),
                 roofline_m_le_16_large=over(lambda r: r["M"] <= 16 and r["weight_bytes"] >= LARGE_WEIGHTS),
                 roofline_m_le_16=over(lambda r: r["M"] <= 16), roofline_m_32_256=over(lambda r: 32 <= r["M"] <= 256),
-                best_peer_m_le_16=dict(geomean=_geomean(small), min=min(small, default=float("nan")),
+                best_peer_m_le_16=dict(geomean=geomean(small), min=min(small, default=float("nan")),
                                        below_1=sum(v < 1 for v in small)),
-                max_autotune_over_autofuse=dict(points=len(autotuned), geomean=_geomean(autotuned),
+                max_autotune_over_autofuse=dict(points=len(autotuned), geomean=geomean(autotuned),
                                                 min=min(autotuned, default=float("nan"))))
 
 
@@ -181,15 +149,15 @@ def main() -> None:
     # One compiled function per M for max-autotune (static shapes), plus torch.compile's default one.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
-    liger = _liger_gate()
+    liger = liger_gate()
     ceiling = ceilings()
     print(json.dumps({k: f"{v:.4g}" for k, v in ceiling.items()}), flush=True)
     rows, start = [], time.perf_counter()
     with torch.no_grad():
         for i, shape in enumerate(gated):
-            found, eager = providers(shape, liger)
+            found = mlp_providers(shape, liger)
             for M in tokens:
-                row = dict(name=f"drawn-mlp-{i}", **shape, **measure(shape, found, eager, M, ceiling, M in autotune_at))
+                row = dict(name=f"drawn-mlp-{i}", **shape, **measure(shape, found, M, ceiling, M in autotune_at))
                 rows.append(row)
                 steps = "; ".join(f"{s['step']} {s['choice']} {s['us']:.1f} us {s['pct_read_ceiling']:.0f}%"
                                   for s in row["steps"])

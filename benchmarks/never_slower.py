@@ -81,7 +81,7 @@ def write_shapes(path: str, gated: list[dict], linear: list[dict], tokens: list[
     Path(path).write_text(json.dumps(shapes, indent=1) + "\n")
 
 
-def _liger_gate():
+def liger_gate():
     try:
         from liger_kernel.ops.geglu import LigerGELUMulFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -186,7 +186,7 @@ def main() -> None:
     gated, linear = draw_shapes(args.seed, args.mlps, args.linears)
     if args.public:
         gated, linear = gated + list(PUBLIC_MLPS), linear + list(PUBLIC_LINEARS)
-    liger = _liger_gate()
+    liger = liger_gate()
     rows = []
     start = time.perf_counter()
     with torch.no_grad():
@@ -216,7 +216,7 @@ def main() -> None:
     print(json.dumps(summary), flush=True)
 
 
-def _geomean(values: list[float]) -> float:
+def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(map(math.log, values))) if values else float("nan")
 
 
@@ -226,16 +226,16 @@ def _write(args, liger, rows: list[dict], start: float) -> dict:
     ratios = [r["ratio"] for r in rows]
     summary = dict(points=len(rows), min_ratio=min(ratios, default=float("nan")),
                    below_0_97=sum(r < 0.97 for r in ratios),
-                   geomean_m_le_128=_geomean([r["ratio"] for r in rows if r["M"] <= 128]),
-                   geomean_m_ge_1024=_geomean([r["ratio"] for r in rows if r["M"] >= 1024]),
+                   geomean_m_le_128=geomean([r["ratio"] for r in rows if r["M"] <= 128]),
+                   geomean_m_ge_1024=geomean([r["ratio"] for r in rows if r["M"] >= 1024]),
                    seconds=time.perf_counter() - start)
     plain = [r["plain_ratio"] for r in rows if "plain_ratio" in r]
-    summary[f"plain_call_m_le_{PLAIN_M}"] = dict(points=len(plain), geomean=_geomean(plain),
+    summary[f"plain_call_m_le_{PLAIN_M}"] = dict(points=len(plain), geomean=geomean(plain),
                                                  min=min(plain, default=float("nan")),
                                                  below_1=sum(r < 1.0 for r in plain))
     for kind in ("mlp", "linear"):  # gated MLPs and Linears apart, at M >= 1024
         prefill = [r["ratio"] for r in rows if r["kind"] == kind and r["M"] >= 1024]
-        summary[f"{kind}_m_ge_1024"] = dict(points=len(prefill), geomean=_geomean(prefill),
+        summary[f"{kind}_m_ge_1024"] = dict(points=len(prefill), geomean=geomean(prefill),
                                             min=min(prefill, default=float("nan")))
     harness.write(args.out, "never_slower.json", dict(seed=args.seed, liger=liger is not None, summary=summary,
                                                       rows=rows))
