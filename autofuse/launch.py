@@ -216,10 +216,11 @@ def launch_gemm(kernel: Kernel, sizes: tuple[int, ...], config: KernelConfig, de
     multiprocessors = persistent_programs(device) if variant.per_sm else 0
     if variant.descriptors and device.type == "cuda":
         _ensure_context(device)
-    options = {**launch_options(config), **{name: value for name, value in constexprs.items()
-                                            if name in kernel.constexprs}}
+    extra = {name: value for name, value in constexprs.items() if name in kernel.constexprs}
     if variant.launch_constexprs is not None:
-        options.update(variant.launch_constexprs(multiprocessors))
+        extra.update(variant.launch_constexprs(multiprocessors))
+    # The memoised options as they are where nothing is added (the tile and split-K kernels of most ops).
+    options = {**launch_options(config), **extra} if extra else launch_options(config)
     count = tiles(M, N, config)
     workspace = workspaces.workspace(device, M * accumulators * N, count) if variant.workspace else ()
     launch(kernel, (variant.programs(count, config, multiprocessors),), tensors, sizes, options, workspace)

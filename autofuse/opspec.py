@@ -217,8 +217,10 @@ class OpSpec:
         return {**self.library, **_REGISTERED_LIBRARY.get(self.name, {})}
 
     def library_candidate(self, name: str) -> Callable:
-        """The library candidate `name` (KeyError where the op has none of that name)."""
-        return self.candidates[name]
+        """The library candidate `name` (KeyError where the op has none of that name). Run per call of a library
+        choice: looked up in place, without building `candidates`."""
+        run = self.library.get(name)
+        return run if run is not None else _REGISTERED_LIBRARY.get(self.name, {})[name]
 
     def library_for(self, activation: str, bias: bool, residual: bool) -> dict[str, Callable]:
         """The library candidates that compute this op for a key with these flags (eager always does)."""
