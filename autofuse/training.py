@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from . import launch
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .configs import KernelConfig
-from .layout import training_width
+from .layout import row_width
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_grad import gated_gradient_kept
@@ -113,22 +113,21 @@ class TrainingLaunches:
 
 
 class Padding:
-    """A training step of a gated MLP whose d_model or d_ff is not an aligned width (layout.training_width) runs
-    in a padded space: x, the weights and biases zero-padded to D = training_width(d_model) and
-    W = training_width(d_ff), so that
-    every cuBLAS GEMM of the step has aligned sizes and rows (its fast kernels need them: unaligned, the same
+    """A training step of a gated MLP whose d_model or d_ff is not an aligned width (layout.row_width) runs
+    in a padded space: x, the weights and biases zero-padded to D = row_width(d_model) and W = row_width(d_ff),
+    so that every cuBLAS GEMM of the step has aligned sizes and rows (its fast kernels need them: unaligned, the same
     GEMMs ran 3-4x slower), exactly, since the padding contributes zeros everywhere; the output and the gradients
     are the live region of the padded results. The padded weights are copied once a step into buffers kept on the
     table entry, gate and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         self.d, self.f = d_model, d_ff
-        self.D, self.W = training_width(d_model), training_width(d_ff)
+        self.D, self.W = row_width(d_model), row_width(d_ff)
 
     @staticmethod
     def of(x: torch.Tensor, w_gate: torch.Tensor) -> Padding | None:
         f, d = w_gate.shape
-        return Padding(d, f) if (training_width(d), training_width(f)) != (d, f) else None
+        return Padding(d, f) if (row_width(d), row_width(f)) != (d, f) else None
 
     def params(self, params: tuple, launches: TrainingLaunches | None) -> tuple:
         """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded, in buffers reused step after step where the

@@ -13,7 +13,7 @@ import autofuse
 from autofuse import evaluator, ops
 from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
-from autofuse.layout import PAD_TO, input_width, run_width, training_width
+from autofuse.layout import PAD_TO, row_width, run_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
 from autofuse.store import TrialRecord
@@ -29,7 +29,7 @@ def test_run_width():
     # A multiple of 8 (16-byte aligned rows) but not of 16: Triton's stride specialisation sees no alignment.
     assert run_width(72) == 128 and run_width(20024) == 20032
     # d_model (x's rows) and training pad only rows that are not 16-byte aligned.
-    assert input_width(72) == 72 and training_width(72) == 72 and input_width(75) == training_width(75) == 128
+    assert row_width(72) == 72 and row_width(75) == 128
     assert run_width(75) == 128 and run_width(10485) == 10496 and run_width(68) == 128
     assert all(run_width(f) % PAD_TO == 0 for f in (1, 7, 63, 65, 4097))
 
