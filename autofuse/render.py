@@ -91,12 +91,17 @@ def render(spec: KernelSpec) -> str:
     variant = variants.get(spec.variant)
     template = _environment(_folders(spec.op, variant, templates_dir())).get_template(
         entry_template(spec.op, variant))
+    return template.render(**template_variables(spec))
+
+
+def template_variables(spec: KernelSpec) -> dict:
+    """What a template is rendered with: the spec's fields, the kernel's name and signature lines, and every
+    registered variant's name, true for the one rendered (a variant without a file of its own is the op
+    template's `{% if <name> %}` blocks)."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op"}
-    # Every registered variant's name is a template variable, true for the one rendered: a variant without a
-    # file of its own is the op template's `{% if <name> %}` blocks.
     flags = {name: name == spec.variant for name in variants.names()}
-    lines = signature_lines(spec.parameters, spec.constexprs)
-    return template.render(kernel_name=spec.kernel_name, signature=lines, **flags, **fields)
+    return dict(kernel_name=spec.kernel_name, signature=signature_lines(spec.parameters, spec.constexprs), **flags,
+                **fields)
 
 
 def entry_template(op: OpSpec, variant: variants.Variant) -> str:
@@ -112,6 +117,7 @@ def template_hash(op: OpSpec) -> str:
 
 @cache
 def _template_hash(op: OpSpec, kinds: tuple[variants.Variant, ...]) -> str:
+    # `kinds` keys the memo: registering or removing a variant of the op hashes its closure again.
     return hash_template_files(op, templates_dir())
 
 

@@ -25,8 +25,7 @@ import jinja2
 
 from autofuse import ops, variants
 from autofuse.configfile import _checksum
-from autofuse.opspec import signature_lines
-from autofuse.render import KernelSpec, entry_template, render, template_hash
+from autofuse.render import KernelSpec, entry_template, render, template_hash, template_variables
 
 _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render import template_hash\n"
                "print(json.dumps({s.name: template_hash(s) for s in ops.specs()}))\n")
@@ -42,13 +41,8 @@ def _variants(spec):
 
 def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
     template = env.get_template(entry_template(k.op, variants.get(k.variant)))
-    # `signature`: today's generated parameter list, for revisions whose templates write it with the macro; every
-    # variant's name as a flag, as render() passes them.
-    flags = {name: name == k.variant for name in variants.names()}
-    return template.render(kernel_name=k.kernel_name, activation=k.activation, has_bias=k.has_bias,
-                           has_residual=k.has_residual, even_k=k.even_k, input_precision=k.input_precision,
-                           upcast_operands=k.upcast_operands, signature=signature_lines(k.parameters, k.constexprs),
-                           **flags)
+    # What render() passes today (the signature lines too, for revisions whose templates write it with the macro).
+    return template.render(**template_variables(k))
 
 
 def _old_revision(old_rev: str) -> tuple[Path, dict[str, str]]:
