@@ -93,12 +93,6 @@ def supports_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def tma_usable(device: torch.device, K: int, dtype: torch.dtype) -> bool:
-    """Whether TMA kernels can serve a problem with reduction length K on this device: the device
-    supports them and descriptor rows (K elements of X and of the weights) are 16-byte multiples."""
-    return supports_tma(device) and (K * dtype.itemsize) % 16 == 0
-
-
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM."""
     return multiprocessor_count(cuda_index(device)) if device.type == "cuda" else INTERPRETER_PROGRAMS
