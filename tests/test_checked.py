@@ -204,6 +204,31 @@ def test_a_nearest_keys_library_choice_is_checked_again_at_another_bucket(device
     assert len(list(Store().winners())) == 5  # two ops at two buckets, and the one-launch MLP at M <= 64
 
 
+@pytest.mark.parametrize("nearest_faster", [True, False])
+def test_a_nearest_keys_kernel_is_checked_beside_this_buckets_heuristic(device, monkeypatch, nearest_faster):
+    """A nearest key may be the same shape at another M (a small-M split-K config at M = 256): its kernel
+    competes with this bucket's heuristic config and the library paths, and the fastest of the three is stored."""
+    from autofuse.choose.heuristics import heuristic_for
+
+    problem = Problem("linear", 56, 40, 100, torch.float32, "gelu", True, device=torch.device(device))
+    own = heuristic_for(problem.replace(M=problem.bucket))
+    nearest = KernelConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=1)
+    assert nearest != own
+    monkeypatch.setattr(checked, "interpreting", lambda: False)
+    monkeypatch.setattr(objective.Evaluator, "library_ms", lambda self: {"eager": 10.0})
+    timed = []
+
+    def evaluate(self, config):
+        timed.append(config)
+        ms = (1.0 if nearest_faster else 3.0) if config == nearest else 2.0
+        return TrialRecord(config, "ok", ms, "")
+    monkeypatch.setattr(objective.Evaluator, "evaluate", evaluate)
+    choice = checked.checked(problem, Choice(nearest, Source.NEAREST, detail="a neighbour"))
+    assert sorted(timed, key=str) == sorted([nearest, own], key=str)
+    assert choice.source == "checked" and choice.config == (nearest if nearest_faster else own)
+    assert Store().get_winner(problem.key()).config == choice.config
+
+
 @pytest.mark.parametrize("one_launch_ms", [3.0, 4.1, 5.0])
 def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkeypatch, one_launch_ms):
     """At small M the one-launch MLP runs unless the two checked ops together (2 + 2 here) beat it by
