@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import variants
-from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, Shape, gemm_heuristic
+from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, Shape, gemm_heuristic, gemv_alternative
 
 # A GEMM-shaped op with every variant the shared template pieces give (split-K, persistent TMA) and the
 # default search spaces: what linear and gated_up declare, and an op added outside may too.
@@ -242,6 +242,15 @@ class OpSpec:
         if self.heuristic is not None:
             return self.heuristic(shape, device, kinds)
         return gemm_heuristic(shape, device, kinds, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n)
+
+    def alternative_configs(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
+        """Configs a first-use check times beside the heuristic's, where one rule cannot tell which is faster (the
+        GEMV config at decode's smallest M, for the GEMM-shaped ops without a heuristic of their own)."""
+        if self.heuristic is not None:
+            return ()
+        kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
+        gemv = gemv_alternative(shape, device, kinds, self.operand_tiles)
+        return () if gemv is None else (gemv,)
 
     def search_space(self, interpret: bool) -> SearchSpace | None:
         return self.interpreter_space if interpret else self.space

@@ -14,7 +14,8 @@ A variant is
   (launch.launch_gemm launches every variant from these).
 
 Registered here: `tile` (one output tile per program), `split_k` (programs share an output tile through
-a float32 workspace) and `tma` (persistent, over TMA tensor descriptors). An op names the variants its
+a float32 workspace), `tma` (persistent, over TMA tensor descriptors) and `gemv` (decode's CUDA-core
+reduction for M <= 2, with tile sizes of its own). An op names the variants its
 templates implement (OpSpec.variants); a variant registered from outside names the ops it adds itself to
 (`ops`). KernelConfig stores a variant by name with its knobs.
 """
@@ -97,6 +98,14 @@ class Variant:
     launch_constexprs: Callable[[int], Mapping[str, int]] | None = None
     per_sm: bool = False  # its programs or constexprs read the multiprocessor count
     ops: tuple[str, ...] = ()  # ops that have this variant beside those whose OpSpec.variants names it
+    # The values a tile dimension (block_m, block_n, block_k) takes in this variant where they are not the op's
+    # search space's: searched instead of the space's (on a GPU, under the interpreter), and allowed in a stored
+    # config beside the sizes every variant allows.
+    tile_values: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    interpreter_tile_values: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # Float32 elements of one accumulator per program (what the register estimate counts); None: one per output
+    # element of its tile, block_m x block_n.
+    accumulator_elements: Callable[[Any], int] | None = None
     applies: Callable[[Device, Shape], bool] = _everywhere
     fits: Callable[[Any, Shape], bool] | None = None  # (config, shape): None, every config of it fits
     runs_with: Callable[[Sequence[torch.Tensor]], bool] | None = None  # None: any operands
@@ -107,6 +116,11 @@ class Variant:
     def kernel_constexprs(self) -> tuple[str, ...]:
         return tuple(knob.constexpr for knob in self.knobs.values()) + self.constexprs
 
+    def block_sizes(self, dimension: str) -> tuple[int, ...]:
+        """The values `dimension` (block_m, block_n or block_k) may hold in a config of this variant, ascending."""
+        own = set(self.tile_values.get(dimension, ())) | set(self.interpreter_tile_values.get(dimension, ()))
+        return tuple(sorted(own | set(BLOCK_SIZES)))
+
     def label(self, knobs: Mapping[str, int]) -> str:
         """How a config of this variant ends in short form: '' (tile), ' tma', ' split_k=4'."""
         if self.name == "tile":
@@ -114,6 +128,10 @@ class Variant:
         own = f"={knobs[self.name]}" if self.name in knobs else ""
         return f" {self.name}{own}" + "".join(f" {k}={v}" for k, v in knobs.items() if k != self.name)
 
+
+# The tile sizes every variant allows: tl.dot needs every tile dimension >= 16, and tl.arange powers of two.
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+TILE_DIMENSIONS = ("block_m", "block_n", "block_k")
 
 # The names a template already receives, and a config's fields: no variant or knob may take one.
 _TAKEN = frozenset({"op", "activation", "has_bias", "has_residual", "even_k", "input_precision", "upcast_operands",
@@ -134,6 +152,12 @@ def register(variant: Variant) -> Variant:
     for knob in variant.knobs:
         if not knob.isidentifier() or knob in _TAKEN:
             raise ValueError(f"variant {name}: knob name {knob!r} is not an identifier free to use")
+    for values in (*variant.tile_values.values(), *variant.interpreter_tile_values.values()):
+        if not values or any(type(v) is not int or v < 1 or v & (v - 1) or v > 4096 for v in values):
+            raise ValueError(f"variant {name}: tile sizes are powers of two in 1..4096, got {values!r}")
+    unknown = (set(variant.tile_values) | set(variant.interpreter_tile_values)) - set(TILE_DIMENSIONS)
+    if unknown:
+        raise ValueError(f"variant {name}: tile_values names {', '.join(sorted(unknown))}, not a tile dimension")
     if variant.template_suffix and not variant.template_suffix.replace("_", "").isalnum():
         raise ValueError(f"variant {name}: template_suffix is letters, digits and '_', got {variant.template_suffix!r}")
     _REGISTRY[name] = variant
@@ -221,6 +245,36 @@ TMA = Variant(
     applies=_tma_applies,
     runs_with=_tma_operands,
 )
-for _variant in (TILE, SPLIT_K, TMA):
+# The GEMV variant serves decode's smallest M, where a tensor-core tile of 16 rows computes mostly padding and a
+# CUDA-core reduction streams the weights without a trip through shared memory. Tuned 16 trials a variant on an
+# H100 (bf16): at M = 1 the best GEMV config ran a narrow down projection (d_model 896) 20% faster than the
+# best tensor-core config and than cuBLAS, and the other ops of three MLPs within -14%..+2%; at M = 4 it ran
+# 1.6-2.0x slower on every op (M products per weight element in registers outweigh the weight stream). So it is
+# searched up to M = 2 only.
+GEMV_MAX_M = 2
+
+
+def _gemv_fits(config, shape: Shape) -> bool:
+    # One program covers every row (more row blocks would stream the weights once per block), and no more K
+    # slices than K blocks.
+    return config.block_m >= shape.M and config.knob("split_k") <= -(-shape.K // config.block_k)
+
+
+GEMV = Variant(
+    "gemv", "decode's CUDA-core reduction: M <= 2 rows into BLOCK_N outputs per program, float32 products "
+            "summed over K after the loop, optionally split over K through the workspace",
+    template_suffix="_gemv",
+    knobs={"split_k": Knob("SPLIT_K", values=(1, 2, 4, 8), interpreter_values=(1, 2), low=1, high=64)},
+    programs=lambda tiles, config, multiprocessors: tiles * config.knob("split_k"),
+    workspace=True,
+    tile_values={"block_m": (1, 2, 4, 8), "block_n": (4, 8, 16, 32, 64), "block_k": (64, 128, 256, 512, 1024)},
+    interpreter_tile_values={"block_m": (1, 2, 4, 8), "block_n": (8, 16), "block_k": (16, 32)},
+    # The products of a K step accumulate unreduced: block_m x block_n x block_k float32 per accumulator.
+    accumulator_elements=lambda config: config.block_m * config.block_n * config.block_k,
+    applies=lambda device, shape: shape.M <= GEMV_MAX_M,
+    fits=_gemv_fits,
+    ops=("linear", "down", "gated_up"),
+)
+for _variant in (TILE, SPLIT_K, TMA, GEMV):
     register(_variant)
     _BUILT_IN.add(_variant.name)

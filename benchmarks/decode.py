@@ -1,7 +1,11 @@
 """Decode at the memory wall: gated MLPs at M = 1..256 against their roofline, whole and per step.
 
-  python benchmarks/decode.py [--out DIR] [--seed 37] [--mlps 12] [--tokens 1,2,4,8,16,32,64,128,256]
+  python benchmarks/decode.py [--out DIR] [--seed 37] [--mlps 12] [--only 0,1,2] [--tokens 1,2,4,8,16,32,64,128,256]
       [--max-autotune-tokens 1,16] [--no-max-autotune] [--write-shapes FILE]
+  python benchmarks/decode.py --merge A/decode.json B/decode.json [--out DIR]
+
+`--only` runs some of the drawn shapes (by index), so that a long sweep can run in parts; `--merge` writes one
+decode.json of several parts' rows with their summary.
 
 Shapes: never_slower.py's generator with its own seed (d_model 512-8192, d_ff 1-8x d_model, some not multiples
 of 8 or 64), none in the shipped files. Run it with an empty user cache (first-use checks decide), then again after
@@ -128,6 +132,20 @@ def summarize(rows: list[dict]) -> dict:
                                                 min=min(autotuned, default=float("nan"))))
 
 
+def merge(files: list[str], out) -> None:
+    """One decode.json of the rows of `files` (parts of one sweep: same seed, ceilings each part's own)."""
+    parts = [json.loads(open(name).read()) for name in files]
+    if len({p["seed"] for p in parts}) != 1:
+        raise SystemExit("decode.py --merge: the parts were drawn with different seeds")
+    rows = [row for p in parts for row in p["rows"]]
+    summary = summarize(rows)
+    harness.write(out, "decode.json", dict(seed=parts[0]["seed"], ceilings=[p["ceilings"] for p in parts],
+                                           liger=all(p["liger"] for p in parts), summary=summary, rows=rows,
+                                           seconds=sum(p["seconds"] for p in parts),
+                                           parts=[p.get("run", {}) for p in parts]))
+    print(json.dumps(summary), flush=True)
+
+
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--seed", type=int, default=37)
@@ -138,9 +156,18 @@ def main() -> None:
     parser.add_argument("--no-max-autotune", action="store_true")
     parser.add_argument("--write-shapes", metavar="FILE", default=None,
                         help="write the drawn shapes and --tokens as a shapes file for `autofuse tune`, then stop")
+    parser.add_argument("--only", default=None, help="comma-separated indices of the drawn shapes to run")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                        help="merge the rows of several decode.json files (parts of one sweep) and summarise them")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, harness.out_dir(args.out))
+        return
     tokens = [int(t) for t in args.tokens.split(",")]
     gated, _ = draw_shapes(args.seed, args.mlps, 0)
+    indices = range(len(gated)) if args.only is None else [int(i) for i in args.only.split(",")]
+    if any(not 0 <= i < len(gated) for i in indices):
+        parser.error(f"--only takes indices below --mlps ({len(gated)})")
     if args.write_shapes:
         write_shapes(args.write_shapes, gated, [], tokens)
         return
@@ -154,7 +181,8 @@ def main() -> None:
     print(json.dumps({k: f"{v:.4g}" for k, v in ceiling.items()}), flush=True)
     rows, start = [], time.perf_counter()
     with torch.no_grad():
-        for i, shape in enumerate(gated):
+        for i in indices:
+            shape = gated[i]
             found = mlp_providers(shape, liger)
             for M in tokens:
                 row = dict(name=f"drawn-mlp-{i}", **shape, **measure(shape, found, M, ceiling, M in autotune_at))

@@ -8,7 +8,7 @@ import torch
 from _helpers import DTYPES
 
 import autofuse
-from autofuse import launch
+from autofuse import launch, variants
 from autofuse.bound import _DESCRIPTORS_KEPT, _keep
 from autofuse.configs import KernelConfig
 from autofuse.ops.gated_up import gated_up
@@ -18,6 +18,7 @@ from autofuse.ops.mlp import mlp_decode
 PLAIN = KernelConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=2)
 SPLIT = KernelConfig(16, 32, 16, group_m=1, num_warps=4, num_stages=2, variant="split_k", knobs={"split_k": 3})
 TMA = KernelConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=3, variant="tma")
+GEMV = KernelConfig(8, 16, 32, group_m=1, num_warps=4, num_stages=2, variant="gemv", knobs={"split_k": 2})
 M, K, N = 5, 48, 40
 
 
@@ -46,7 +47,7 @@ def _bound(run):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [PLAIN, SPLIT, TMA], ids=lambda c: c.short())
+@pytest.mark.parametrize("config", [PLAIN, SPLIT, TMA, GEMV], ids=lambda c: c.short())
 @pytest.mark.parametrize("bias, residual", [(False, False), (True, False), (True, True)])
 def test_bound_linear_is_bit_identical_to_the_jit_path(device, dtype, config, bias, residual):
     w = _rand(N, K, dtype=dtype, device=device) / K**0.5
@@ -57,11 +58,11 @@ def test_bound_linear_is_bit_identical_to_the_jit_path(device, dtype, config, bi
         x, res = _rand(M, K, dtype=dtype, device=device), r()
         y = torch.full((M, N), float("nan"), dtype=dtype, device=device)
         assert bound({"x": x, "r": res, "y": y})
-        _assert_same(y, linear(x, w, b, res, "gelu", config), atomic=config.variant == "split_k")
+        _assert_same(y, linear(x, w, b, res, "gelu", config), atomic=variants.get(config.variant).workspace)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [PLAIN, SPLIT, TMA], ids=lambda c: c.short())
+@pytest.mark.parametrize("config", [PLAIN, SPLIT, TMA, GEMV], ids=lambda c: c.short())
 def test_bound_gated_up_is_bit_identical_to_the_jit_path(device, dtype, config):
     wg, wu = (_rand(N, K, dtype=dtype, device=device) / K**0.5 for _ in range(2))
     bg, bu = (_rand(N, dtype=dtype, device=device) for _ in range(2))
@@ -69,7 +70,7 @@ def test_bound_gated_up_is_bit_identical_to_the_jit_path(device, dtype, config):
     x = _rand(M, K, dtype=dtype, device=device)
     h = torch.full((M, N), float("nan"), dtype=dtype, device=device)
     assert bound({"x": x, "h": h})
-    _assert_same(h, gated_up(x, wg, wu, bg, bu, "silu", config), atomic=config.variant == "split_k")
+    _assert_same(h, gated_up(x, wg, wu, bg, bu, "silu", config), atomic=variants.get(config.variant).workspace)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -354,7 +354,7 @@ def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
 
     monkeypatch.setattr(objective.Evaluator, "precompile", precompile)
     monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
-    monkeypatch.setattr(checked, "_compare", lambda key, M, choice, device: (_ for _ in ()).throw(
+    monkeypatch.setattr(checked, "_compare", lambda key, M, kernels, device, heuristic=None: (_ for _ in ()).throw(
         RuntimeError("the test stops at the checks")))
     plan = MLPPlan(D, F_, "silu", False, pairs=True)
     plans._precompile(plan, 4, torch.float32, torch.device("cpu"))

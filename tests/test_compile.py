@@ -57,6 +57,12 @@ CASES = [
          block=(128, 256, 64), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("gated_pairs", "silu", bias=True, even_k=False, variant="split_k"), dtype="bfloat16", capability=80,
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
+    dict(spec=_spec("linear", "gelu", bias=True, residual=True, even_k=False, variant="gemv"), dtype="bfloat16",
+         capability=90, block=(1, 16, 512), split_k=1, num_warps=4, num_stages=3),
+    dict(spec=_spec("linear", "none", variant="gemv"), dtype="float16", capability=80,
+         block=(8, 8, 128), split_k=4, num_warps=4, num_stages=2),
+    dict(spec=_spec("gated_up", "silu", bias=True, variant="gemv"), dtype="bfloat16", capability=90,
+         block=(4, 16, 256), split_k=2, num_warps=4, num_stages=3),
 ]
 
 
@@ -79,8 +85,13 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
     # 16-bit 128-row tiles on sm_90 must lower to wgmma (the Hopper path), not mma.sync.
     big = [c for c in compiled if c["capability"] == 90 and c["block"][0] == 128 and c["dtype"] != "float32"]
     assert big and all(c["wgmma"] for c in big), big
-    ampere = [c for c in compiled if c["capability"] == 80]
+    ampere = [c for c in compiled if c["capability"] == 80 and not c["kernel"].endswith("_gemv")]
     assert len(ampere) == 3 and all(c["mma"] and not c["wgmma"] for c in ampere), ampere
+
+
+def test_gemv_kernels_reduce_on_cuda_cores(compiled):
+    gemv = [c for c in compiled if c["kernel"].endswith("_gemv")]
+    assert len(gemv) == 3 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
 
 
 def test_split_k_kernels_are_named_for_profilers(compiled):

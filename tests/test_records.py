@@ -60,7 +60,7 @@ def test_a_check_that_ends_after_tune_stored_its_winner_keeps_the_tuned_record(m
     resolve.invalidate()
     check_result = Winner(KEY, Library("eager"), 0.5, 0.5, policy=CHECKED)
 
-    def compare_while_tune_stores(key, M, choice, device):
+    def compare_while_tune_stores(key, M, kernels, device, heuristic=None):
         Store().put_winner(TUNED)  # the tune process, meanwhile
         return check_result
 
@@ -125,7 +125,8 @@ def test_a_held_write_lock_stalls_a_first_use_check_for_seconds_not_minutes(monk
     try:
         other = Problem("linear", 56, 40, 16, torch.float32, "gelu", True).key(16, KEY_ENV)
         monkeypatch.setattr(checked, "_compare",
-                            lambda key, M, choice, device: Winner(other, Library("eager"), 0.5, 0.5, policy=CHECKED))
+                            lambda key, M, kernels, device, heuristic=None: Winner(other, Library("eager"), 0.5, 0.5,
+                                                                                   policy=CHECKED))
         start = time.perf_counter()
         with caplog.at_level(logging.WARNING, logger="autofuse"):
             choice = checked.checked(Problem("linear", 56, 40, 16, torch.float32, "gelu", True),

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import jinja2
 
-from autofuse import ops, variants
+from autofuse import ops
+from autofuse import variants as variants_registry
 from autofuse.configfile import _checksum
 from autofuse.render import KernelSpec, entry_template, render, template_hash, template_variables
 
@@ -34,13 +35,13 @@ _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render impo
 def _variants(spec):
     for act, bias, even_k, precision, upcast in itertools.product(
             spec.activations, (False, True), (False, True), (None, "ieee", "tf32"), (False, True)):
-        for residual, variant in itertools.product((False, True), variants.of(spec)):
+        for residual, variant in itertools.product((False, True), variants_registry.of(spec)):
             if spec.variants_allowed(residual, variant.name) is None and not (bias and spec.name == "gated_bwd"):
                 yield KernelSpec(spec, act, bias, residual, even_k, precision, upcast, variant.name)
 
 
 def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
-    template = env.get_template(entry_template(k.op, variants.get(k.variant)))
+    template = env.get_template(entry_template(k.op, variants_registry.get(k.variant)))
     # What render() passes today (the signature lines too, for revisions whose templates write it with the macro).
     return template.render(**template_variables(k))
 
@@ -71,11 +72,15 @@ def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: lis
         if spec.name not in old_hashes:
             print(f"{spec.name:<11} new since {old_rev}: no records to carry")
             continue
-        variants = list(_variants(spec))
-        same = sum(ast.dump(ast.parse(_old_source(env, k))) == ast.dump(ast.parse(render(k))) for k in variants)
+        # A variant whose template OLD_REV lacks is new since then: no record of OLD_REV's can name it.
+        kernels = [k for k in _variants(spec)
+                   if (old_dir / entry_template(k.op, variants_registry.get(k.variant))).is_file()]
+        added = sorted({v.name for v in variants_registry.of(spec)} - {k.variant for k in kernels})
+        same = sum(ast.dump(ast.parse(_old_source(env, k))) == ast.dump(ast.parse(render(k))) for k in kernels)
         old, new = old_hashes[spec.name], template_hash(spec)
-        print(f"{spec.name:<11} {same}/{len(variants)} variants parse to identical programs; hash {old} -> {new}")
-        if same == len(variants):
+        note = f" (variants new since {old_rev}: {', '.join(added)})" if added else ""
+        print(f"{spec.name:<11} {same}/{len(kernels)} kernels parse to identical programs{note}; hash {old} -> {new}")
+        if same == len(kernels):
             rehash[(spec.name, old)] = new
     for name in files:
         doc = json.loads(Path(name).read_text())

@@ -33,7 +33,7 @@ from ..key import Problem
 from ..store import CHECKED, Store, Winner
 from . import lookup
 from .choice import Choice, Source
-from .heuristics import heuristic_for
+from .heuristics import alternatives_for, heuristic_for
 from .policy import current
 
 logger = logging.getLogger("autofuse")
@@ -75,7 +75,8 @@ def checked(problem: Problem, choice: Choice) -> Choice:
     if choice.kernel is None:  # which library path is fastest also depends on the shape: compare here
         choice = Choice(heuristic_for(problem.replace(M=problem.bucket)), Source.HEURISTIC)
     try:
-        winner = _compare(key, problem.M, _kernels_to_check(problem, choice), problem.device)
+        winner = _compare(key, problem.M, _kernels_to_check(problem, choice), problem.device,
+                          heuristic_for(problem.replace(M=problem.bucket)))
     except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
         logger.warning("autofuse: could not check %s's %s config (%s: %s); running its eager library path",
                        problem.op, choice.source.value, type(e).__name__, e)
@@ -151,21 +152,22 @@ def _cannot_time(device: torch.device) -> bool:
 
 
 def _kernels_to_check(problem: Problem, choice: Choice) -> list:
-    """The kernel configs a check times against the library paths: the choice's, and where that is a nearest
-    key's, this M bucket's heuristic config beside it. A nearest key may be the same shape at another M: a
-    down projection of d_model 5681 ran the split-K config checked at M = 16 at M = 256, 14% of the read
-    ceiling, where eager's cuBLAS (unaligned rows) was slower still and let it pass its check."""
+    """The kernel configs a check times against the library paths: the choice's; where that is a nearest key's,
+    this M bucket's heuristic config beside it; and the op's alternatives to its heuristic at this M (the GEMV
+    config at M <= 2). A nearest key may be the same shape at another M: a down projection of d_model 5681 ran
+    the split-K config checked at M = 16 at M = 256, 14% of the read ceiling, where eager's cuBLAS (unaligned
+    rows) was slower still and let it pass its check."""
+    bucketed = problem.replace(M=problem.bucket)
     kernels = [choice.kernel]
     if choice.source is Source.NEAREST:
-        own = heuristic_for(problem.replace(M=problem.bucket))
-        if own != choice.kernel:
-            kernels.append(own)
-    return kernels
+        kernels.append(heuristic_for(bucketed))
+    kernels.extend(alternatives_for(bucketed))
+    return list(dict.fromkeys(kernels))
 
 
-def _compare(key, M: int, kernels: list, device: torch.device) -> Winner:
+def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -> Winner:
     """The check's winner: the fastest of `kernels` that passes (the first where none does) against the library
-    paths, by the winner rule."""
+    paths, by the winner rule. `heuristic`: the heuristic's config, recorded with its time where it was timed."""
     # Imported here, not at the top: the evaluator is loaded only where a check runs.
     from ..evaluator import Evaluator
     from .winner import Outcome, choose_winner, fastest_trial
@@ -188,7 +190,7 @@ def _compare(key, M: int, kernels: list, device: torch.device) -> Winner:
                            failed.status, failed.detail)
     policy = current()
     # The fastest kernel, retimed beside the library paths where near them, stands for the kernels checked.
-    outcome = Outcome(done, library_ms, kernels[-1], time.perf_counter() - start,
+    outcome = Outcome(done, library_ms, heuristic or kernels[0], time.perf_counter() - start,
                       confirmed=record if record.status == "ok" else None)
     return choose_winner(key, outcome, CHECKED, times_mean_speed=not interpreting(),
                          kernel_margin=policy.kernel_margin(library_ms, policy.check_margin))

@@ -29,3 +29,9 @@ def heuristic_for(problem: Problem) -> KernelConfig:
     """The op's default config for the problem's shape, on its device."""
     shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
     return problem.spec.default_config(shape, device_info(problem.device))
+
+
+def alternatives_for(problem: Problem) -> tuple[KernelConfig, ...]:
+    """Configs a first-use check times beside the heuristic's for the problem (OpSpec.alternative_configs)."""
+    shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
+    return problem.spec.alternative_configs(shape, device_info(problem.device))

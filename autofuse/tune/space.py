@@ -12,6 +12,7 @@ import torch
 
 from .. import variants
 from ..configs import KernelConfig, SearchSpace, Shape, clamp_to_problem, shared_memory_bytes
+from ..variants import TILE_DIMENSIONS
 
 # Registers: each thread holds its share of the fp32 accumulator tile(s). 255 registers per
 # thread at most; leave ~25% for addresses, loads and the epilogue.
@@ -40,21 +41,27 @@ class SearchProblem:
 
 
 def flat_dimensions(space: SearchSpace, problem: SearchProblem, interpret: bool) -> dict[str, tuple]:
-    """The space as independent categorical dimensions: the tile knobs, the variant, every variant's knobs."""
+    """The space as independent categorical dimensions: the tile knobs, the variant, every variant's knobs and
+    the tile sizes a variant sets itself ("<variant>.block_m"), read only where that variant is picked."""
     dims: dict[str, tuple] = {**space.dimensions(), VARIANT_DIM: tuple(v.name for v in problem.kinds)}
     for variant in problem.kinds:
+        own_tiles = variant.interpreter_tile_values if interpret else variant.tile_values
+        for name, values in own_tiles.items():
+            dims[f"{variant.name}.{name}"] = values
         for name, knob in variant.knobs.items():
             dims[f"{variant.name}.{name}"] = knob.interpreter_values if interpret else knob.values
     return dims
 
 
 def config_from(params: dict) -> KernelConfig | None:
-    """The config of a point of flat_dimensions (its variant's knobs read, the others' ignored), or None for
-    a point no kernel has."""
+    """The config of a point of flat_dimensions (its variant's knobs and tile sizes read, the others' ignored),
+    or None for a point no kernel has."""
     variant = params[VARIANT_DIM]
     prefix = f"{variant}."
-    knobs = {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+    own = {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
     tiles = {name: value for name, value in params.items() if name != VARIANT_DIM and "." not in name}
+    tiles.update({name: value for name, value in own.items() if name in TILE_DIMENSIONS})
+    knobs = {name: value for name, value in own.items() if name not in TILE_DIMENSIONS}
     try:
         return KernelConfig(**tiles, variant=variant, knobs=knobs)
     except ValueError:
@@ -62,18 +69,24 @@ def config_from(params: dict) -> KernelConfig | None:
 
 
 def flat_point(config: KernelConfig, dims: dict[str, tuple]) -> dict | None:
-    """The point of flat_dimensions that config_from maps to `config` (the knobs of variants it is not given
-    their first values), or None where `config` is outside the dimensions."""
+    """The point of flat_dimensions that config_from maps to `config` (the knobs and tile sizes of variants it
+    is not given their first values), or None where `config` is outside the dimensions."""
     params = {name: values[0] for name, values in dims.items()}
     own = {f"{config.variant}.{name}": value for name, value in config.knobs}
-    params.update({**config.to_dict(), **own})
+    tiles = config.to_dict()
+    for name in TILE_DIMENSIONS:
+        if f"{config.variant}.{name}" in dims:  # a size the variant sets itself
+            own[f"{config.variant}.{name}"] = tiles.pop(name)
+    params.update({**tiles, **own})
     for name in [name for name in params if name not in dims]:
         del params[name]
     return params if all(params[name] in dims[name] for name in dims) else None
 
 
 def accumulator_registers(config: KernelConfig, operand_tiles: tuple[int, int]) -> int:
-    return operand_tiles[1] * config.block_m * config.block_n // (32 * config.num_warps)
+    per_accumulator = variants.get(config.variant).accumulator_elements
+    elements = config.block_m * config.block_n if per_accumulator is None else per_accumulator(config)
+    return operand_tiles[1] * elements // (32 * config.num_warps)
 
 
 def feasible(config: KernelConfig, problem: SearchProblem, shared_memory_limit: int,

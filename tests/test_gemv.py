@@ -1,0 +1,129 @@
+"""The GEMV variant (templates/*_gemv.py.jinja): decode's CUDA-core reduction for M <= 2, with tile sizes of
+its own (block_m 1..8, narrow N tiles, long K tiles), correct against float64 in every dtype and activation with
+ragged N and K, bias and residual, with or without its split over K; searched and clamped as its own tiles."""
+
+import pytest
+import torch
+from _helpers import DTYPES, assert_matches_reference
+
+from autofuse import variants, workspaces
+from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
+from autofuse.configs import INTERPRETER_SPACE, KernelConfig, Shape, clamp_to_problem
+from autofuse.ops.gated_up import GATED_UP, gated_up
+from autofuse.ops.linear import DOWN, LINEAR, linear
+from autofuse.reference import eager_gated, eager_linear, gated_reference, linear_reference
+from autofuse.tune.space import SearchProblem, candidates, config_from, flat_dimensions, flat_point
+
+N, K = 24, 40  # ragged against every tile: N over 8 / 16 columns, K over 16 / 32
+
+
+def _gemv(block_m: int, split: int, block_n: int = 16, block_k: int = 16) -> KernelConfig:
+    return KernelConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=1, variant="gemv",
+                        knobs={"split_k": split})
+
+
+def _workspaces_are_zero() -> bool:
+    return all(not s.any() and not c.any() for s, c in [*workspaces._workspaces.values(), *workspaces._retired])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
+@pytest.mark.parametrize("M, split", [(1, 1), (3, 2), (8, 1)])
+def test_linear_gemv_matches_float64(device, dtype, activation, M, split):
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype)
+    r = torch.randn(M, N, device=device).to(dtype)
+    for bias, residual in ((None, None), (b, r)):
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+        linear(x, w, bias, residual, activation, _gemv(max(M, 1) if M in (1, 8) else 4, split), out=out)
+        args = (x, w, bias, residual, activation)
+        assert_matches_reference(out, linear_reference(*args), eager_linear(*args))
+    assert _workspaces_are_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("M, split", [(1, 2), (5, 1)])
+def test_gated_up_gemv_matches_float64(device, dtype, activation, M, split):
+    x = torch.randn(M, K, device=device).to(dtype)
+    wg, wu = ((torch.randn(N, K, device=device) / K**0.5).to(dtype) for _ in range(2))
+    bg, bu = (torch.randn(N, device=device).to(dtype) for _ in range(2))
+    for biases in ((None, None), (bg, bu)):
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+        gated_up(x, wg, wu, *biases, activation, _gemv(8, split, block_n=8, block_k=32), out=out)
+        args = (x, wg, wu, *biases, activation)
+        assert_matches_reference(out, gated_reference(*args), eager_gated(*args))
+    assert _workspaces_are_zero()
+
+
+def test_more_k_slices_than_k_blocks_still_write_every_output(device):
+    # K = 40 is three blocks of 16 over 4 slices: one program per tile reduces over nothing and must still
+    # count its arrival.
+    x, w = torch.randn(2, K, device=device), torch.randn(N, K, device=device)
+    out = torch.full((2, N), float("nan"), device=device)
+    linear(x, w, None, None, "none", _gemv(2, 4), out=out)
+    assert_matches_reference(out, linear_reference(x, w, None, None, "none"), eager_linear(x, w, None, None, "none"))
+
+
+def test_its_own_tile_sizes_are_allowed_for_it_only():
+    assert _gemv(1, 1, block_n=4, block_k=1024).block_m == 1
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        KernelConfig(4, 16, 16)  # the tensor-core variants: tl.dot needs 16
+    with pytest.raises(ValueError, match="block_n must be one of"):
+        _gemv(1, 1, block_n=12)
+    assert KernelConfig.from_dict(_gemv(2, 4).to_dict()) == _gemv(2, 4)
+
+
+def test_clamped_to_the_problem_down_to_its_own_smallest_sizes():
+    assert clamp_to_problem(_gemv(8, 1, block_n=64, block_k=512), 1, 6, 40) == _gemv(1, 1, block_n=8, block_k=64)
+    assert clamp_to_problem(KernelConfig(64, 64, 64), 1, 6, 40).block_m == 16  # tl.dot's minimum stays
+
+
+@pytest.mark.parametrize("op", [LINEAR, DOWN, GATED_UP], ids=lambda op: op.name)
+def test_it_applies_at_decodes_smallest_m_and_is_searched_with_its_own_sizes(op):
+    device = variants.Device(interpret=True)
+    small, large = (Shape(M, N, K, torch.bfloat16) for M in (variants.GEMV_MAX_M, variants.GEMV_MAX_M + 1))
+    assert variants.GEMV in variants.applicable(op, device, small)
+    assert variants.GEMV not in variants.applicable(op, device, large)
+    problem = SearchProblem(op.operand_tiles, 3, N, K, torch.bfloat16, variants.applicable(op, device, small))
+    found = candidates(INTERPRETER_SPACE, problem, 0, interpret=True)
+    gemv = [c for c in found if c.variant == "gemv"]
+    # block_m covers the 3 rows (4 or 8, clamped to 4), never fewer rows than M.
+    assert gemv and {c.block_m for c in gemv} == {4} and {c.block_n for c in gemv} == {8, 16}
+    assert all(c.block_m >= 16 for c in found if c.variant != "gemv")
+    dims = flat_dimensions(INTERPRETER_SPACE, problem, interpret=True)
+    assert dims["gemv.block_m"] == (1, 2, 4, 8) and dims["gemv.split_k"] == (1, 2)
+    for config in gemv:  # the flat search reaches every one of them
+        assert config_from(flat_point(config, dims)) == config
+
+
+H100 = variants.Device(interpret=False, shared_memory_limit=232448, multiprocessors=132, capability=(9, 0))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3])
+def test_a_first_use_check_times_the_gemv_config_beside_the_heuristic_where_it_applies(M):
+    shape = Shape(M, 896, 4864, torch.bfloat16)
+    for op in (LINEAR, DOWN):
+        found = op.alternative_configs(shape, H100)
+        if M > variants.GEMV_MAX_M:
+            assert found == ()
+        else:
+            (config,) = found
+            assert config.variant == "gemv" and config.block_m == M and config.block_k == 1024
+            assert op.default_config(shape, H100).variant != "gemv"  # beside the heuristic, not instead
+    assert GATED_UP.alternative_configs(shape, H100) == ()  # tensor cores won its tuning at M = 1
+    assert LINEAR.alternative_configs(shape, variants.Device(interpret=True)) == ()
+
+
+def test_the_check_times_the_alternatives_and_a_nearest_keys_kernel_once_each(monkeypatch):
+    from autofuse.choose import Choice, Source, check
+    from autofuse.key import Problem
+
+    problem = Problem("down", 896, 4864, 1, torch.bfloat16, "none")
+    gemv = _gemv(1, 1, block_n=8, block_k=64)
+    monkeypatch.setattr(check, "alternatives_for", lambda p: (gemv,))
+    heuristic = check.heuristic_for(problem)
+    assert check._kernels_to_check(problem, Choice(heuristic, Source.HEURISTIC)) == [heuristic, gemv]
+    nearest = KernelConfig(16, 32, 64)
+    assert check._kernels_to_check(problem, Choice(nearest, Source.NEAREST)) == [nearest, heuristic, gemv]
