@@ -298,15 +298,15 @@ def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, oper
 def gemv_alternative(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
                      ) -> KernelConfig | None:
     """The GEMV config a first-use check times beside the heuristic's on a GPU where the gemv variant applies
-    (decode's smallest M) to an op with one accumulator (a Linear, a down projection), or None. From 16 tuning
-    trials a variant on an H100 (bf16, M = 1): the best GEMV configs of three down projections were all 8 outputs
-    x 1024 of K per program on 2 warps, 5 stages, unsplit; GEMV won on the narrowest (d_model 896, by 20%) and
-    was within 4% on the others. The gated up projection's best GEMV configs lost to its tensor-core ones
-    (by up to 14%), so it is left to tuning."""
+    (decode's smallest M) to an op with one accumulator (a Linear, a down projection), or None. Swept on an H100
+    (bf16, M = 1, graph-replayed): 2 outputs x 1024 of K per program on 4 warps, one stage, unsplit, was the
+    fastest GEMV config of the down projections of 6536 -> 13984 (65.6 us against cuBLAS's 74.3) and 4096 -> 5696
+    (19.4 against 21.0). The gated up projection's GEMV configs tied or lost to cuBLAS over the stacked weights
+    (146.7 against 141.2 us), so it is left to tuning."""
     if device.interpret or "gemv" not in kinds or operand_tiles[1] != 1:
         return None
-    config = KernelConfig(next_power_of_2(shape.M), 8, 1024 if shape.dtype.itemsize <= 2 else 512, group_m=1,
-                          num_warps=2, num_stages=5, variant="gemv", knobs={"split_k": 1})
+    config = KernelConfig(next_power_of_2(shape.M), 2, 1024, group_m=1, num_warps=4, num_stages=1, variant="gemv",
+                          knobs={"split_k": 1})
     return clamp_to_problem(config, shape.M, shape.N, shape.K)
 
 

