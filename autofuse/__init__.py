@@ -21,6 +21,7 @@ _PUBLIC = {
     "FusedLinear": ".modules", "FusedMLP": ".modules", "get_linear": ".modules", "get_mlp": ".modules",
     "FusedRMSNorm": ".norm",
     "show_kernel": ".ops",
+    "record_traffic": ".traffic",
     "tune_model": ".tune.model",
 }
 

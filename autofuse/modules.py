@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import custom_ops, ops  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
+from . import custom_ops, ops, traffic  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .choose import LinearPlan, MLPPlan, pending, resolve_checked
 from .device import capturing
@@ -66,6 +66,12 @@ class FusedLinear(FusedModule):
         return {"linear": tuple(ops.get("linear").library_for(self.activation, self.bias is not None, residual))}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        recorder = traffic.recorder
+        if recorder is not None and isinstance(x, torch.Tensor):
+            return recorder.observe(self, x, lambda: self._forward(x, residual))
+        return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         parameters = self._parameters  # not self.weight: an nn.Module attribute lookup costs host time
         weight, bias, activation = parameters["weight"], parameters.get("bias"), self.activation
         M = self._rows_of(x, "in_features", weight)
@@ -191,6 +197,12 @@ class FusedMLP(FusedModule):
         return {**gated, "down": tuple(ops.get("down").library_for("none", bias, False))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recorder = traffic.recorder
+        if recorder is not None and isinstance(x, torch.Tensor):
+            return recorder.observe(self, x, lambda: self._forward(x))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._params()
         wg = params[0]
         M = self._rows_of(x, "d_model", wg)

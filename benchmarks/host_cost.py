@@ -10,13 +10,15 @@ shape the GPU never waits, so this is host time; on gemma-2b at M=1 it is the pl
 
 from __future__ import annotations
 
+import tempfile
+
 import harness
 import torch
 import torch.nn.functional as F
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import autofuse
-from autofuse import launch
+from autofuse import launch, traffic
 from autofuse.choose.lookup import resolve_tuned
 from autofuse.configs import KernelConfig
 from autofuse.key import Problem
@@ -69,12 +71,38 @@ def tiny_rows(calls: int, rounds: int) -> dict:
     fns["autofuse MLP, [1, 1, d] input"] = lambda: mlp(x3)
     with torch.inference_mode():
         rows = plain_call_us(fns, calls, rounds, warmup=20)
+        rows.update(_recording_rows(mlp, lin, x[1], calls, rounds))
         for M in (1, 16):
             rows[f"autofuse MLP choices, M={M}"] = _choices(mlp, M, d, f)
             rows[f"autofuse Linear choices, M={M}"] = {op: f"{c.config.short()} ({c.source}, {_us(c.time_ms)})"
                                                         for op, c in lin._config_table(M).items()}
             rows[f"autofuse MLP plain-call choices, M={M}"] = _short(mlp.plain_config_for(M))
             rows[f"autofuse Linear plain-call choices, M={M}"] = _short(lin.plain_config_for(M))
+    return rows
+
+
+def _recording_rows(mlp, lin, x: torch.Tensor, calls: int, rounds: int) -> dict:
+    """The traffic recorder's host cost on the bound path: the MLP's and the Linear's M = 1 calls with recording
+    on (its default sampling: a module's second call at an M, then one in 64, timed with CUDA events) and off,
+    in the same rounds (each call sets the recorder, or clears it, first: both pay that alike)."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as folder:
+        recorder = traffic.Recorder(folder)
+
+        def call(module, on: bool):
+            traffic.recorder = recorder if on else None
+            return module(x)
+
+        fns = {f"{name}{', traffic recorded' if on else ', not recorded'}": (lambda m=m, on=on: call(m, on))
+               for name, m in (("autofuse MLP, M=1", mlp), ("autofuse Linear, M=1", lin)) for on in (True, False)}
+        try:
+            times = plain_call_us(fns, calls, rounds, warmup=20)
+        finally:
+            traffic.recorder = None
+    rows.update(times)
+    for name in ("autofuse MLP, M=1", "autofuse Linear, M=1"):
+        rows[f"traffic recorder's cost per call: {name}"] = (times[f"{name}, traffic recorded"]
+                                                              - times[f"{name}, not recorded"])
     return rows
 
 

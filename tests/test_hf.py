@@ -185,7 +185,7 @@ def test_tune_model_rejects_configs_it_cannot_fuse_in_one_line(tmp_path, config,
 
 def test_tune_needs_exactly_one_source(tmp_path):
     result = CliRunner().invoke(main, ["tune"])
-    assert result.exit_code == 2 and "--shapes FILE or --model CONFIG" in result.output
+    assert result.exit_code == 2 and "--shapes FILE, --model CONFIG or --traffic TRACE" in result.output
 
 
 def test_fusing_a_lone_mlp_is_refused_clearly():

@@ -28,6 +28,7 @@ COMMANDS = {
                            "traffic."),
     "show-kernel": ("show", "Print the Triton source autofuse generates for OP (the names `tune --ops` takes, and the "
                             "pointwise passes)."),
+    "traffic": ("traffic", "Show traffic traces recorded with AUTOFUSE_TRAFFIC or autofuse.record_traffic."),
     "tune": ("tune", "Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache."),
 }
 

@@ -17,7 +17,7 @@ from ..shapes import DEFAULT_TOKENS, DTYPES, load_shapes
 from ..store import Store
 from ..tune import worklist
 from ..tune.coordinator import default_storage, parse_devices, run_workers
-from ..tune.driver import TuneOptions, TuningInterrupted, jobs_for_shapes, tune_shapes
+from ..tune.driver import TuneOptions, TuningInterrupted, jobs_for_shapes, tune_jobs, tune_shapes
 from ..tune.policies import POLICIES
 from ..tune.progress import RunProgress, duration, plural
 from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
@@ -61,6 +61,11 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
                    "journal file in the cache folder.")
 @click.option("--stale-after", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds without a heartbeat after which another worker takes over a key.")
+@click.option("--traffic", "traffic_path", type=click.Path(exists=True), default=None,
+              help="A traffic trace (or a folder of them: AUTOFUSE_TRAFFIC, autofuse.record_traffic) to tune from: "
+                   "exact keys for the M values that carry the time, fitted buckets for the rest, the trial budget "
+                   "(--trials or --time-budget per key, times the keys) spread by each key's share of the time. "
+                   "Alone or with --shapes/--model.")
 @click.option("--worker", default=None, hidden=True, help="Internal: run as one worker of a --devices run.")
 def tune_command(**args):
     """Tune every key of a shapes file (or a model config's MLP) and store the winners in the cache.
@@ -101,8 +106,11 @@ def _tune(args: dict) -> None:
     shapes_path, model_path = args["shapes_path"], args["model_path"]
     if shapes_path is not None and model_path is not None:
         raise click.UsageError("give only one of --shapes FILE or --model CONFIG")
+    if args["traffic_path"] is not None:
+        _tune_traffic(args)
+        return
     if shapes_path is None and model_path is None:
-        raise click.UsageError("give one of --shapes FILE or --model CONFIG")
+        raise click.UsageError("give one of --shapes FILE, --model CONFIG or --traffic TRACE")
     shapes = load_shapes(shapes_path) if shapes_path else shapes_from_model_config(model_path)
     if args["dtype"]:
         shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
@@ -130,6 +138,80 @@ def _tune(args: dict) -> None:
                               progress=RunProgress())
         rows = [(job, r.winner, r.resumed, r.failures, r.not_stored) for job, r in results]
     _print_table(rows, interpret, time.perf_counter() - start)
+
+
+def _tune_traffic(args: dict) -> None:
+    """tune --traffic: the recorded traffic's keys with the budget spread by time (autofuse/tune/traffic.py), and
+    the shapes file's or model's keys beside them with the plain budget; then the expected saving per point."""
+    from .. import traffic as recorded_traffic
+    from ..tune import traffic as from_traffic
+
+    if args["devices"] is not None or args["storage"] is not None or args["worker"] is not None:
+        raise click.UsageError("--traffic tunes on this process's device: leave out --devices and --storage")
+    if args["tokens"]:
+        raise click.UsageError("--traffic picks the token counts from the trace: leave out --tokens")
+    recorded = recorded_traffic.load(args["traffic_path"])
+    planned = from_traffic.plan(recorded)
+    if not planned.points:
+        raise click.UsageError(f"{args['traffic_path']}: the trace holds no calls to tune for")
+    options = TuneOptions(policy=args["policy"], trials=args["trials"], time_budget_s=args["time_budget"],
+                          seed=args["seed"], resume=not args["fresh"], replace=args["replace"])
+    only = _parse_ops(args["only"], True)
+    device = select_device()
+    interpret = device == "cpu"
+    keyed = from_traffic.jobs(planned.points, torch.device(device), only)
+    point_of = {job.key: point for job, point in keyed}
+    runs = from_traffic.budgets(keyed, options)
+    if args["shapes_path"] or args["model_path"]:
+        shapes = load_shapes(args["shapes_path"]) if args["shapes_path"] else shapes_from_model_config(
+            args["model_path"])
+        if args["dtype"]:
+            shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
+        runs += [(job, options) for job in jobs_for_shapes(shapes, torch.device(device), train=args["train"],
+                                                           only=only) if job.key not in point_of]
+    weighed = "recorded time" if planned.timed else "work (some shape has no timed call)"
+    click.echo(f"tuning {plural(len(runs), 'key')} from {len(recorded.sources)} trace(s): "
+               f"{plural(len(planned.points), 'point')} weighed by {weighed}", err=True)
+    start = time.perf_counter()
+    store = Store(user_cache_dir())
+    try:
+        held = {job.key: store.get_winner(job.key) for job, _ in keyed}  # what ran when the traffic was recorded
+    finally:
+        store.close()
+    results = tune_jobs(runs, torch.device(device), RunProgress())
+    _print_table([(job, r.winner, r.resumed, r.failures, r.not_stored) for job, r in results], interpret,
+                 time.perf_counter() - start)
+    winners, before = {}, {}
+    for job, r in results:
+        if job.key in point_of:
+            at = (point_of[job.key], job.key.op)
+            winners[at] = r.winner.time_ms
+            then = held.get(job.key)
+            before[at] = then.time_ms if then is not None and then.time_ms else r.winner.baseline_ms
+    _print_savings(from_traffic.savings(planned, winners, before), planned, interpret)
+
+
+def _print_savings(rows, planned, interpret: bool) -> None:
+    """The expected saving per point: its recorded time, the same calls at the tuned records' speed, the
+    difference; the total row is the sum of the rows."""
+    if not planned.timed:
+        click.echo("\nno expected saving: the trace has shapes without a timed call")
+        return
+    clock = ("CPU ms of the interpreter, not GPU speed" if interpret else
+             "recorded: GPU ms of the sampled forwards (un-graphed: the GPU's wait for the host included); tuned: "
+             "those ms scaled by the tuned records' graph-replayed speed-up over what ran then")
+    click.echo(f"\nexpected saving over the recorded traffic ({clock}):")
+    click.echo(f"{'shape':<40} {'M':>14} {'calls':>8} {'recorded':>11} {'tuned':>11} {'saved':>11} {'%':>6}")
+    for row in rows:
+        p = row.point
+        where = f"{p.run_m}" if p.exact or len(p.tokens) == 1 else f"{p.tokens[0]}-{p.tokens[-1]}@{p.run_m}"
+        click.echo(f"{p.shape.label():<40} {where:>14} {p.calls:>8} {row.recorded_ms:>11.3f} {row.tuned_ms:>11.3f} "
+                   f"{row.saved_ms:>11.3f} {100 * row.saved_ms / row.recorded_ms:>5.1f}%")
+    recorded = sum(r.recorded_ms for r in rows)
+    tuned = sum(r.tuned_ms for r in rows)
+    if recorded > 0:
+        click.echo(f"{'total':<40} {'':>14} {sum(r.point.calls for r in rows):>8} {recorded:>11.3f} {tuned:>11.3f} "
+                   f"{recorded - tuned:>11.3f} {100 * (recorded - tuned) / recorded:>5.1f}%")
 
 
 # `tune --model` under the interpreter tunes the default token counts up to this M (it takes seconds

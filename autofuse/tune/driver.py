@@ -234,16 +234,23 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, options: TuneOptions | N
     what each key weighs (key_weight), for an ETA that scales with the keys to come; each finished key is
     also logged. `overrides`: fields of TuneOptions to change."""
     options = TuneOptions.of(options, overrides)
-    store = Store(user_cache_dir())
     jobs = jobs_for_shapes(shapes, device, train=train, only=only)
     budget = f" or {options.time_budget_s:g} s" if options.time_budget_s else ""
     logger.info("tuning %s (%s) with %s, %s trials%s each, cache %s", plural(len(jobs), "key"),
-                str(shapes.dtype).removeprefix("torch."), options.policy, options.trials, budget, store.directory)
+                str(shapes.dtype).removeprefix("torch."), options.policy, options.trials, budget, user_cache_dir())
+    return tune_jobs([(job, options) for job in jobs], device, progress)
+
+
+def tune_jobs(jobs: list[tuple[Job, TuneOptions]], device: torch.device, progress: RunProgress | None = None
+              ) -> list[tuple[Job, KeyResult]]:
+    """Tune each job with its own options into the user cache (tune_shapes' jobs share one; a run from recorded
+    traffic gives each key its share of the budget); the runtime sees the winners at once."""
+    store = Store(user_cache_dir())
     if progress is not None:
-        progress.weights = [key_weight(job, interpreting()) for job in jobs]
+        progress.weights = [key_weight(job, interpreting()) * _budget_weight(options) for job, options in jobs]
     results = []
     try:
-        for i, job in enumerate(jobs, 1):
+        for i, (job, options) in enumerate(jobs, 1):
             line = progress.for_key(i, len(jobs)) if progress is not None else None
             result = tune_key(job, store, device, options, progress=line)
             logger.debug("tuned %s M=%d: %s", job.label, job.M, result.winner.config.short())
@@ -254,6 +261,13 @@ def tune_shapes(shapes: ShapeSet, device: torch.device, options: TuneOptions | N
         lookup.invalidate()
         store.close()
     return results
+
+
+def _budget_weight(options: TuneOptions) -> float:
+    """How a key's budget scales its cost, for the run's ETA: its trials (seconds, where only those are set)."""
+    if options.trials is not None:
+        return float(options.trials)
+    return options.time_budget_s or 1.0
 
 
 class TuningInterrupted(KeyboardInterrupt):
