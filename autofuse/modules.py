@@ -66,12 +66,6 @@ class FusedLinear(FusedModule):
         return {"linear": tuple(ops.get("linear").library_for(self.activation, self.bias is not None, residual))}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        recorder = traffic.recorder
-        if recorder is not None and isinstance(x, torch.Tensor):
-            return recorder.observe(self, x, lambda: self._forward(x, residual))
-        return self._forward(x, residual)
-
-    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         parameters = self._parameters  # not self.weight: an nn.Module attribute lookup costs host time
         weight, bias, activation = parameters["weight"], parameters.get("bias"), self.activation
         M = self._rows_of(x, "in_features", weight)
@@ -86,10 +80,18 @@ class FusedLinear(FusedModule):
         if needs_grad(x, weight, bias, residual):
             r2d = None if residual is None else residual.reshape(-1, self.out_features)
             config = self._config_table(M, r2d is not None)["linear"].kernel
+            recorder = traffic.recorder
+            if recorder is not None and recorder.due(self, x.dtype, M, True):
+                return recorder.timed(self, x.dtype, M, True, x.device, lambda: LinearFunction.apply(
+                    x.reshape(-1, self.in_features), weight, bias, r2d, activation, config).reshape(out_shape))
             return LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
                                         config).reshape(out_shape)
         weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
         entry = self._entry(M, weights, weight, residual is not None)
+        recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
+        if recorder is not None and recorder.due(self, x.dtype, M, False):
+            return recorder.timed(self, x.dtype, M, False, x.device,
+                                  lambda: entry(x, weight, bias, residual, weights, M, out_shape))
         return entry(x, weight, bias, residual, weights, M, out_shape)
 
     def _check_residual(self, residual: object, x: torch.Tensor, out_shape: tuple) -> None:
@@ -197,12 +199,6 @@ class FusedMLP(FusedModule):
         return {**gated, "down": tuple(ops.get("down").library_for("none", bias, False))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        recorder = traffic.recorder
-        if recorder is not None and isinstance(x, torch.Tensor):
-            return recorder.observe(self, x, lambda: self._forward(x))
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._params()
         wg = params[0]
         M = self._rows_of(x, "d_model", wg)
@@ -219,6 +215,10 @@ class FusedMLP(FusedModule):
             save_hidden = bool(self.save_hidden)
             down_config, backward_config, launches = self._training_configs(M, wg, save_hidden)
             step = TrainingStep(activation, down_config, backward_config, launches, save_hidden)
+            recorder = traffic.recorder
+            if recorder is not None and recorder.due(self, x.dtype, M, True):
+                return recorder.timed(self, x.dtype, M, True, x.device, lambda: MLPFunction.apply(
+                    x.reshape(-1, self.d_model), *params, step).reshape(out_shape))
             return MLPFunction.apply(x.reshape(-1, self.d_model), *params, step).reshape(out_shape)
         if self._plain_for_training and not capturing(wg.device):
             self._plain_for_training = False
@@ -233,7 +233,11 @@ class FusedMLP(FusedModule):
                 params = wide
                 if layout.d_in != self.d_model:  # rows of x padded with zeros to the weights' (layout.py)
                     x = F.pad(x.reshape(M, self.d_model), (0, layout.d_in - self.d_model))
-        return self._entry(M, weights, wg)(x, params, weights, M, out_shape)
+        entry = self._entry(M, weights, wg)
+        recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
+        if recorder is not None and recorder.due(self, x.dtype, M, False):
+            return recorder.timed(self, x.dtype, M, False, x.device, lambda: entry(x, params, weights, M, out_shape))
+        return entry(x, params, weights, M, out_shape)
 
     def _lay_out_plain(self) -> tuple:
         """Before a training forward: the parameters as plain dense tensors again, as optimizers expect

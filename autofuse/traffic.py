@@ -37,8 +37,6 @@ import torch
 from .device import capturing
 from .errors import AutofuseError, shown
 
-_compiling = torch.compiler.is_compiling
-
 FORMAT = "autofuse-traffic"
 VERSION = 1
 KINDS = ("mlp", "linear")
@@ -219,27 +217,25 @@ class Recorder:
         self._lock = threading.Lock()
         self._written: Path | None = None
 
-    def observe(self, module, x: torch.Tensor, run):
-        """A fused module's forward while recording: count the call of its shape at its M (per module, so that a
-        module's first call at an M, which resolves and binds its configs, is never timed), time it where it is
-        due (the module's second call at that M, then every sample_every-th) and return run()."""
-        shape = x.shape
-        width = module.in_features
-        if not shape or shape[-1] != width or _compiling():
-            return run()  # a bad input reaches the forward's own one-line error; a trace is no traffic
-        M = x.numel() // width
-        train = torch.is_grad_enabled() and (x.requires_grad or module._reference_weight().requires_grad)
-        key = (id(module), x.dtype, train, M)
+    def due(self, module, dtype: torch.dtype, M: int, train: bool) -> bool:
+        """Count one call of a fused module at M (per module, so that a module's first call at an M, which
+        resolves and binds its configs, is never timed); whether this call is to be timed: the module's second
+        call at that M, then every sample_every-th. Called by the modules' forwards once they know M."""
+        if M < 1:  # an empty batch launches nothing
+            return False
+        key = (id(module), dtype, train, M)
         n = self._calls.get(key, 0) + 1
         self._calls[key] = n
         if n == 1:
-            self._shapes[key[:3]] = _shape_of(module, x.dtype, train)
-        if M < 1 or (n != 2 and n % self.sample_every):
-            return run()
-        return self._timed(self._shapes[key[:3]], M, x.device, run)
+            self._shapes[key[:3]] = _shape_of(module, dtype, train)
+        return n == 2 or not n % self.sample_every
 
     def calls(self, module, dtype: torch.dtype, M: int, train: bool = False) -> int:
         return self._calls.get((id(module), dtype, train, M), 0)
+
+    def timed(self, module, dtype: torch.dtype, M: int, train: bool, device: torch.device, run):
+        """run(), timed as one sample of the module's shape at M."""
+        return self._timed(self._shapes[(id(module), dtype, train)], M, device, run)
 
     def _timed(self, shape: Shape, M: int, device: torch.device, run):
         count = self.traffic.count(shape, M)

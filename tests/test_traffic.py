@@ -43,6 +43,7 @@ def test_recorded_counts_match_the_calls_made(tmp_path):
                 for _ in range(n):
                     mlp(torch.randn(M, D))
                     lin(torch.randn(2, M, D))  # rows of a 3-d input: 2 M
+            mlp(torch.randn(0, D))  # an empty batch: nothing to count
         mlp(torch.randn(4, D))  # a forward that builds a graph: recorded as training traffic
     assert traffic.recorder is None and not list(tmp_path.glob("*.tmp"))  # written, renamed, none left behind
     recorded = traffic.load(tmp_path / "t.json")
