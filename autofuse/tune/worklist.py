@@ -63,8 +63,22 @@ def open_storage(url: str):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if "://" in url:
-        return optuna.storages.RDBStorage(url)
+        return _rdb_storage(optuna, url)
     return JournalStorage(JournalFileBackend(url.removeprefix("journal:")))
+
+
+def _rdb_storage(optuna, url: str, attempts: int = 6):
+    """Optuna's RDB storage for `url`. Machines that start a run at once on an empty PostgreSQL database all create
+    its tables: one wins, the others fail on its rows (duplicate types or relations) and, tried again, find the
+    tables made (SQLite serialises this behind its file lock, PostgreSQL does not)."""
+    import sqlalchemy.exc
+
+    for attempt in range(attempts - 1):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            time.sleep(0.2 * (attempt + 1))
+    return optuna.storages.RDBStorage(url)
 
 
 def run_name(jobs: Iterable[Job], settings: dict) -> str:
