@@ -168,8 +168,7 @@ class SearchSpace:
 
     def variant_dimensions(self, variant: variant_registry.Variant, interpret: bool) -> dict[str, tuple]:
         """The tile knobs as `variant` searches them: the space's, with the tile sizes the variant sets itself."""
-        own = variant.interpreter_tile_values if interpret else variant.tile_values
-        return {**self.dimensions(), **own}
+        return {**self.dimensions(), **variant.own_tile_values(interpret)}
 
     def points(self, kinds: Collection[variant_registry.Variant], interpret: bool):
         """Every config, per variant of `kinds`, of the product of its tile knobs (variant_dimensions) and its

@@ -23,6 +23,7 @@ templates implement (OpSpec.variants); a variant registered from outside names t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import keyword
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -118,8 +119,11 @@ class Variant:
 
     def block_sizes(self, dimension: str) -> tuple[int, ...]:
         """The values `dimension` (block_m, block_n or block_k) may hold in a config of this variant, ascending."""
-        own = set(self.tile_values.get(dimension, ())) | set(self.interpreter_tile_values.get(dimension, ()))
-        return tuple(sorted(own | set(BLOCK_SIZES)))
+        return _block_sizes(self, dimension)
+
+    def own_tile_values(self, interpret: bool) -> Mapping[str, tuple[int, ...]]:
+        """The tile sizes this variant searches instead of the space's, on a GPU or under the interpreter."""
+        return self.interpreter_tile_values if interpret else self.tile_values
 
     def label(self, knobs: Mapping[str, int]) -> str:
         """How a config of this variant ends in short form: '' (tile), ' tma', ' split_k=4'."""
@@ -132,6 +136,12 @@ class Variant:
 # The tile sizes every variant allows: tl.dot needs every tile dimension >= 16, and tl.arange powers of two.
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 TILE_DIMENSIONS = ("block_m", "block_n", "block_k")
+
+@functools.cache  # read by every KernelConfig built and clamped
+def _block_sizes(variant: Variant, dimension: str) -> tuple[int, ...]:
+    own = set(variant.tile_values.get(dimension, ())) | set(variant.interpreter_tile_values.get(dimension, ()))
+    return tuple(sorted(own | set(BLOCK_SIZES)))
+
 
 # The names a template already receives, and a config's fields: no variant or knob may take one.
 _TAKEN = frozenset({"op", "activation", "has_bias", "has_residual", "even_k", "input_precision", "upcast_operands",

@@ -124,6 +124,6 @@ def test_the_check_times_the_alternatives_and_a_nearest_keys_kernel_once_each(mo
     gemv = _gemv(1, 1, block_n=8, block_k=64)
     monkeypatch.setattr(check, "alternatives_for", lambda p: (gemv,))
     heuristic = check.heuristic_for(problem)
-    assert check._kernels_to_check(problem, Choice(heuristic, Source.HEURISTIC)) == [heuristic, gemv]
+    assert check._kernels_to_check(problem, Choice(heuristic, Source.HEURISTIC), heuristic) == [heuristic, gemv]
     nearest = KernelConfig(16, 32, 64)
-    assert check._kernels_to_check(problem, Choice(nearest, Source.NEAREST)) == [nearest, heuristic, gemv]
+    assert check._kernels_to_check(problem, Choice(nearest, Source.NEAREST), heuristic) == [nearest, heuristic, gemv]

@@ -72,11 +72,11 @@ def checked(problem: Problem, choice: Choice) -> Choice:
     if _cannot_time(problem.device):
         return Choice(Library("eager"), Source.PENDING)
     key = problem.key()
+    heuristic = heuristic_for(problem.replace(M=problem.bucket))
     if choice.kernel is None:  # which library path is fastest also depends on the shape: compare here
-        choice = Choice(heuristic_for(problem.replace(M=problem.bucket)), Source.HEURISTIC)
+        choice = Choice(heuristic, Source.HEURISTIC)
     try:
-        winner = _compare(key, problem.M, _kernels_to_check(problem, choice), problem.device,
-                          heuristic_for(problem.replace(M=problem.bucket)))
+        winner = _compare(key, problem.M, _kernels_to_check(problem, choice, heuristic), problem.device, heuristic)
     except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
         logger.warning("autofuse: could not check %s's %s config (%s: %s); running its eager library path",
                        problem.op, choice.source.value, type(e).__name__, e)
@@ -98,9 +98,10 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
         if not choice.source.unchecked or not enabled() or not _times_on_gpu(problem.device) \
                 or _cannot_time(problem.device):
             continue
+        heuristic = heuristic_for(problem.replace(M=problem.bucket))
         if choice.kernel is None:
-            choice = Choice(heuristic_for(problem.replace(M=problem.bucket)), Source.HEURISTIC)
-        work.extend((problem, kernel) for kernel in _kernels_to_check(problem, choice))
+            choice = Choice(heuristic, Source.HEURISTIC)
+        work.extend((problem, kernel) for kernel in _kernels_to_check(problem, choice, heuristic))
     if len(work) < 2:  # one kernel compiles as fast in its own check
         return
     threads = [threading.Thread(target=_compile_one, args=job, name="autofuse-precompile") for job in work]
@@ -151,17 +152,16 @@ def _cannot_time(device: torch.device) -> bool:
     return getattr(_no_checks, "depth", 0) > 0 or torch.compiler.is_compiling() or capturing(device)
 
 
-def _kernels_to_check(problem: Problem, choice: Choice) -> list:
+def _kernels_to_check(problem: Problem, choice: Choice, heuristic) -> list:
     """The kernel configs a check times against the library paths: the choice's; where that is a nearest key's,
     this M bucket's heuristic config beside it; and the op's alternatives to its heuristic at this M (the GEMV
     config at M <= 2). A nearest key may be the same shape at another M: a down projection of d_model 5681 ran
     the split-K config checked at M = 16 at M = 256, 14% of the read ceiling, where eager's cuBLAS (unaligned
-    rows) was slower still and let it pass its check."""
-    bucketed = problem.replace(M=problem.bucket)
+    rows) was slower still and let it pass its check. `heuristic`: this bucket's heuristic config."""
     kernels = [choice.kernel]
     if choice.source is Source.NEAREST:
-        kernels.append(heuristic_for(bucketed))
-    kernels.extend(alternatives_for(bucketed))
+        kernels.append(heuristic)
+    kernels.extend(alternatives_for(problem.replace(M=problem.bucket)))
     return list(dict.fromkeys(kernels))
 
 

@@ -111,9 +111,7 @@ def _tune(args: dict) -> None:
         return
     if shapes_path is None and model_path is None:
         raise click.UsageError("give one of --shapes FILE, --model CONFIG or --traffic TRACE")
-    shapes = load_shapes(shapes_path) if shapes_path else shapes_from_model_config(model_path)
-    if args["dtype"]:
-        shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
+    shapes = _shapes_of(args)
     tokens = parse_tokens(args["tokens"])
     if tokens:
         shapes = dataclasses.replace(shapes, tokens=tokens)
@@ -140,6 +138,14 @@ def _tune(args: dict) -> None:
     _print_table(rows, interpret, time.perf_counter() - start)
 
 
+def _shapes_of(args: dict):
+    """The shapes of --shapes FILE or --model CONFIG, in --dtype where given."""
+    shapes = load_shapes(args["shapes_path"]) if args["shapes_path"] else shapes_from_model_config(args["model_path"])
+    if args["dtype"]:
+        shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
+    return shapes
+
+
 def _tune_traffic(args: dict) -> None:
     """tune --traffic: the recorded traffic's keys with the budget spread by time (autofuse/tune/traffic.py), and
     the shapes file's or model's keys beside them with the plain budget; then the expected saving per point."""
@@ -163,12 +169,8 @@ def _tune_traffic(args: dict) -> None:
     point_of = {job.key: point for job, point in keyed}
     runs = from_traffic.budgets(keyed, options)
     if args["shapes_path"] or args["model_path"]:
-        shapes = load_shapes(args["shapes_path"]) if args["shapes_path"] else shapes_from_model_config(
-            args["model_path"])
-        if args["dtype"]:
-            shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
-        runs += [(job, options) for job in jobs_for_shapes(shapes, torch.device(device), train=args["train"],
-                                                           only=only) if job.key not in point_of]
+        runs += [(job, options) for job in jobs_for_shapes(_shapes_of(args), torch.device(device),
+                                                           train=args["train"], only=only) if job.key not in point_of]
     weighed = "recorded time" if planned.timed else "work (some shape has no timed call)"
     click.echo(f"tuning {plural(len(runs), 'key')} from {len(recorded.sources)} trace(s): "
                f"{plural(len(planned.points), 'point')} weighed by {weighed}", err=True)

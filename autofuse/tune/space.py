@@ -45,8 +45,7 @@ def flat_dimensions(space: SearchSpace, problem: SearchProblem, interpret: bool)
     the tile sizes a variant sets itself ("<variant>.block_m"), read only where that variant is picked."""
     dims: dict[str, tuple] = {**space.dimensions(), VARIANT_DIM: tuple(v.name for v in problem.kinds)}
     for variant in problem.kinds:
-        own_tiles = variant.interpreter_tile_values if interpret else variant.tile_values
-        for name, values in own_tiles.items():
+        for name, values in variant.own_tile_values(interpret).items():
             dims[f"{variant.name}.{name}"] = values
         for name, knob in variant.knobs.items():
             dims[f"{variant.name}.{name}"] = knob.interpreter_values if interpret else knob.values
