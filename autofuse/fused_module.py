@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import traffic
 from .choose import Choice, LinearPlan, MLPPlan, generation, pending, select, table_key
 from .choose import race as plain
 from .configs import KernelConfig, Library
@@ -76,6 +77,12 @@ class FusedModule(nn.Module):
 
     def _reference_weight(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        recorder = traffic.recorder
+        if recorder is not None:  # the traffic so far was recorded under the parameters' dtype until now
+            recorder.retire(self)
+        return super()._apply(fn, recurse)
 
     def _rows_of(self, x: object, what: str, weight: torch.Tensor) -> int:
         """How many rows x holds, after the checks that protect users. Runs on every forward: only

@@ -81,16 +81,16 @@ class FusedLinear(FusedModule):
             r2d = None if residual is None else residual.reshape(-1, self.out_features)
             config = self._config_table(M, r2d is not None)["linear"].kernel
             recorder = traffic.recorder
-            if recorder is not None and recorder.due(self, x.dtype, M, True):
-                return recorder.timed(self, x.dtype, M, True, x.device, lambda: LinearFunction.apply(
+            if recorder is not None and recorder.due(self, M, True):
+                return recorder.timed(self, M, True, x.device, lambda: LinearFunction.apply(
                     x.reshape(-1, self.in_features), weight, bias, r2d, activation, config).reshape(out_shape))
             return LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
                                         config).reshape(out_shape)
         weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
         entry = self._entry(M, weights, weight, residual is not None)
         recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
-        if recorder is not None and recorder.due(self, x.dtype, M, False):
-            return recorder.timed(self, x.dtype, M, False, x.device,
+        if recorder is not None and recorder.due(self, M, False):
+            return recorder.timed(self, M, False, x.device,
                                   lambda: entry(x, weight, bias, residual, weights, M, out_shape))
         return entry(x, weight, bias, residual, weights, M, out_shape)
 
@@ -216,8 +216,8 @@ class FusedMLP(FusedModule):
             down_config, backward_config, launches = self._training_configs(M, wg, save_hidden)
             step = TrainingStep(activation, down_config, backward_config, launches, save_hidden)
             recorder = traffic.recorder
-            if recorder is not None and recorder.due(self, x.dtype, M, True):
-                return recorder.timed(self, x.dtype, M, True, x.device, lambda: MLPFunction.apply(
+            if recorder is not None and recorder.due(self, M, True):
+                return recorder.timed(self, M, True, x.device, lambda: MLPFunction.apply(
                     x.reshape(-1, self.d_model), *params, step).reshape(out_shape))
             return MLPFunction.apply(x.reshape(-1, self.d_model), *params, step).reshape(out_shape)
         if self._plain_for_training and not capturing(wg.device):
@@ -235,8 +235,8 @@ class FusedMLP(FusedModule):
                     x = F.pad(x.reshape(M, self.d_model), (0, layout.d_in - self.d_model))
         entry = self._entry(M, weights, wg)
         recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
-        if recorder is not None and recorder.due(self, x.dtype, M, False):
-            return recorder.timed(self, x.dtype, M, False, x.device, lambda: entry(x, params, weights, M, out_shape))
+        if recorder is not None and recorder.due(self, M, False):
+            return recorder.timed(self, M, False, x.device, lambda: entry(x, params, weights, M, out_shape))
         return entry(x, params, weights, M, out_shape)
 
     def _lay_out_plain(self) -> tuple:

@@ -209,33 +209,55 @@ class Recorder:
         self.destination = Path(destination)
         self.sample_every = sample_every
         self.traffic = Traffic()
-        self._calls: dict[tuple, int] = {}  # (id(module), dtype, train, M) -> calls
-        self._shapes: dict[tuple, Shape] = {}  # (id(module), dtype, train) -> its Shape
+        # Per call only a dict count keyed by (module, M), one dict for inference and one for training: the
+        # module object, not its id (a module freed while recording cannot pass its counts to a new one at the
+        # same address), and no dtype, which is the module's (its input must match it) and which a dtype change
+        # (.to(), .half()) settles by moving the module's counts aside first (retire).
+        self._calls: tuple[dict, dict] = ({}, {})  # [train] -> {(module, M): calls}
+        self._shapes: dict[tuple, Shape] = {}  # (module, train) -> its Shape
+        self._retired: dict[tuple[Shape, int], int] = {}  # calls of modules whose dtype changed since
         self._pending: list[tuple[Count, object, object]] = []  # (count, start event, end event)
         self._free: list[tuple[object, object]] = []  # event pairs read and free again
         self._gpu = "cpu"
         self._lock = threading.Lock()
         self._written: Path | None = None
 
-    def due(self, module, dtype: torch.dtype, M: int, train: bool) -> bool:
+    def due(self, module, M: int, train: bool) -> bool:
         """Count one call of a fused module at M (per module, so that a module's first call at an M, which
         resolves and binds its configs, is never timed); whether this call is to be timed: the module's second
         call at that M, then every sample_every-th. Called by the modules' forwards once they know M."""
+        calls = self._calls[train]
+        key = (module, M)
+        n = calls.get(key, 0) + 1
+        calls[key] = n
+        if n > 2:
+            return not n % self.sample_every
         if M < 1:  # an empty batch launches nothing
+            del calls[key]
             return False
-        key = (id(module), dtype, train, M)
-        n = self._calls.get(key, 0) + 1
-        self._calls[key] = n
         if n == 1:
-            self._shapes[key[:3]] = _shape_of(module, dtype, train)
-        return n == 2 or not n % self.sample_every
+            self._shapes[(module, train)] = _shape_of(module, train)
+            return False
+        return True
 
-    def calls(self, module, dtype: torch.dtype, M: int, train: bool = False) -> int:
-        return self._calls.get((id(module), dtype, train, M), 0)
+    def calls(self, module, M: int, train: bool = False) -> int:
+        """The calls of `module` at M counted since its dtype last changed."""
+        return self._calls[train].get((module, M), 0)
 
-    def timed(self, module, dtype: torch.dtype, M: int, train: bool, device: torch.device, run):
+    def retire(self, module) -> None:
+        """Before `module`'s parameters change dtype (nn.Module._apply): its counts so far are kept under the shape
+        they were made with, and its next call starts new ones under the new shape."""
+        with self._lock:
+            for train, calls in enumerate(self._calls):
+                shape = self._shapes.pop((module, bool(train)), None)
+                for key in [key for key in calls if key[0] is module]:
+                    n = calls.pop(key)
+                    if shape is not None:
+                        self._retired[(shape, key[1])] = self._retired.get((shape, key[1]), 0) + n
+
+    def timed(self, module, M: int, train: bool, device: torch.device, run):
         """run(), timed as one sample of the module's shape at M."""
-        return self._timed(self._shapes[(id(module), dtype, train)], M, device, run)
+        return self._timed(self._shapes[(module, train)], M, device, run)
 
     def _timed(self, shape: Shape, M: int, device: torch.device, run):
         count = self.traffic.count(shape, M)
@@ -278,10 +300,11 @@ class Recorder:
         """The traffic so far (timed samples still running on the GPU are waited for)."""
         with self._lock:
             self._read_events(wait=True)
-            calls: dict[tuple[Shape, int], int] = {}
-            for (module, dtype, train, M), n in self._calls.items():
-                where = (self._shapes[(module, dtype, train)], M)
-                calls[where] = calls.get(where, 0) + n
+            calls = dict(self._retired)
+            for train, counted in enumerate(self._calls):
+                for (module, M), n in counted.items():
+                    where = (self._shapes[(module, bool(train))], M)
+                    calls[where] = calls.get(where, 0) + n
             for (shape, M), n in calls.items():
                 self.traffic.count(shape, M).calls = n
             return self.traffic
@@ -319,12 +342,13 @@ class Recorder:
 recorder: Recorder | None = None
 
 
-def _shape_of(module, dtype: torch.dtype, train: bool) -> Shape:
-    """A fused module's Shape (FusedMLP: d_model, d_ff; FusedLinear: in, out features)."""
+def _shape_of(module, train: bool) -> Shape:
+    """A fused module's Shape (FusedMLP: d_model, d_ff; FusedLinear: in, out features), in its weights' dtype."""
     if hasattr(module, "d_ff"):
         kind, dims, bias = "mlp", (module.d_model, module.d_ff), module.gate_proj.bias is not None
     else:
         kind, dims, bias = "linear", (module.in_features, module.out_features), module.bias is not None
+    dtype = module._reference_weight().dtype
     return Shape(kind, dims, module.activation, bias, str(dtype).removeprefix("torch."), train)
 
 

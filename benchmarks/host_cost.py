@@ -83,26 +83,32 @@ def tiny_rows(calls: int, rounds: int) -> dict:
 
 def _recording_rows(mlp, lin, x: torch.Tensor, calls: int, rounds: int) -> dict:
     """The traffic recorder's host cost on the bound path: the MLP's and the Linear's M = 1 calls with recording
-    on (its default sampling: a module's second call at an M, then one in 64, timed with CUDA events) and off,
-    in the same rounds (each call sets the recorder, or clears it, first: both pay that alike)."""
+    off and on, in the same rounds (each call sets the recorder, or clears it, first: all pay that alike). On:
+    with its default sampling (a module's second call at an M, then one in 64, timed with CUDA events), counting
+    only (no call timed after the second), and timing every call (what one timed sample costs)."""
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
-        recorder = traffic.Recorder(folder)
+        recorders = {"not recorded": None, "traffic recorded": traffic.Recorder(folder),
+                     "counted only": traffic.Recorder(folder, sample_every=2**40),
+                     "every call timed": traffic.Recorder(folder, sample_every=1)}
 
-        def call(module, on: bool):
-            traffic.recorder = recorder if on else None
+        def call(module, recorder):
+            traffic.recorder = recorder
             return module(x)
 
-        fns = {f"{name}{', traffic recorded' if on else ', not recorded'}": (lambda m=m, on=on: call(m, on))
-               for name, m in (("autofuse MLP, M=1", mlp), ("autofuse Linear, M=1", lin)) for on in (True, False)}
+        fns = {f"{name}, {how}": (lambda m=m, r=r: call(m, r))
+               for name, m in (("autofuse MLP, M=1", mlp), ("autofuse Linear, M=1", lin))
+               for how, r in recorders.items()}
         try:
             times = plain_call_us(fns, calls, rounds, warmup=20)
         finally:
             traffic.recorder = None
     rows.update(times)
     for name in ("autofuse MLP, M=1", "autofuse Linear, M=1"):
-        rows[f"traffic recorder's cost per call: {name}"] = (times[f"{name}, traffic recorded"]
-                                                              - times[f"{name}, not recorded"])
+        off = times[f"{name}, not recorded"]
+        rows[f"traffic recorder's cost per call: {name}"] = times[f"{name}, traffic recorded"] - off
+        rows[f"  of which counting: {name}"] = times[f"{name}, counted only"] - off
+        rows[f"  one timed sample: {name}"] = times[f"{name}, every call timed"] - off
     return rows
 
 

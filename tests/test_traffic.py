@@ -54,7 +54,36 @@ def test_recorded_counts_match_the_calls_made(tmp_path):
     # Timed per module: its second call at each M, then every third; never its first (resolves and binds).
     assert {M: c.sampled for M, c in by_shape["mlp"].items()} == {1: 3, 3: 2, 20: 0}
     assert all(c.sampled_ms > 0 for c in by_shape["mlp"].values() if c.sampled)
-    assert recorder.calls(mlp, torch.float32, 1) == 7 and recorder.calls(lin, torch.float32, 40) == 1
+    assert recorder.calls(mlp, 1) == 7 and recorder.calls(lin, 40) == 1
+
+
+def test_a_dtype_change_while_recording_keeps_each_call_under_its_dtype(tmp_path):
+    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device="cpu")
+    with autofuse.record_traffic(tmp_path / "t.json", sample_every=2) as recorder:
+        with torch.no_grad():
+            for _ in range(3):
+                mlp(torch.randn(2, D))
+            mlp.to(torch.float16)
+            for _ in range(2):
+                mlp(torch.randn(2, D, dtype=torch.float16))
+        assert recorder.calls(mlp, 2) == 2  # counted since the change
+    recorded = traffic.load(tmp_path / "t.json")
+    assert {shape.dtype: {M: c.calls for M, c in by_m.items()} for shape, by_m in recorded.counts.items()} == {
+        "float32": {2: 3}, "float16": {2: 2}}
+
+
+def test_a_module_freed_while_recording_passes_nothing_to_the_next(tmp_path):
+    # Modules are counted by object, not id(): a new module may be allocated where a freed one was.
+    with autofuse.record_traffic(tmp_path / "t.json") as recorder:
+        with torch.no_grad():
+            for width in (D, 2 * D):
+                lin = autofuse.get_linear(width, 56, activation="gelu", dtype=torch.float32, device="cpu")
+                lin(torch.randn(3, width))
+                assert recorder.calls(lin, 3) == 1
+                del lin
+    recorded = traffic.load(tmp_path / "t.json")
+    assert {shape.dims: {M: c.calls for M, c in by_m.items()} for shape, by_m in recorded.counts.items()} == {
+        (D, 56): {3: 1}, (2 * D, 56): {3: 1}}
 
 
 def test_recording_off_costs_no_trace_and_a_bad_input_keeps_its_error(tmp_path):
