@@ -124,14 +124,17 @@ class Evaluator:
         return graph_side_by_side_ms(fns, self.budget_ms)
 
     def retimed_side_by_side(self, record: TrialRecord | None, library_ms: dict[str, float],
-                             names: list[str]) -> tuple[TrialRecord | None, dict[str, float]]:
-        """(record, library_ms) with the kernel of `record` (None: the library candidates alone) and the
-        library candidates `names` timed again side by side, replayed in turn (side_by_side_ms): each was
-        timed on its own before, and one timed during a moment of higher clocks could win over one that is
-        faster in place."""
-        kernel = {} if record is None else {"kernel": self.runner(record.config)}
-        times = self.side_by_side_ms({**kernel, **{f"library:{name}": self.runner(Library(name)) for name in names}})
-        return (None if record is None else dataclasses.replace(record, time_ms=times["kernel"]),
+                             names: list[str], rivals: list[TrialRecord] = ()
+                             ) -> tuple[TrialRecord | None, dict[str, float]]:
+        """(record, library_ms) with the kernel of `record` (None: the library candidates alone), the kernels of
+        `rivals` and the library candidates `names` timed again side by side, replayed in turn (side_by_side_ms):
+        each was timed on its own before, and one timed during a moment of higher clocks could win over one that
+        is faster in place. The record returned is the fastest kernel's, with its time from these rounds."""
+        kernels = [] if record is None else [record, *rivals]
+        fns = {("kernel" if i == 0 else f"kernel {i + 1}"): self.runner(r.config) for i, r in enumerate(kernels)}
+        times = self.side_by_side_ms({**fns, **{f"library:{name}": self.runner(Library(name)) for name in names}})
+        retimed = [dataclasses.replace(r, time_ms=times[name]) for r, name in zip(kernels, fns)]
+        return (min(retimed, key=lambda r: r.time_ms) if retimed else None,
                 {**library_ms, **{name: times[f"library:{name}"] for name in names}})
 
     def library_ms(self) -> dict[str, float]:
@@ -180,6 +183,28 @@ class Evaluator:
         """Compile `config`'s kernel for this key (Triton's cache keeps it for the trial or check that follows)."""
         if not self.interpret:
             self._compile(config)
+
+    def precompile_all(self, configs: list[KernelConfig], threads: int) -> None:
+        """Compile the kernels of `configs` at once on `threads` threads, for the trials that follow (a kernel's
+        compile is most of a trial's time, and much of it runs outside Python: LLVM and ptxas). A compile that
+        fails or overruns compile_timeout_s is left to its trial, which reports it; the partial sums the
+        compiling launches left in the shared workspace are cleared before any trial runs."""
+        if self.interpret or len(configs) < 2:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads),
+                                                     thread_name_prefix="autofuse-precompile")
+        try:
+            futures = [pool.submit(self._compile_and_sync, config) for config in configs]
+            for future in futures:
+                try:
+                    future.result(timeout=self.compile_timeout_s)
+                except concurrent.futures.TimeoutError:
+                    break  # its trial times out on its own; the rest compile in their trials
+                except Exception as e:  # noqa: BLE001 - the trial meets and records the same failure
+                    logger.debug("precompiling a trial failed (%s: %s)", type(e).__name__, e)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._clean_up()
 
     def _compile(self, config: KernelConfig) -> TrialRecord | None:
         """Run the candidate once so Triton compiles it, giving up after compile_timeout_s.

@@ -56,6 +56,65 @@ def test_filters_drop_what_cannot_fit_before_compiling():
     assert all(c.block_m == 16 and c.block_n <= 64 and c.block_k <= 32 for c in candidates(space, small, 232448, False))
 
 
+def test_group_m_is_one_config_where_one_block_of_rows_covers_m():
+    decode = SearchProblem((1, 2), 1, 4096, 2048, torch.bfloat16)
+    configs = {feasible(KernelConfig(16, 64, 128, group_m=g, num_warps=4, num_stages=3), decode, 232448, False)
+               for g in (1, 8, 16)}
+    assert configs == {KernelConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=3)}
+    # Over several blocks of rows GROUP_M orders the tiles: each value stays a config of its own.
+    prefill = SearchProblem((1, 2), 1024, 4096, 2048, torch.bfloat16)
+    assert len({feasible(KernelConfig(64, 64, 128, group_m=g, num_warps=4, num_stages=3), prefill, 232448, False)
+                for g in (1, 8, 16)}) == 3
+    # The twins are gone: the whole space holds what its group_m=1 part holds.
+    assert candidates(SearchSpace(), decode, 232448, False) == candidates(SearchSpace(group_m=(1,)), decode, 232448,
+                                                                          False)
+
+
+def test_a_list_policy_hands_its_next_trials_to_prepare_before_evaluating_them():
+    found = candidates(INTERPRETER_SPACE, PROBLEM, 0, True)
+    done = {found[0]: TrialRecord(found[0], "ok", 1.0)}
+    events = []
+
+    def evaluate(config):
+        events.append(("evaluate", config))
+        return TrialRecord(config, "ok", 1.0)
+    policy = ExhaustivePolicy(found)
+    policy.ahead = 4
+    policy.run(evaluate, lambda: len(done) < 10, done, lambda batch: events.append(("prepare", tuple(batch))))
+    prepared = [batch for kind, batch in events if kind == "prepare"]
+    assert prepared == [tuple(found[1:5]), tuple(found[5:9]), tuple(found[9:13])]
+    # Each batch is prepared before its first trial, and no tried config is prepared again.
+    for batch in prepared:
+        assert events.index(("prepare", batch)) < events.index(("evaluate", batch[0]))
+    assert len(done) == 10 and [c for kind, c in events if kind == "evaluate"] == found[1:10]
+
+
+def test_precompile_compiles_a_batch_at_once_and_leaves_failures_to_their_trials(monkeypatch):
+    import threading
+    import time
+
+    evaluator = Evaluator(_key(), 37, torch.device("cpu"), compile_timeout_s=5)
+    evaluator.interpret = False  # the GPU path
+    running, most, lock = [0], [0], threading.Lock()
+    cleaned = []
+
+    def compile_and_sync(config):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        if config.block_k == 32:
+            raise RuntimeError("a candidate that fails to compile")
+    monkeypatch.setattr(evaluator, "_compile_and_sync", compile_and_sync)
+    monkeypatch.setattr(evaluator, "_clean_up", lambda: cleaned.append(True))
+    configs = [KernelConfig(32, 64, block_k, num_stages=s) for block_k in (32, 64) for s in (1, 2, 3, 4)]
+    evaluator.precompile_all(configs, threads=4)
+    assert most[0] == 4 and running[0] == 0 and cleaned == [True]
+    evaluator.close()
+
+
 # These drive the evaluator on CPU tensors, which only the interpreter runs; on a GPU machine the
 # same paths are exercised by the GPU tuning tests.
 cpu_interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -159,13 +218,44 @@ def test_the_fastest_trial_is_retimed_beside_the_library_before_it_may_win(monke
 
     def side_by_side_ms(self, fns):
         retimed.append(sorted(fns))
-        return {"kernel": side_by_side_kernel_ms, "library:eager": 2.5}
+        return {"kernel": side_by_side_kernel_ms, "kernel 2": side_by_side_kernel_ms + 0.1, "library:eager": 2.5}
     monkeypatch.setattr(Evaluator, "side_by_side_ms", side_by_side_ms)
     result = tune_key(Job(_key(), 37, "t"), Store(), torch.device("cpu"), policy="random", trials=2)
-    assert retimed == [["kernel", "library:eager"]]
+    # Both trials timed 1.0 ms, a near tie: both are timed again beside the library path.
+    assert retimed == [["kernel", "kernel 2", "library:eager"]]
     winner = result.winner
     assert winner.baseline_ms == 2.5
     if side_by_side_kernel_ms > 2.5:
         assert winner.config == Library("eager") and winner.time_ms == 2.5
     else:
         assert isinstance(winner.config, KernelConfig) and winner.time_ms == 0.5
+
+
+@cpu_interpreter_only
+def test_the_trials_near_the_fastest_are_retimed_side_by_side_and_the_fastest_there_wins(monkeypatch):
+    """Trials timed one by one: 1.00, 1.05 and 1.08 ms (near ties) and 2.0 (not); side by side the third is fastest."""
+    from autofuse.tune import driver
+
+    monkeypatch.setattr(driver, "interpreting", lambda: False)
+    monkeypatch.setattr(driver, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(driver, "shared_memory_limit", lambda index: 232448)
+    monkeypatch.setattr(Evaluator, "library_ms", lambda self: {"eager": 5.0})
+    one_by_one = iter([1.0, 1.05, 1.08, 2.0])
+    real_evaluate = Evaluator.evaluate
+
+    def evaluate(self, config):
+        record = real_evaluate(self, config)
+        assert record.status == "ok"
+        return TrialRecord(config, "ok", next(one_by_one))
+    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
+    asked = []
+
+    def side_by_side_ms(self, fns):
+        asked.append(sorted(fns))
+        return {"kernel": 1.2, "kernel 2": 1.1, "kernel 3": 0.9, "library:eager": 5.0}
+    monkeypatch.setattr(Evaluator, "side_by_side_ms", side_by_side_ms)
+    store = Store()
+    result = tune_key(Job(_key(), 37, "t"), store, torch.device("cpu"), policy="random", trials=4)
+    assert asked == [["kernel", "kernel 2", "kernel 3", "library:eager"]]
+    third = next(t for t in store.trials(_key()) if t.time_ms == 1.08)
+    assert result.winner.config == third.config and result.winner.time_ms == 0.9

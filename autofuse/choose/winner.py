@@ -7,6 +7,7 @@ import dataclasses
 from ..configs import KernelConfig, Library
 from ..key import TuningKey
 from ..store import TrialRecord, Winner
+from .policy import current
 
 
 @dataclasses.dataclass
@@ -26,6 +27,15 @@ def fastest_trial(done: dict) -> TrialRecord | None:
     """The fastest correct trial of `done` (trials by config), or None where none is correct."""
     ok = [t for t in done.values() if t.status == "ok"]
     return min(ok, key=lambda t: t.time_ms) if ok else None
+
+
+def near_fastest(done: dict, at_most: int) -> list[TrialRecord]:
+    """The correct trials of `done` within the policy's near tie of the fastest, fastest first, at most `at_most`:
+    what is timed again side by side before a winner is chosen (decode kernels' times swing up to 10% between
+    timing windows, so the fastest of many trials timed one by one is partly the luckiest)."""
+    ok = sorted((t for t in done.values() if t.status == "ok"), key=lambda t: t.time_ms)
+    near = current().near
+    return [t for t in ok if near(t.time_ms, ok[0].time_ms)][:at_most]
 
 
 def choose_winner(key: TuningKey, outcome: Outcome, policy_name: str, times_mean_speed: bool = True,

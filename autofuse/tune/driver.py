@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from .. import ops, variants
 from ..choose import lookup
 from ..choose.heuristics import device_info, heuristic_for
 from ..choose.policy import current as current_policy
-from ..choose.winner import Outcome, choose_winner, fastest_trial
+from ..choose.winner import Outcome, choose_winner, fastest_trial, near_fastest
 from ..configs import KernelConfig, SearchSpace, Shape
 from ..device import cuda_index, interpreting, shared_memory_limit
 from ..evaluator import Evaluator
@@ -131,6 +132,10 @@ class _Budget:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def trials_left(self, at_most: int) -> int:
+        """How many more trials the budget allows, up to `at_most` (a time budget: `at_most`)."""
+        return at_most if self.trials is None else max(0, min(at_most, self.trials - len(self.done)))
+
     def report(self, final: bool = False) -> None:
         if self.progress is None:
             return
@@ -144,13 +149,18 @@ class _Budget:
                                elapsed, eta, self.resumed, final=final, exhausted=final and self.left()))
 
 
+# Kernels (the fastest trial and those within a near tie of it) timed again side by side with the library paths.
+_RETIMED_KERNELS = 4
+
+
 def run_trials(job: Job, store: Store, device: torch.device, options: TuneOptions,
                progress: Callable[[Progress], None] | None = None) -> tuple[Outcome, int]:
-    """Time the op's library candidates, then the heuristic's config and the policy's picks, each
-    trial stored as it ends; then, where times mean speed, the fastest trial again beside every library
-    candidate (Evaluator.retimed_side_by_side): the fastest of many separately timed trials is partly the
-    luckiest, and must not win against library times taken once at the start. Returns (what was timed, with
-    the fastest correct trial retimed where times mean speed; how many trials were resumed)."""
+    """Time the op's library candidates, then the heuristic's config and the policy's picks, each trial stored
+    as it ends; then, where times mean speed, the fastest trial and those within a near tie of it again beside
+    every library candidate (Evaluator.retimed_side_by_side): the fastest of many separately timed trials is
+    partly the luckiest, and must not win against library times taken once at the start. Returns (what was
+    timed, with the fastest kernel of that retiming as its confirmed trial where times mean speed; how many
+    trials were resumed)."""
     key, M = job.key, job.M
     start = time.perf_counter()
     if not options.resume:
@@ -182,18 +192,30 @@ def run_trials(job: Job, store: Store, device: torch.device, options: TuneOption
         # The search starts from the heuristic's config, where the space searches its variant.
         if heuristic not in done and budget.left() and any(v.name == heuristic.variant for v in problem.kinds):
             evaluate(heuristic)
-        make_policy(options.policy, space, problem, limit, interpret, options.seed).run(evaluate, budget.left, done)
+        make_policy(options.policy, space, problem, limit, interpret, options.seed).run(
+            evaluate, budget.left, done,
+            lambda batch: evaluator.precompile_all(batch[:budget.trials_left(len(batch))], _compile_threads()))
         budget.report(final=True)  # budget left over means the space ran out of untried configs
         confirmed = fastest_trial(done)
         if confirmed is not None and not interpret:
+            rivals = near_fastest(done, _RETIMED_KERNELS)[1:]
             with torch.no_grad():
-                confirmed, library_ms = evaluator.retimed_side_by_side(confirmed, library_ms, list(library_ms))
+                confirmed, library_ms = evaluator.retimed_side_by_side(confirmed, library_ms, list(library_ms), rivals)
             logger.info("%s: fastest trial %s retimed beside the library candidates: %.4f ms against %s", key.op,
                         confirmed.config.short(), confirmed.time_ms,
                         ", ".join(f"{name} {ms:.4f}" for name, ms in library_ms.items()))
     finally:
         evaluator.close()
     return Outcome(done, library_ms, heuristic, time.perf_counter() - start, confirmed), resumed
+
+
+def _compile_threads() -> int:
+    """Threads that compile a list policy's next trials at once: one per core the process may use, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
 
 
 def tune_key(job: Job, store: Store, device: torch.device, options: TuneOptions | None = None,

@@ -15,25 +15,36 @@ from ..configs import KernelConfig, SearchSpace
 from ..store import TrialRecord
 from .space import SearchProblem, candidates, config_from, feasible, flat_dimensions, flat_point
 
-# evaluate(config) -> the trial's record; budget() -> False once trials or time are spent.
+# evaluate(config) -> the trial's record; budget() -> False once trials or time are spent; prepare(configs): the
+# configs about to be evaluated, to compile ahead (the driver compiles them at once on threads).
 Evaluate = Callable[[KernelConfig], TrialRecord]
+Prepare = Callable[[list[KernelConfig]], None]
 
 
 class Policy(Protocol):
-    def run(self, evaluate: Evaluate, budget: Callable[[], bool], done: dict[KernelConfig, TrialRecord]) -> None: ...
+    def run(self, evaluate: Evaluate, budget: Callable[[], bool], done: dict[KernelConfig, TrialRecord],
+            prepare: Prepare | None = None) -> None: ...
 
 
 class _ListPolicy:
-    """Walks a fixed list of candidates in order."""
+    """Walks a fixed list of candidates in order, handing each next `ahead` untried ones to `prepare` first."""
+
+    ahead = 16
 
     def __init__(self, candidates: Iterable[KernelConfig]) -> None:
         self.candidates = list(candidates)
 
-    def run(self, evaluate, budget, done) -> None:
-        for config in self.candidates:
+    def run(self, evaluate, budget, done, prepare=None) -> None:
+        todo = [config for config in self.candidates if config not in done]
+        for start in range(0, len(todo), self.ahead):
             if not budget():
                 return
-            if config not in done:
+            batch = todo[start:start + self.ahead]
+            if prepare is not None:
+                prepare(batch)
+            for config in batch:
+                if not budget():
+                    return
                 done[config] = evaluate(config)
 
 
@@ -61,7 +72,8 @@ class OptunaPolicy:
         self.space, self.problem = space, problem
         self.shared_memory_limit, self.interpret, self.seed = shared_memory_limit, interpret, seed
 
-    def run(self, evaluate, budget, done) -> None:
+    def run(self, evaluate, budget, done, prepare=None) -> None:
+        # `prepare` is not used: each proposal depends on the trials told before it.
         import optuna  # here, not at the top: only a tuning run that uses it pays its import
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -90,8 +90,13 @@ def accumulator_registers(config: KernelConfig, operand_tiles: tuple[int, int]) 
 
 def feasible(config: KernelConfig, problem: SearchProblem, shared_memory_limit: int,
              interpret: bool) -> KernelConfig | None:
-    """The config clamped to the problem, or None when it cannot run on this device."""
+    """The config clamped to the problem, or None when it cannot run on this device. Where one block of rows
+    covers M, GROUP_M orders nothing (every program is in the first group: the same tile each, whatever its
+    value), so the config takes group_m=1 and its twins of other group_m values are one config, not three to
+    sweep."""
     config = clamp_to_problem(config, problem.M, problem.N, problem.K)
+    if config.group_m != 1 and config.block_m >= problem.M:
+        config = dataclasses.replace(config, group_m=1)
     variant = next((v for v in problem.kinds if v.name == config.variant), None)
     if variant is None:
         return None  # a variant that does not apply here
