@@ -2,10 +2,12 @@
 a short greedy generate (batch 1, a 100-token prompt, 32 new tokens) and one training step (batch 4 x 256 tokens)
 with traffic recording on; then `autofuse tune --traffic` tunes from that trace into an empty user cache.
 
-  python benchmarks/traffic_tune.py [--out DIR] [--trials 20]
+  python benchmarks/traffic_tune.py [--out DIR] [--trials 20] [--keep-cache DIR]
 
 Reports the trace (calls and recorded ms per shape and M), the tuning run's wall time (the command, process start
-included), its keys and trials, and its expected-saving table.
+included), its keys and trials, and its expected-saving table. --keep-cache DIR tunes into DIR (which must be
+empty or absent) and keeps it, e.g. for `python benchmarks/search_quality.py measure --tuned-cache DIR`, which
+sweeps the same model's keys and compares these records with the sweep's best.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ def record(folder: Path) -> dict:
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--keep-cache", default=None, help="tune into this (empty) folder and keep it")
     args = parser.parse_args()
+    if args.keep_cache and Path(args.keep_cache).exists() and any(Path(args.keep_cache).iterdir()):
+        parser.error(f"--keep-cache {args.keep_cache}: the folder is not empty (the run tunes into an empty cache)")
     out = harness.out_dir(args.out)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        env = dict(os.environ, AUTOFUSE_CACHE_DIR=str(work / "cache"))
+        env = dict(os.environ, AUTOFUSE_CACHE_DIR=args.keep_cache or str(work / "cache"))
         os.environ["AUTOFUSE_CACHE_DIR"] = env["AUTOFUSE_CACHE_DIR"]
         trace = record(work)
         print(trace, flush=True)
