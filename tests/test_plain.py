@@ -25,8 +25,10 @@ from autofuse.store import Store, TrialRecord, Winner
 
 KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
 HOST_BOUND_MS = current_policy().host_bound_ms
-# A race of one window of one call per table (after each table's binding call): two calls a table.
-TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1)
+# A race of windows and probes of one call, one round (plain.race_length says how many calls it takes), that
+# drops no table on the interpreter's times.
+TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1, race_probe_calls=1,
+                                race_keep=float("inf"))
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 # Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
 ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
@@ -151,20 +153,25 @@ def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     return raced, entries
 
 
-@pytest.mark.parametrize("costs, expected", [
-    ([30.0, 10.0, 20.0], "e1"),  # the fastest plain call
-    ([30.0, 29.0, 40.0], "e0"),  # within race_margin of the GPU-time winner: the winner stays
+@pytest.mark.parametrize("costs, expected, dropped", [
+    ([30.0, 10.0, 20.0], "e1", ["e2"]),  # the fastest plain call; e2 probed beside e1, twice as slow
+    ([30.0, 29.0, 40.0], "e0", ["e2"]),  # within race_margin of the GPU-time winner: the winner stays
+    ([30.0, 31.0, 28.0], "e2", []),  # none dropped
 ])
-def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected):
+def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected, dropped):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     raced, entries = _raced(monkeypatch, costs)
     racing = raced.race_calls()
     policy = current_policy()
-    assert racing == len(costs) * (1 + policy.race_rounds * policy.race_calls)
+    window, probe = policy.race_calls, policy.race_probe_calls
+    assert racing == plain.race_length(len(costs)) == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe) + \
+        policy.race_rounds * len(costs) * window
     during = [raced("x") for _ in range(racing)]
-    # Each entry: one binding call, then race_rounds windows of race_calls calls.
-    assert [e.calls for e in entries] == [1 + policy.race_rounds * policy.race_calls] * len(costs)
     assert set(during) == {e.name for e in entries}
+    # An entry slower than the fastest known by more than race_keep ran its binding call and its probe, no more.
+    assert [e.name for e in entries if e.calls == 1 + probe] == dropped
+    if not dropped:  # the race took every call planned, and its first call ran every entry
+        assert sum(e.calls for e in entries) == racing + len(costs) - 1
     assert [raced("x") for _ in range(3)] == [expected] * 3
     assert raced.plain_table == next(e.table for e in entries if e.name == expected)
     assert raced.table is entries[0].table  # what config_for reports: the GPU-time winner's
@@ -173,15 +180,39 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     assert again("x") == expected and sum(e.calls for e in others) == 1
 
 
-def test_the_windows_take_the_entries_in_a_rotated_order(monkeypatch):
+def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monkeypatch):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3)):
-        raced, entries = _raced(monkeypatch, [1.0, 2.0, 3.0], key=("test", "order"))
+    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1)):
+        raced, entries = _raced(monkeypatch, [1.0, 1.1, 0.9], key=("test", "order"))
         order = [raced("x") for _ in range(raced.race_calls())]
-    # Each entry's first call binds (untimed); then rounds of windows of 2 calls, the order rotated each round.
-    expected = ["e0"] * 3 + ["e1"] * 3 + ["e2"] * 3 + ["e1", "e1", "e2", "e2", "e0", "e0"] + [
+        assert [e.calls for e in entries] == [1 + 2 + 10 + 6, 1 + 1 + 6, 1 + 1 + 6]
+        decided = raced("x")
+    # The first call runs every entry (each binds its launches) and returns the GPU-time winner's result; its
+    # window; per other entry two windows and a probe of the fastest known (e0: e2 is probed after e1, whose probe
+    # was slower than e0's), then that entry's probe; then rounds of one window each, the order rotated.
+    expected = ["e0"] + ["e0"] * 2 + ["e0"] * 5 + ["e1"] + ["e0"] * 5 + ["e2"] + [
+        "e0", "e0", "e1", "e1", "e2", "e2"] + ["e1", "e1", "e2", "e2", "e0", "e0"] + [
         "e2", "e2", "e0", "e0", "e1", "e1"]
-    assert order == expected
+    assert order == expected and decided == "e2"
+
+
+def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeypatch):
+    """Tables up to 4x slower than the fastest known: each runs its probe and is dropped; no 50 calls in a row cost
+    more than 1.25x what the GPU-time winner's would, and the fastest table runs from the decision on."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    costs = [1.0, 3.0, 0.9, 4.0, 1.05]
+    raced, entries = _raced(monkeypatch, costs, key=("test", "bounded"))
+    raced("x")  # the first call: every entry binds
+    spent = []
+    for _ in range(raced.race_calls() - 1):
+        before = _Entry.clock[0]
+        raced("x")
+        spent.append((_Entry.clock[0] - before) * 1e6)
+    probe = current_policy().race_probe_calls
+    assert entries[1].calls == entries[3].calls == 1 + probe  # dropped after their probes
+    worst = max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
+    assert worst <= 1.25 * 50 * costs[0]
+    assert raced("x") == "e2" and raced.plain is entries[2]
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
@@ -214,14 +245,15 @@ def _race_on_cpu(monkeypatch, times):
     raced = []
     monkeypatch.setattr(plain, "racing", lambda device: True)
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    monkeypatch.setattr(plain.Raced, "_times", lambda self: raced.append(list(self.tables)) or times[:len(self.tables)])
+    monkeypatch.setattr(plain.Raced, "_times", lambda self: raced.append(list(self.tables)) or (
+        times + [float("inf")] * len(self.tables))[:len(self.tables)])
     plain._decided.clear()
     return raced
 
 
 def _race_through(call, tables: int):
-    """Call `call` for as long as a race of `tables` tables takes under _race_on_cpu's policy, then once more."""
-    for _ in range(tables * 2):
+    """Call `call` for as long as a race of `tables` tables takes under the policy in use, then once more."""
+    for _ in range(plain.race_length(tables)):
         call()
     return call()
 

@@ -17,7 +17,10 @@ Each default is a measured finding (docs/design.md states them with their number
   tie one launch wins, since an un-graphed call pays each launch's host time on top.
 - An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time
   overlap as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only
-  where its plain call is `race_margin` faster (host times wander more than GPU times).
+  where its plain call is `race_margin` faster (host times wander more than GPU times). Before that each
+  candidate is probed for `race_probe_calls` calls beside the fastest known, and one slower than it by more than
+  `race_keep` is dropped (also after each round): the race must not make the caller's calls much slower than
+  the fastest table known (choose/race.py).
 - Tuning retimes its fastest trial beside the library paths before choosing, so a tuned kernel needs only to
   be faster than the fastest library path by `tune_margin`.
 - Timing budgets (ms of GPU time per candidate): `trial_budget_ms` for a tuning trial, `check_budget_ms` for
@@ -42,6 +45,8 @@ class DecisionPolicy:
     race_calls: int = 20
     race_rounds: int = 5
     race_margin: float = 0.05
+    race_probe_calls: int = 4
+    race_keep: float = 0.25
     trial_budget_ms: float = 100.0
     check_budget_ms: float = 20.0
 

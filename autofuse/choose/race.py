@@ -105,16 +105,35 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def race_length(tables: int) -> int:
+    """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
+    tables are dropped): the first call; the GPU-time winner's window; per other table two windows of the fastest
+    known and a probe of each of the two; race_rounds rounds of one window per table."""
+    policy = current()
+    window, probe = policy.race_calls, policy.race_probe_calls
+    return 1 + window + (tables - 1) * (2 * window + 2 * probe) + policy.race_rounds * tables * window
+
+
 class Raced:
     """A module's table entry at one M that has other tables to race. Calls made while a CUDA graph captures (or a
     profiler records) run the GPU-time winner's entry, `graphed`. Other calls race the entries on the caller's own
-    calls, so that no call waits for a race: each entry's first call binds its launches (not timed); then windows
-    of race_calls consecutive calls each run one entry, timed from a synchronisation before the window's first call
-    to one after its last, race_rounds windows per entry, the entries in a rotated order each round. Then the
-    fastest entry (median window) runs every later call; the decision is kept for the process (`_decided`)."""
+    calls, so that no call waits for a race, and so that the race costs those calls little over the fastest entry
+    known; each window is timed from a synchronisation before its first call to one after its last.
+    - The first call runs every entry once, each binding its launches then (a module's first call at an M
+      resolves and checks its configs anyway; a binding call among the windows had cost them up to 1.8x), and
+      returns the GPU-time winner's result.
+    - Probes: the GPU-time winner runs a window of race_calls calls; then, for each other entry in turn, the fastest
+      entry known runs two such windows, then a probe of race_probe_calls calls, then the other entry the same. An
+      entry whose probe is slower than the fastest's, taken just before it, by more than race_keep is dropped: a
+      slow table runs race_probe_calls calls in all, with at least 2 x race_calls calls of the fastest between two
+      tables' probes.
+    - Rounds: the entries left run race_rounds rounds of one window each, in a rotated order; after each round an
+      entry whose median window is slower than the fastest's by more than race_keep is dropped.
+    Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
+    faster. The decision is kept for the process (`_decided`)."""
 
-    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "_schedule", "_samples",
-                 "_warm", "_window")
+    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "_plan", "_samples",
+                 "_probes", "_alive", "_rounds", "_window", "_reference")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -123,10 +142,13 @@ class Raced:
         self.M, self.key = M, key
         self.plain = None  # the entry un-graphed calls run, once raced
         self.plain_table: dict[str, Choice] | None = None  # its table
-        self._schedule: list[int] | None = None  # the entry of each window still to run
+        self._plan: list[tuple[int | None, int, bool]] | None = None  # windows to run: (entry, calls, probe)
         self._samples: list[list[float]] = []  # µs per call of each entry's windows
-        self._warm: set[int] = set()  # entries whose first (binding) call has run
-        self._window: tuple[int, int, float] | None = None  # (entry, calls left, start) of the window running
+        self._probes: list[float | None] = []  # µs per call of each entry's last probe
+        self._alive: list[bool] = []  # entries not dropped
+        self._rounds = 0  # rounds of windows planned so far
+        self._window: tuple[int, int, int, bool, float] | None = None  # (entry, calls left, calls, probe, start)
+        self._reference: float | None = None  # the fastest known entry's probe just before another's
 
     @property
     def table(self) -> dict[str, Choice]:
@@ -153,39 +175,99 @@ class Raced:
 
     def _race(self, args: tuple):
         """Run this call through the entry the race has reached, timing its window."""
-        policy = current()
-        if self._schedule is None:
-            count = len(self.entries)
-            self._schedule = [(r + i) % count for r in range(policy.race_rounds) for i in range(count)]
-            self._samples = [[] for _ in range(count)]
+        if self._plan is None:
+            return self._first(args)
         if self._window is None:
-            if not self._schedule:
+            window = self._next_window()
+            if window is None:
                 return self._settle(self._decide())(*args)
-            index = self._schedule[0]
-            if index not in self._warm:  # its first call binds its launches: not what later calls cost
-                self._warm.add(index)
-                return self.entries[index](*args)
+            index, calls, probe = window
             _synchronize()
-            self._window = (index, policy.race_calls, _now())
-        index, left, start = self._window
+            self._window = (index, calls, calls, probe, _now())
+        index, left, calls, probe, start = self._window
         out = self.entries[index](*args)
         if left > 1:
-            self._window = (index, left - 1, start)
+            self._window = (index, left - 1, calls, probe, start)
             return out
         _synchronize()
-        self._samples[index].append((_now() - start) / policy.race_calls * 1e6)
         self._window = None
-        self._schedule.pop(0)
+        self._timed(index, (_now() - start) / calls * 1e6, probe)
         return out
 
+    def _first(self, args: tuple):
+        """The race's first call: every entry binds its launches (the others first), the GPU-time winner's result
+        is returned; then the probes are planned."""
+        count = len(self.entries)
+        for entry in self.entries[1:]:
+            entry(*args)
+        out = self.entries[0](*args)
+        policy = current()
+        window, probe = policy.race_calls, policy.race_probe_calls
+        self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
+        # None: the fastest entry known when the window starts.
+        self._plan = [(0, window, False)]
+        for other in range(1, count):
+            self._plan += [(None, window, False), (None, window, False), (None, probe, True), (other, probe, True)]
+        return out
+
+    def _next_window(self) -> tuple[int, int, bool] | None:
+        """The next window to run (entry, calls, probe), planning the next round where the plan is done; None once
+        the rounds are over or one entry is left."""
+        while True:
+            while self._plan:
+                index, calls, probe = self._plan.pop(0)
+                if index is None:
+                    index = self._fastest_known()
+                    if probe:
+                        self._reference = None  # taken by this probe, for the next entry's
+                elif not self._alive[index]:
+                    continue
+                return index, calls, probe
+            alive = [i for i, up in enumerate(self._alive) if up]
+            if self._rounds == current().race_rounds or len(alive) < 2:
+                return None
+            if self._rounds:
+                self._drop_slow_windows()
+                alive = [i for i, up in enumerate(self._alive) if up]
+                if len(alive) < 2:
+                    return None
+            shift = self._rounds % len(alive)
+            self._plan = [(i, current().race_calls, False) for i in alive[shift:] + alive[:shift]]
+            self._rounds += 1
+
+    def _fastest_known(self) -> int:
+        """The entry left whose last probe was fastest (the GPU-time winner before any other was probed)."""
+        probed = [(us, i) for i, us in enumerate(self._probes) if us is not None and self._alive[i]]
+        return min(probed)[1] if probed else 0
+
+    def _timed(self, index: int, us: float, probe: bool) -> None:
+        if not probe:
+            self._samples[index].append(us)
+            return
+        self._probes[index] = us
+        if self._reference is None:  # the fastest known entry's probe: the next entry's reference
+            self._reference = us
+        elif us > self._reference * (1 + current().race_keep):
+            self._alive[index] = False  # slower than the fastest known by more than race_keep: dropped
+
+    def _drop_slow_windows(self) -> None:
+        """After a round: entries whose median window is slower than the fastest's by more than race_keep go."""
+        times = self._times()
+        alive = [i for i, up in enumerate(self._alive) if up]
+        fastest = min(times[i] for i in alive)
+        for i in alive:
+            if times[i] > fastest * (1 + current().race_keep):
+                self._alive[i] = False
+
     def _times(self) -> list[float]:
-        """µs per plain call of each entry: the median of its windows."""
-        return [statistics.median(samples) for samples in self._samples]
+        """µs per plain call of each entry: the median of its windows (infinite where it ran none)."""
+        return [statistics.median(samples) if samples else float("inf") for samples in self._samples]
 
     def _decide(self) -> int:
         times = self._times()
-        best = min(range(len(times)), key=times.__getitem__)
-        if times[best] > times[0] * (1 - current().race_margin):
+        alive = [i for i, up in enumerate(self._alive) if up and times[i] < float("inf")] or [0]
+        best = min(alive, key=times.__getitem__)
+        if self._alive[0] and times[best] > times[0] * (1 - current().race_margin):
             best = 0
         _remember(self.key, best)
         logger.info("autofuse: un-graphed calls at M=%d run %s (%.1f us per plain call; %s)", self.M,
@@ -196,14 +278,12 @@ class Raced:
     def _settle(self, best: int):
         """Run entry `best` from now on; the others are dropped."""
         self.plain, self.plain_table = self.entries[best], self.tables[best]
-        self.entries, self.tables, self._samples = [], [], []
+        self.entries, self.tables, self._samples, self._probes = [], [], [], []
         return self.plain
 
     def race_calls(self) -> int:
-        """How many un-graphed calls the race takes from its first to the decision (each entry's binding call
-        included)."""
-        policy = current()
-        return len(self.entries) * (1 + policy.race_rounds * policy.race_calls)
+        """The most un-graphed calls the race takes from its first to the decision (race_length)."""
+        return race_length(len(self.entries))
 
 
 def _remember(key: tuple, best: int) -> None:
