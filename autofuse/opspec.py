@@ -26,6 +26,9 @@ GEMM_VARIANTS = dict(variants=("tile", "split_k", "tma"), space=SearchSpace(), i
 # what the gated MLP's pointwise ops declare.
 POINTWISE = dict(sizes=("M", "N"), constexprs=("BLOCK_M", "BLOCK_N"))
 
+# How an op's weights may be stored (OpSpec.weights).
+WEIGHT_FORMATS = ("dense", "fp8")
+
 # KernelSpec flags an operand may depend on ("!" negates): its bias, its residual, or a variant's name (the
 # operand is present in that variant's kernel only).
 OPERAND_FLAGS = ("has_bias", "has_residual")
@@ -203,10 +206,17 @@ class OpSpec:
     max_m: int | None = None  # keyed and run only up to this M
     training: bool = False  # keyed only when tuning for training (--train)
     template_dir: Path | None = None  # None: autofuse's templates/; else searched first (ops added outside)
+    # How the weights are stored (WEIGHT_FORMATS): "dense" in the activations' dtype; "fp8": float8_e4m3fn with a
+    # float32 scale per output channel (operand `s`), widened to the activations' dtype as they are loaded and
+    # scaled in the epilogue. Templates read it as the flag `fp8_weights`.
+    weights: str = "dense"
 
     def __post_init__(self) -> None:
         if self.library and next(iter(self.library)) != "eager":
             raise ValueError(f"op {self.name}: its first library candidate must be 'eager'")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"op {self.name}: weights must be one of {', '.join(WEIGHT_FORMATS)}, "
+                             f"got {self.weights!r}")
         if "tile" not in self.variants:
             raise ValueError(f"op {self.name}: every op has the tile variant")
 

@@ -51,9 +51,10 @@ class KernelSpec:
 
     @property
     def kernel_name(self) -> str:
-        # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias_tma.
+        # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias_tma, autofuse_linear_fp8w_none.
         flags = (("bias", self.has_bias), ("res", self.has_residual), (self.variant, self.variant != "tile"))
-        return "_".join(["autofuse", self.op.template, self.activation] + [name for name, on in flags if on])
+        weights = [] if self.op.weights == "dense" else [f"{self.op.weights}w"]
+        return "_".join(["autofuse", self.op.template, *weights, self.activation] + [name for name, on in flags if on])
 
     @property
     def parameters(self) -> tuple[Parameter, ...]:
@@ -95,13 +96,13 @@ def render(spec: KernelSpec) -> str:
 
 
 def template_variables(spec: KernelSpec) -> dict:
-    """What a template is rendered with: the spec's fields, the kernel's name and signature lines, and every
+    """What a template is rendered with: the spec's fields, the kernel's name and signature lines, every
     registered variant's name, true for the one rendered (a variant without a file of its own is the op
-    template's `{% if <name> %}` blocks)."""
+    template's `{% if <name> %}` blocks), and `fp8_weights`, whether the op's weights are fp8 (OpSpec.weights)."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op"}
     flags = {name: name == spec.variant for name in variants.names()}
     return dict(kernel_name=spec.kernel_name, signature=signature_lines(spec.parameters, spec.constexprs), **flags,
-                **fields)
+                fp8_weights=spec.op.weights == "fp8", **fields)
 
 
 def entry_template(op: OpSpec, variant: variants.Variant) -> str:

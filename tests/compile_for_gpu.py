@@ -41,6 +41,8 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
             signature[p.name] = "*fp32"
         elif p.name == "count_ptr":
             signature[p.name] = "*i32"
+        elif p.kind == "tensor" and spec.op.weights == "fp8" and p.operand in ("w", "s"):
+            signature[p.name] = "*fp8e4nv" if p.operand == "w" else "*fp32"  # weights and their scales
         elif p.kind == "tensor":
             signature[p.name] = "*" + _TRITON_DTYPES[dtype]
         else:

@@ -63,6 +63,13 @@ CASES = [
          block=(8, 8, 128), split_k=4, num_warps=4, num_stages=2),
     dict(spec=_spec("gated_up", "silu", bias=True, variant="gemv"), dtype="bfloat16", capability=90,
          block=(4, 16, 256), split_k=2, num_warps=4, num_stages=3),
+    # fp8 weights widened in the K loop, their scales in the epilogue (e4m3 needs sm_89 or newer).
+    dict(spec=_spec("linear_fp8", "gelu_tanh", bias=True, residual=True), dtype="bfloat16", capability=90,
+         block=(128, 128, 64), split_k=1, num_warps=8, num_stages=4),
+    dict(spec=_spec("linear_fp8", "none", even_k=False, variant="split_k"), dtype="float16", capability=90,
+         block=(16, 64, 128), split_k=4, num_warps=4, num_stages=3),
+    dict(spec=_spec("linear_fp8", "silu", bias=True, variant="gemv"), dtype="bfloat16", capability=90,
+         block=(1, 16, 1024), split_k=1, num_warps=4, num_stages=1),
 ]
 
 
@@ -91,7 +98,7 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
 
 def test_gemv_kernels_reduce_on_cuda_cores(compiled):
     gemv = [c for c in compiled if c["kernel"].endswith("_gemv")]
-    assert len(gemv) == 3 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
+    assert len(gemv) == 4 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
 
 
 def test_split_k_kernels_are_named_for_profilers(compiled):
@@ -99,7 +106,7 @@ def test_split_k_kernels_are_named_for_profilers(compiled):
         "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias"}
     assert {c["kernel"] for c in compiled if "split_k" in c["kernel"]} == {
         "autofuse_linear_none_split_k", "autofuse_gated_up_silu_bias_split_k", "autofuse_gated_up_gelu_split_k",
-        "autofuse_gated_pairs_silu_bias_split_k"}
+        "autofuse_gated_pairs_silu_bias_split_k", "autofuse_linear_fp8w_none_split_k"}
 
 
 def test_tma_kernels_use_the_tensor_copy_engine(compiled):

@@ -24,6 +24,7 @@ from .gated_grad import GATED_DGU, GATED_GRAD
 from .gated_pairs import GATED_PAIRS
 from .gated_up import GATED_UP
 from .linear import DOWN, LINEAR
+from .linear_fp8 import LINEAR_FP8
 from .mlp import MLP
 from .rms_norm import RMS_NORM
 
@@ -77,7 +78,7 @@ def specs() -> tuple[OpSpec, ...]:
 
 
 for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_DGU, GATED_PAIRS,
-              PAIRS_ACT, BIAS_ACT, RMS_NORM):
+              PAIRS_ACT, BIAS_ACT, RMS_NORM, LINEAR_FP8):
     register(_spec)
 
 

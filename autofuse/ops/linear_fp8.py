@@ -1,0 +1,129 @@
+"""The Linear with fp8 weights (weight-only): Y = act(X @ (W * s)^T + b) [+ R], W stored as float8_e4m3fn with a
+float32 scale s per output channel, X, b, R and Y in the model's dtype. The linear kernel (templates/linear*.py.jinja
+with `fp8_weights`) loads W's tiles in fp8, half the bytes of bf16 (what decode streams), widens them to X's type
+for the dot (every e4m3 value is exact in bf16, fp16 and float32) and applies s in the epilogue, before the bias.
+
+A different function of the original weights than the dense Linear (W is rounded to fp8): it is keyed apart
+(op `linear_fp8`), checked against the float64 product of the dequantized weights, and the dense library paths
+never stand in for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import LINEAR_ACTIVATIONS
+from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..errors import AutofuseError
+from ..opspec import Operand, OpSpec
+from ..reference import eager_linear, linear_reference
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+OPERANDS = (
+    Operand("x", "[M, K]", "mk"),
+    Operand("w", "[N, K] float8_e4m3fn, nn.Linear layout", "nk"),
+    Operand("s", "[N] float32, the scale of each row of w"),
+    Operand("b", "[N]", when="has_bias"),
+    Operand("r", "[M, N], added after the activation", "mn", when="has_residual"),
+    Operand("y", "[M, N]", "mn"),
+)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W8, s): `weight` ([N, K]) as float8_e4m3fn with a float32 scale per row, each row's largest magnitude
+    mapped to e4m3's largest finite value (448); a row of zeros gets scale 1. W8 * s[:, None] approximates
+    `weight` to e4m3's 3 mantissa bits (a relative error of at most 2^-4 per element, rounding to nearest)."""
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W8 * s[:, None] in `dtype` (rounded once, from float32)."""
+    return (w8.to(torch.float32) * scale[:, None]).to(dtype)
+
+
+def linear_fp8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor | None, activation: str, config: KernelConfig,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Y = act(x @ (w8 * scale[:, None]).T + bias) + residual; x: [M, K] (float32, float16 or bfloat16), w8: [N, K]
+    float8_e4m3fn, scale: [N] float32, bias: [N] and residual: [M, N] in x's dtype. Written into `out` when given."""
+    L.check_operands(x, bias, residual)
+    M, K = x.shape
+    N = w8.shape[0]
+    L.require(w8.dtype == FP8 and scale.dtype == torch.float32 and w8.device == x.device == scale.device,
+              f"linear_fp8: weights must be float8_e4m3fn with float32 scales on {x.device}, got {w8.dtype} and "
+              f"{scale.dtype}")
+    L.require(w8.dim() == 2 and w8.shape[1] == K and tuple(scale.shape) == (N,)
+              and (residual is None or tuple(residual.shape) == (M, N)),
+              f"linear_fp8: x {tuple(x.shape)}, weight {tuple(w8.shape)}, scale {tuple(scale.shape)} and residual do "
+              f"not fit")
+    y = L.output(out, (M, N), x)
+    if M == 0:
+        return y
+    kernel = L.kernel_for(LINEAR_FP8, activation, K, x.dtype, config, bias is not None, residual is not None)
+    tensors = {"x": x, "w": w8, "s": scale.contiguous(), "b": None if bias is None else bias.contiguous(),
+               "r": residual, "y": y}
+    L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)
+    return y
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_fp8(ops["x"], ops["w"], ops["s"], ops.get("b"), ops.get("r"), activation, config, out=out)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    """What a PyTorch model holding fp8 weights runs: the weights dequantized to the activations' dtype, then the
+    dense Linear's eager ops."""
+    x = ops["x"]
+    return eager_linear(x, dequantize_fp8(ops["w"], ops["s"], x.dtype), ops.get("b"), ops.get("r"), activation)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    """float64, from the dequantized weights: the function the kernel computes (its error against the original
+    weights is the quantization's, reported apart)."""
+    w = ops["w"].to(torch.float64) * ops["s"].to(torch.float64)[:, None]
+    return linear_reference(ops["x"], w, ops.get("b"), ops.get("r"), activation)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    # nn.Linear-like scale, then quantized as get_linear(weights="fp8") quantizes.
+    w8, scale = quantize_fp8(rand(n, k) * k**-0.5)
+    return {"x": rand(M, k), "w": w8, "s": scale, "b": rand(n) if bias else None,
+            "r": rand(M, n) if residual else None}
+
+
+LINEAR_FP8 = OpSpec(
+    name="linear_fp8",
+    template="linear",
+    doc="act(x (W s)^T + b) [+ residual] in one kernel, W in fp8 with a scale per output channel",
+    operands=OPERANDS,
+    activations=LINEAR_ACTIVATIONS,
+    run=_run,
+    residual=True,
+    weights="fp8",
+    # The persistent TMA variant reads W through descriptors of the activations' type: not for fp8 weights.
+    variants=("tile", "split_k"),
+    space=SearchSpace(),
+    interpreter_space=INTERPRETER_SPACE,
+    library={"eager": _eager},
+    reference=_reference,
+    make_operands=_make_operands,
+    output_width=lambda n, k: n,
+)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """AutofuseError where `device` cannot run float8_e4m3fn kernels: a CUDA GPU below compute capability 8.9
+    (Triton has no e4m3 type there). The CPU runs them under Triton's interpreter."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    if capability < (8, 9):
+        raise AutofuseError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                            f"{torch.cuda.get_device_name(index)} is {capability[0]}.{capability[1]}")

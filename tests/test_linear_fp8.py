@@ -1,0 +1,103 @@
+"""The Linear with fp8 weights (op linear_fp8, autofuse/ops/linear_fp8.py): weights quantized per output channel,
+the kernel correct against the float64 product of the dequantized weights in every dtype, activation and variant,
+with ragged N and K, bias and residual; its bound launch bit-identical to its JIT launch; tuned like any op."""
+
+import pytest
+import torch
+from _helpers import DTYPES, assert_matches_reference
+
+from autofuse import launch, ops, variants
+from autofuse.activations import LINEAR_ACTIVATIONS
+from autofuse.configs import KernelConfig, Library
+from autofuse.key import Problem, current_environment
+from autofuse.ops.linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, linear_fp8, quantize_fp8
+from autofuse.reference import linear_reference
+from autofuse.render import KernelSpec, render
+from autofuse.store import Store
+from autofuse.tune.driver import Job, tune_key
+
+M, N, K = 5, 24, 40  # ragged against every tile: N over 16 / 32 columns, K over 16 / 32
+TILE = KernelConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=2)
+SPLIT = KernelConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=2, variant="split_k", knobs={"split_k": 2})
+GEMV = KernelConfig(8, 8, 16, group_m=1, num_warps=4, num_stages=1, variant="gemv", knobs={"split_k": 2})
+
+
+def _operands(dtype, device, bias=True, residual=True, rows=M):
+    w8, scale = quantize_fp8(torch.randn(N, K, device=device) / K**0.5)
+    return (torch.randn(rows, K, device=device).to(dtype), w8, scale,
+            torch.randn(N, device=device).to(dtype) if bias else None,
+            torch.randn(rows, N, device=device).to(dtype) if residual else None)
+
+
+def test_quantize_keeps_each_row_within_e4m3s_rounding():
+    w = torch.randn(N, K) * torch.logspace(-3, 2, N)[:, None]  # rows of very different sizes
+    w[3] = 0.0
+    w8, scale = quantize_fp8(w)
+    assert w8.dtype == FP8 and scale.dtype == torch.float32 and tuple(scale.shape) == (N,)
+    assert scale[3] == 1.0 and not w8[3].float().any()  # a row of zeros stays zeros
+    assert torch.equal(w8.float().abs().amax(dim=1)[torch.arange(N) != 3], torch.full((N - 1,), FP8_MAX))
+    back = dequantize_fp8(w8, scale, torch.float64)
+    # Round to nearest with 3 mantissa bits: within 2**-4 of each element, or e4m3's smallest step near zero.
+    assert ((back - w.double()).abs() <= 2**-4 * w.double().abs() + 2**-9 * scale.double()[:, None]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
+@pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
+def test_fp8_linear_matches_the_dequantized_float64_product(device, dtype, activation, config):
+    rows = 2 if config.variant == "gemv" else M
+    for bias, residual in ((False, False), (True, True)):
+        x, w8, scale, b, r = _operands(dtype, device, bias, residual, rows)
+        out = torch.full((rows, N), float("nan"), dtype=dtype, device=device)
+        linear_fp8(x, w8, scale, b, r, activation, config, out=out)
+        ref = linear_reference(x, w8.double() * scale.double()[:, None], b, r, activation)
+        peer = ops.get("linear_fp8").library["eager"]({"x": x, "w": w8, "s": scale, "b": b, "r": r}, activation)
+        assert_matches_reference(out, ref, peer)
+
+
+@pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
+def test_bound_fp8_linear_is_bit_identical_to_the_jit_path(device, config):
+    dtype = torch.bfloat16
+    x, w8, scale, b, _ = _operands(dtype, device, residual=False, rows=2)
+    with launch.binding() as recorded:
+        linear_fp8(x, w8, scale, b, None, "gelu_tanh", config)
+    bound = recorded[0]
+    for _ in range(2):  # fresh inputs: the bound launch reads the new ones
+        x = torch.randn(2, K, device=device).to(dtype)
+        y = torch.full((2, N), float("nan"), dtype=dtype, device=device)
+        assert bound({"x": x, "r": None, "y": y})
+        expected = linear_fp8(x, w8, scale, b, None, "gelu_tanh", config)
+        if variants.get(config.variant).workspace and y.is_cuda:  # float32 atomics sum in any order on a GPU
+            torch.testing.assert_close(y, expected, rtol=2**-7, atol=2**-7)
+        else:
+            torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_the_kernel_widens_fp8_weights_and_scales_in_the_epilogue():
+    source = render(KernelSpec(LINEAR_FP8, "gelu", True, False, True, None, False, "tile"))
+    assert "def autofuse_linear_fp8w_gelu_bias(" in source and "s_ptr" in source
+    assert "w = w.to(x.dtype)" in source and "acc *= tl.load(s_ptr + cols)[None, :]" in source
+    assert source.index("acc *= tl.load(s_ptr") < source.index("acc += tl.load(b_ptr")  # scaled before the bias
+    dense = render(KernelSpec(ops.get("linear"), "gelu", True, False, True, None, False, "tile"))
+    assert "s_ptr" not in dense and "to(x.dtype)" not in dense
+    assert [v.name for v in variants.of(LINEAR_FP8)] == ["tile", "split_k", "gemv"]  # no TMA descriptors of fp8
+
+
+def test_wrong_weights_are_refused_in_one_line(device):
+    x, w8, scale, b, _ = _operands(torch.float16, device, residual=False)
+    for w, s, what in ((w8.to(torch.float16), scale, "float8_e4m3fn"), (w8, scale.half(), "float32 scales"),
+                       (w8[:, :-1], scale, "do not fit"), (w8, scale[:-1], "do not fit")):
+        with pytest.raises(launch.LaunchError, match=what) as raised:
+            linear_fp8(x, w, s, b, None, "none", TILE)
+        assert "\n" not in str(raised.value)
+
+
+def test_an_fp8_key_is_tuned_checked_against_float64_and_never_run_by_the_dense_paths(device, tmp_path):
+    device = torch.device(device)
+    key = Problem("linear_fp8", N, K, M, torch.float16, "gelu", True).key(M, current_environment(device))
+    assert key.op == "linear_fp8"  # the weight format is the op's: never the dense Linear's records
+    result = tune_key(Job(key, M, "fp8"), Store(str(tmp_path)), device, policy="random", trials=3)
+    assert result.new == 3 and not result.failures  # the heuristic's config and two picks, all correct
+    assert isinstance(result.winner.config, KernelConfig)  # the interpreter: the best kernel wins
+    assert set(LINEAR_FP8.library_for("gelu", True, False)) == {"eager"}
+    assert Library("eager") != result.winner.config
