@@ -13,6 +13,7 @@ from .configs import KernelConfig
 from .key import Problem
 from .ops.gated_pairs import pairs_of
 from .ops.linear import linear
+from .ops.linear_fp8 import linear_fp8
 from .ops.mlp import mlp_decode
 
 
@@ -25,8 +26,27 @@ def _traced(name: str, activation: str, table: dict[str, Choice]):
     return torch.profiler.record_function(f"autofuse::{name} {activation} [{choices}]")
 
 
+def linear_op(weight) -> str:
+    """The op a Linear's weight runs through: `weight` is W, or (W8, s) for fp8 weights with their scales."""
+    return "linear_fp8" if isinstance(weight, tuple) else "linear"
+
+
+def linear_operands(x2d, weight, bias, r2d) -> dict:
+    """A Linear's operands as its op names them (a library candidate takes them so)."""
+    if isinstance(weight, tuple):
+        return {"x": x2d, "w": weight[0], "s": weight[1], "b": bias, "r": r2d}
+    return {"x": x2d, "w": weight, "b": bias, "r": r2d}
+
+
+def run_linear_kernel(x2d, weight, bias, r2d, activation: str, config: KernelConfig, out=None) -> torch.Tensor:
+    """The linear kernel, or the fp8-weight one where `weight` is (W8, s)."""
+    if isinstance(weight, tuple):
+        return linear_fp8(x2d, weight[0], weight[1], bias, r2d, activation, config, out=out)
+    return linear(x2d, weight, bias, r2d, activation, config, out=out)
+
+
 def run_linear(x2d, weight, bias, r2d, activation: str, table: dict[str, Choice]) -> torch.Tensor:
-    traced = _traced("linear", activation, table)
+    traced = _traced(linear_op(weight), activation, table)
     if traced is not None:
         with traced:
             return _run_linear(x2d, weight, bias, r2d, activation, table["linear"])
@@ -36,8 +56,8 @@ def run_linear(x2d, weight, bias, r2d, activation: str, table: dict[str, Choice]
 def _run_linear(x2d, weight, bias, r2d, activation, choice: Choice):
     config = choice.kernel
     if config is None:
-        return _library("linear", choice, {"x": x2d, "w": weight, "b": bias, "r": r2d}, activation)
-    return linear(x2d, weight, bias, r2d, activation, config)
+        return _library(linear_op(weight), choice, linear_operands(x2d, weight, bias, r2d), activation)
+    return run_linear_kernel(x2d, weight, bias, r2d, activation, config)
 
 
 def run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]) -> torch.Tensor:
@@ -196,13 +216,15 @@ def run_down(h, params, down: Choice) -> torch.Tensor:
 
 class BoundLinear:
     """A Linear's table entry at one M, bound like BoundMLP: per call only the input, residual and
-    output change. A library choice is called directly (no launch to bind)."""
+    output change. A library choice is called directly (no launch to bind). `op`: linear, or linear_fp8, whose
+    calls take the weight as (W8, s)."""
 
-    def __init__(self, table: dict[str, Choice], activation: str, M: int, inside_ops: bool = False) -> None:
+    def __init__(self, table: dict[str, Choice], activation: str, M: int, inside_ops: bool = False,
+                 op: str = "linear") -> None:
         self.table, self.activation, self.M, self.inside_ops = table, activation, M, inside_ops
         choice = table["linear"]
         self.kernel = choice.kernel
-        self.library = None if self.kernel is not None else ops.get("linear").library_candidate(choice.config.name)
+        self.library = None if self.kernel is not None else ops.get(op).library_candidate(choice.config.name)
         self.launch = None
         self.weights: list = []
 
@@ -213,14 +235,14 @@ class BoundLinear:
             y = x.new_empty(out_shape)
             if not bound({"x": x, "r": residual, "y": y}):
                 r2d = None if residual is None else _rows(residual)
-                linear(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
+                run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
             return y
         x2d, r2d = _rows(x), None if residual is None else _rows(residual)
         if self.library is not None and not torch.autograd.profiler._is_profiler_enabled:
-            return self.library({"x": x2d, "w": weight, "b": bias, "r": r2d}, self.activation).reshape(out_shape)
+            return self.library(linear_operands(x2d, weight, bias, r2d), self.activation).reshape(out_shape)
         if self.kernel is None or not replayable:
             return run_linear(x2d, weight, bias, r2d, self.activation, self.table).reshape(out_shape)
         with launch.binding() as recorded:
-            y = linear(x2d, weight, bias, r2d, self.activation, self.kernel)
+            y = run_linear_kernel(x2d, weight, bias, r2d, self.activation, self.kernel)
         self.launch, self.weights = launch.only_launch(recorded), weights
         return y.reshape(out_shape)

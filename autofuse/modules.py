@@ -23,6 +23,8 @@ from .fused_module import FusedModule, allocated, check_dtype, check_size, needs
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
+from .ops.linear_fp8 import check_fp8_device, quantize_fp8
+from .opspec import WEIGHT_FORMATS
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
@@ -107,6 +109,103 @@ class FusedLinear(FusedModule):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, activation={self.activation}")
+
+
+class FusedLinearFp8(FusedLinear):
+    """y = act(x @ (W8 s)^T + bias) [+ residual] in one kernel, with W8 the weights in float8_e4m3fn and s a float32
+    scale per output channel (ops/linear_fp8.py): half the weight bytes of bf16. Inference only: its parameters do
+    not train, and a forward that would build a graph raises. State: `weight_fp8`, `weight_scale`, `bias`, and
+    `weight` (the original, not used by the forward) where built with keep_original=True; a state_dict holding a
+    dense `weight` (an nn.Linear's, say) and no `weight_fp8` is quantized as it loads."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, activation: str,
+                 dtype: torch.dtype, device: torch.device, **options: bool) -> None:
+        """options: tuned (True), keep_original (False): get_linear says what each does."""
+        super().__init__(in_features, out_features, bias=bias, activation=activation, dtype=dtype, device=device,
+                         tuned=bool(options.get("tuned", True)))
+        self.keep_original = bool(options.get("keep_original", False))
+        w8, scale = quantize_fp8(self.weight)
+        self.register_buffer("weight_fp8", w8)
+        self.register_buffer("weight_scale", scale)
+        # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
+        self.register_buffer("_activations", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        if not self.keep_original:
+            del self.weight
+        else:
+            self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self._register_load_state_dict_pre_hook(_quantize_dense_state, with_module=True)
+
+    def requantize(self) -> None:
+        """weight_fp8 and weight_scale from `weight` again (kept with keep_original=True), after it was changed."""
+        if not self.keep_original:
+            raise AutofuseError("requantize() needs the original weights: build the module with keep_original=True")
+        with torch.no_grad():
+            w8, scale = quantize_fp8(self.weight)
+            self.weight_fp8.copy_(w8)
+            self.weight_scale.copy_(scale)
+
+    def _reference_weight(self) -> torch.Tensor:
+        return self._buffers["_activations"]
+
+    def _apply(self, fn, recurse=True):
+        # Devices move; dtypes do not: .half() or .to(dtype) changes the activations' dtype (and bias, and the kept
+        # original), never the fp8 weights or their float32 scales.
+        w8, scale = self._buffers["weight_fp8"], self._buffers["weight_scale"]
+        module = super()._apply(fn, recurse)
+        device = self._buffers["_activations"].device
+        self._buffers["weight_fp8"], self._buffers["weight_scale"] = w8.to(device), scale.to(device)
+        return module
+
+    def _plan(self, residual):
+        return LinearPlan(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
+                          op="linear_fp8")
+
+    def _bind(self, table, M):
+        return BoundLinear(table, self.activation, M, op="linear_fp8")
+
+    def _libraries(self, residual):
+        return {"linear": tuple(ops.get("linear_fp8").library_for(self.activation, self.bias is not None, residual))}
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        buffers = self._buffers
+        w8, scale, like = buffers["weight_fp8"], buffers["weight_scale"], buffers["_activations"]
+        bias = self._parameters.get("bias")
+        M = self._rows_of(x, "in_features", like)
+        shape = x.shape
+        out_shape = (shape[0], self.out_features) if len(shape) == 2 else (*shape[:-1], self.out_features)
+        if residual is not None:
+            self._check_residual(residual, x, out_shape)
+        if needs_grad(x, bias, residual):
+            raise AutofuseError("a Linear with fp8 weights runs inference only: call it under torch.no_grad() or "
+                                "torch.inference_mode(), or build it with weights='dense' to train it")
+        r2d = None if residual is None else residual.reshape(-1, self.out_features)
+        if _compiling():  # traced by torch.compile as the dequantized weights' eager ops (LINEAR_FP8's "eager")
+            operands = {"x": x.reshape(-1, self.in_features), "w": w8, "s": scale, "b": bias, "r": r2d}
+            return ops.get("linear_fp8").library["eager"](operands, self.activation).reshape(out_shape)
+        weights = [w8.data_ptr(), scale.data_ptr()] if bias is None else [w8.data_ptr(), scale.data_ptr(),
+                                                                          bias.data_ptr()]
+        entry = self._entry(M, weights, like, residual is not None)
+        return entry(x, (w8, scale), bias, residual, weights, M, out_shape)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", weights=fp8" + (", keep_original=True" if self.keep_original else "")
+
+
+def _quantize_dense_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs) -> None:
+    """load_state_dict of a dense Linear's state (`weight`, no `weight_fp8`) into a FusedLinearFp8: quantized as
+    it loads; the dense `weight` is kept only where the module keeps its original."""
+    dense = state_dict.get(prefix + "weight")
+    if dense is None or prefix + "weight_fp8" in state_dict:
+        return
+    if not isinstance(dense, torch.Tensor) or tuple(dense.shape) != (module.out_features, module.in_features):
+        return  # load_state_dict reports the mismatch
+    w8, scale = quantize_fp8(dense)
+    state_dict[prefix + "weight_fp8"], state_dict[prefix + "weight_scale"] = w8, scale
+    if not module.keep_original:
+        del state_dict[prefix + "weight"]
 
 
 class FusedMLP(FusedModule):
@@ -308,15 +407,40 @@ class FusedMLP(FusedModule):
                 + ("" if self.interleaved else ", interleaved=False"))
 
 
+# get_linear's options, with their defaults.
+LINEAR_OPTIONS = {"tuned": True, "weights": "dense", "keep_original": False}
+
+
 def get_linear(in_features: int, out_features: int, *, bias: bool = True, activation: str = "none",
-               dtype: torch.dtype = torch.bfloat16, device: object = "cuda", tuned: bool = True) -> FusedLinear:
+               dtype: torch.dtype = torch.bfloat16, device: object = "cuda", **options) -> FusedLinear:
     """A fused `act(x @ W.T + b) [+ residual]` module; call it as `module(x, residual=None)`.
-    `tuned=False` ignores tuned configs and uses the built-in heuristic."""
+
+    options (keywords):
+    - tuned=True: False ignores tuned configs and uses the built-in heuristic.
+    - weights="dense": "fp8" keeps W in float8_e4m3fn with a float32 scale per output channel (FusedLinearFp8:
+      inference only, half the weight bytes of bf16).
+    - keep_original=False (fp8 only): True keeps the dense weights beside them (as `weight`, in the state_dict
+      too), for requantize() and for comparing with the original."""
+    unknown = sorted(set(options) - set(LINEAR_OPTIONS))
+    if unknown:
+        raise AutofuseError(f"get_linear() got unknown option(s) {', '.join(map(shown, unknown))}; it takes "
+                            f"{', '.join(LINEAR_OPTIONS)}")
+    options = {**LINEAR_OPTIONS, **options}
+    weights, tuned, keep_original = options["weights"], bool(options["tuned"]), bool(options["keep_original"])
     in_features, out_features = check_size("in_features", in_features), check_size("out_features", out_features)
     activation, dtype = canonical_activation(activation, LINEAR_ACTIVATIONS), check_dtype(dtype)
     device = parse_device(device)
-    return allocated(lambda: FusedLinear(in_features, out_features, bias=bool(bias), activation=activation,
-                                         dtype=dtype, device=device, tuned=bool(tuned)),
+    if weights not in WEIGHT_FORMATS:
+        raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
+    if weights == "dense":
+        if keep_original:
+            raise AutofuseError("keep_original applies to weights='fp8' only")
+        return allocated(lambda: FusedLinear(in_features, out_features, bias=bool(bias), activation=activation,
+                                             dtype=dtype, device=device, tuned=tuned),
+                         "the Linear", (in_features + 1) * out_features, dtype, device)
+    check_fp8_device(device)
+    return allocated(lambda: FusedLinearFp8(in_features, out_features, bias=bool(bias), activation=activation,
+                                            dtype=dtype, device=device, tuned=tuned, keep_original=keep_original),
                      "the Linear", (in_features + 1) * out_features, dtype, device)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from _helpers import DTYPES, assert_matches_reference
 
+import autofuse
 from autofuse import launch, ops, variants
 from autofuse.activations import LINEAR_ACTIVATIONS
 from autofuse.configs import KernelConfig, Library
@@ -101,3 +102,73 @@ def test_an_fp8_key_is_tuned_checked_against_float64_and_never_run_by_the_dense_
     assert isinstance(result.winner.config, KernelConfig)  # the interpreter: the best kernel wins
     assert set(LINEAR_FP8.library_for("gelu", True, False)) == {"eager"}
     assert Library("eager") != result.winner.config
+
+
+# The module: get_linear(weights="fp8").
+
+def _module(device, dtype=torch.float16, **options):
+    return autofuse.get_linear(K, N, bias=True, activation="gelu", dtype=dtype, device=device, weights="fp8",
+                               **options)
+
+
+def test_an_fp8_linear_runs_its_fp8_weights_and_matches_the_dequantized_reference(device):
+    module = _module(device)
+    assert not hasattr(module, "weight") and "weight_fp8" in dict(module.named_buffers())
+    assert set(module.state_dict()) == {"weight_fp8", "weight_scale", "bias"}
+    x = torch.randn(3, M, K, device=device, dtype=torch.float16)  # any leading shape
+    r = torch.randn(3, M, N, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        out = module(x, residual=r)
+    assert out.shape == (3, M, N) and out.dtype == torch.float16
+    dense = module.weight_fp8.double() * module.weight_scale.double()[:, None]
+    ref = linear_reference(x.reshape(-1, K), dense, module.bias, r.reshape(-1, N), "gelu").reshape(3, M, N)
+    torch.testing.assert_close(out.double(), ref, rtol=2 * 2**-11, atol=2e-3)
+    assert set(module.config_for(3 * M)) == {"linear"}
+
+
+def test_its_error_against_the_original_weights_is_the_quantizations(device):
+    dense = autofuse.get_linear(K, N, bias=True, activation="gelu", dtype=torch.float32, device=device)
+    module = _module(device, dtype=torch.float32, keep_original=True)
+    module.load_state_dict(dense.state_dict())  # an nn.Linear-style state: quantized as it loads
+    assert torch.equal(module.weight, dense.weight)
+    x = torch.randn(M, K, device=device)
+    with torch.no_grad():
+        error = (module(x) - dense(x)).norm() / dense(x).norm()
+    assert 0 < error < 2**-4  # e4m3 keeps 3 mantissa bits
+
+
+def test_a_dense_state_dict_loads_quantized_and_dtype_changes_leave_the_fp8_weights(device):
+    dense = torch.nn.Linear(K, N).to(device)
+    module = _module(device, dtype=torch.float32)
+    module.load_state_dict(dense.state_dict())
+    w8, scale = quantize_fp8(dense.weight)
+    assert torch.equal(module.weight_fp8.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(module.weight_scale, scale) and torch.equal(module.bias, dense.bias)
+    module.half()
+    assert module.weight_fp8.dtype == FP8 and module.weight_scale.dtype == torch.float32
+    assert module.bias.dtype == torch.float16
+    with torch.no_grad():
+        assert module(torch.randn(2, K, device=device, dtype=torch.float16)).dtype == torch.float16
+    restored = _module(device)
+    restored.load_state_dict(module.state_dict())  # an fp8 state loads as it is
+    assert torch.equal(restored.weight_fp8.view(torch.uint8), module.weight_fp8.view(torch.uint8))
+
+
+def test_an_fp8_linear_refuses_training_and_bad_options_in_one_line(device):
+    module = _module(device)
+    x = torch.randn(2, K, device=device, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(autofuse.AutofuseError, match="inference only"):
+        module(x)
+    with pytest.raises(autofuse.AutofuseError, match="weights must be one of"):
+        autofuse.get_linear(K, N, device=device, weights="int4")
+    with pytest.raises(autofuse.AutofuseError, match=r"unknown option\(s\) 'wieghts'; it takes tuned, weights"):
+        autofuse.get_linear(K, N, device=device, wieghts="fp8")
+    with pytest.raises(autofuse.AutofuseError, match="keep_original applies to weights='fp8' only"):
+        autofuse.get_linear(K, N, device=device, keep_original=True)
+    with pytest.raises(autofuse.AutofuseError, match="keep_original=True"):
+        module.requantize()
+    kept = _module(device, keep_original=True)
+    with torch.no_grad():
+        kept.weight.mul_(2)
+    kept.requantize()
+    assert torch.allclose(kept.weight_scale, quantize_fp8(kept.weight)[1])

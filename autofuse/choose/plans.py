@@ -39,16 +39,18 @@ def resolve_checked(problem: Problem, tuned: bool = True) -> Choice:
 
 @dataclasses.dataclass(frozen=True)
 class LinearPlan:
-    """act(x @ W.T + b) [+ r]: one op."""
+    """act(x @ W.T + b) [+ r]: one op, `linear`, or `linear_fp8` where W is stored in fp8 (its table's entry is
+    "linear" either way)."""
 
     in_features: int
     out_features: int
     activation: str
     bias: bool
     residual: bool = False
+    op: str = "linear"
 
     def problem(self, M: int, dtype: torch.dtype, device: torch.device) -> Problem:
-        return Problem("linear", self.out_features, self.in_features, M, dtype, self.activation, self.bias,
+        return Problem(self.op, self.out_features, self.in_features, M, dtype, self.activation, self.bias,
                        self.residual, device)
 
 
