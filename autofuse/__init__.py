@@ -18,8 +18,8 @@ from .errors import AutofuseError
 _PUBLIC = {
     "KernelConfig": ".configs", "Library": ".configs",
     "FusedHFMLP": ".hf", "FuseReport": ".hf", "fuse": ".hf",
-    "FusedLinear": ".modules", "FusedLinearFp8": ".modules", "FusedMLP": ".modules", "get_linear": ".modules",
-    "get_mlp": ".modules",
+    "FusedLinear": ".modules", "FusedLinearFp8": ".modules", "FusedMLP": ".modules", "FusedMLPFp8": ".modules",
+    "get_linear": ".modules", "get_mlp": ".modules",
     "FusedRMSNorm": ".norm",
     "show_kernel": ".ops",
     "record_traffic": ".traffic",

@@ -136,7 +136,8 @@ class BoundMLP:
         self.hidden: tuple[int, torch.Tensor] | None = None  # (stream, H)
 
     def __call__(self, x: torch.Tensor, params: tuple, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
-        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd); weights: launch.addresses(params)."""
+        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd), each weight W or, for fp8 weights,
+        (W8, s); weights: the parameters' addresses."""
         replayable = M == self.M and _replayable(self.inside_ops)
         if replayable and self.launches is not None and weights == self.weights:
             return self._replay(x, params, out_shape)
@@ -148,7 +149,7 @@ class BoundMLP:
         # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not (capturing or self.inside_ops):
-            self.hidden = (workspaces.stream_id(x.device), x.new_empty((M, params[0].shape[0])))
+            self.hidden = (workspaces.stream_id(x.device), x.new_empty((M, hidden_width(params))))
         return y.reshape(out_shape)
 
     def _bind(self, x2d, params) -> tuple[torch.Tensor, dict]:
@@ -166,7 +167,7 @@ class BoundMLP:
                    "down": None if down.kernel is None else launch.only_launch(down_launches)}
 
     def _replay(self, x, params, out_shape) -> torch.Tensor:
-        wg, wd, bd = params[0], params[4], params[5]
+        wd, bd = params[4], params[5]
         act, table, launches = self.activation, self.table, self.launches
         if "mlp" in table:
             y = x.new_empty(out_shape)
@@ -180,7 +181,7 @@ class BoundMLP:
         if hidden is not None and hidden[0] == workspaces.stream_id(x.device):
             h = hidden[1]
         else:
-            h = x.new_empty((self.M, wg.shape[0]))
+            h = x.new_empty((self.M, hidden_width(params)))
         bound = launches["up"]
         if bound is None or not bound({"x": x, "h": h}):
             h = run_up(_rows(x), params, act, table)
@@ -189,7 +190,7 @@ class BoundMLP:
             return run_down(h, params, table["down"]).reshape(out_shape)
         y = x.new_empty(out_shape)
         if not bound({"x": h, "y": y}):
-            linear(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
+            run_linear_kernel(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
         return y
 
 
@@ -199,8 +200,11 @@ def up_op_of(table: dict[str, Choice]) -> str:
 
 
 def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
-    """H through the table's gated_up or gated_pairs choice."""
+    """H through the table's gated_up or gated_pairs choice (gated_up_fp8 where the weights are (W8, s) pairs)."""
     wg, bg, wu, bu = params[:4]
+    if isinstance(wg, tuple):
+        operands = {"x": x2d, "wg": wg[0], "wu": wu[0], "sg": wg[1], "su": wu[1], "bg": bg, "bu": bu}
+        return run_choice("gated_up_fp8", table["gated_up"], operands, activation)
     if "gated_pairs" in table:
         w, b = pairs_of(wg, bg)
         return run_choice("gated_pairs", table["gated_pairs"], {"x": x2d, "w": w, "b": b}, activation)
@@ -210,8 +214,15 @@ def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tens
 def run_down(h, params, down: Choice) -> torch.Tensor:
     wd, bd = params[4:]
     if down.kernel is None:
-        return _library("down", down, {"x": h, "w": wd, "b": bd}, "none")
-    return linear(h, wd, bd, None, "none", down.kernel)
+        op = "down_fp8" if isinstance(wd, tuple) else "down"
+        return _library(op, down, linear_operands(h, wd, bd, None), "none")
+    return run_linear_kernel(h, wd, bd, None, "none", down.kernel)
+
+
+def hidden_width(params: tuple) -> int:
+    """d_ff of an MLP's params (wg, bg, wu, bu, wd, bd), each weight W or (W8, s)."""
+    wg = params[0]
+    return (wg[0] if isinstance(wg, tuple) else wg).shape[0]
 
 
 class BoundLinear:

@@ -23,11 +23,13 @@ from torch import nn
 
 from .activations import GATED_ACTIVATIONS
 from .device import interpreting
-from .errors import AutofuseError
+from .errors import AutofuseError, shown
 from .layout import contiguous_state
-from .modules import FusedMLP
+from .modules import FusedMLP, FusedMLPFp8
 from .norm import FusedRMSNorm
+from .ops.linear_fp8 import check_fp8_device
 from .ops.rms_norm import FORMS, eager_rms_norm
+from .opspec import WEIGHT_FORMATS
 
 logger = logging.getLogger("autofuse")
 
@@ -229,14 +231,18 @@ class FusedHFMLP(nn.Module):
 
 
 def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, save_hidden: bool = True,
-         norms: bool = True) -> FuseReport:
+         norms: bool = True, weights: str = "dense") -> FuseReport:
     """Replace every gated MLP block of `model` that autofuse can run by a FusedHFMLP, and (with `norms`)
     every RMSNorm module by a FusedRMSNorm over the same weight (in place), and return the report (logged;
     also printed when `verbose`). `interleaved`: as for get_mlp (the gate and up weights re-laid in one
     buffer, the parameter objects kept, so tied or shared ones stay so); `save_hidden`: as for get_mlp
-    (training keeps each block's H from forward to backward).
+    (training keeps each block's H from forward to backward). `weights="fp8"`: each block becomes a FusedMLPFp8
+    holding its weights quantized to fp8 (inference only; the dense weights are dropped, and the state_dict
+    holds each projection's weight_fp8 and weight_scale instead of its weight).
     `autofuse.tune_model(model)` then tunes the replaced shapes on the model's GPU, as `autofuse tune
     --model` would."""
+    if weights not in WEIGHT_FORMATS:
+        raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
     report = FuseReport()
     found = []
     for path, module in model.named_modules():
@@ -256,11 +262,15 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
         if not path:
             raise AutofuseError("fuse() replaces the MLP blocks inside a model; call it on the model, not on an "
                                 "MLP itself (for a lone MLP use autofuse.get_mlp)")
-        replacement = FusedHFMLP(module, names, activation, interleaved=interleaved, save_hidden=save_hidden)
+        if weights == "fp8":
+            replacement = _fp8_block(module, names, activation)
+            g = replacement.gate_proj
+        else:
+            replacement = FusedHFMLP(module, names, activation, interleaved=interleaved, save_hidden=save_hidden)
+            g = replacement._fused.gate_proj
         _replace_at(model, path, module, replacement)
-        g = replacement._fused.gate_proj
         report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
-                                      f"{' bias' if g.bias is not None else ''}"))
+                                      f"{' bias' if g.bias is not None else ''}{' fp8' if weights == 'fp8' else ''}"))
     if norms:
         _fuse_norms(model, report)
     on_cpu = any(p.device.type == "cpu" for p in model.parameters())
@@ -270,6 +280,19 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
     if verbose:
         print(report)  # asked for: the report on the terminal, whatever the logging setup
     return report
+
+
+def _fp8_block(original: nn.Module, names: tuple[str, str, str], activation: str) -> FusedMLPFp8:
+    """A FusedMLPFp8 holding `original`'s projections quantized (their dense weights are not kept)."""
+    gate, up, down = (getattr(original, n) for n in names)
+    weight = gate.weight
+    check_fp8_device(weight.device)
+    fused = FusedMLPFp8(gate.in_features, gate.out_features, bias=gate.bias is not None, activation=activation,
+                        dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():  # each projection's load quantizes its dense weight (FusedLinearFp8)
+        for name, linear in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, down)):
+            getattr(fused, name).load_state_dict(linear.state_dict())
+    return fused
 
 
 def _replace_at(model: nn.Module, path: str, module: nn.Module, replacement: nn.Module) -> None:

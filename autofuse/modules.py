@@ -23,8 +23,9 @@ from .fused_module import FusedModule, allocated, check_dtype, check_size, needs
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
-from .ops.linear_fp8 import check_fp8_device, quantize_fp8
+from .ops.linear_fp8 import check_fp8_device, dequantize_fp8, quantize_fp8
 from .opspec import WEIGHT_FORMATS
+from .reference import eager_mlp
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
@@ -217,6 +218,8 @@ class FusedMLP(FusedModule):
                  device: torch.device, **options: bool) -> None:
         """options: tuned, interleaved, save_hidden (MLP_OPTIONS: get_mlp says what each does)."""
         options = mlp_options(options, "FusedMLP")
+        if options["weights"] != "dense":
+            raise AutofuseError("FusedMLP keeps dense weights: get_mlp(..., weights='fp8') builds a FusedMLPFp8")
         tuned, interleaved, save_hidden = options["tuned"], options["interleaved"], options["save_hidden"]
         super().__init__(tuned)
         self.in_features = d_model
@@ -407,6 +410,80 @@ class FusedMLP(FusedModule):
                 + ("" if self.interleaved else ", interleaved=False"))
 
 
+class FusedMLPFp8(FusedModule):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) with fp8 weights: each projection a FusedLinearFp8 holding its
+    weights in float8_e4m3fn with a float32 scale per output channel (its state: `weight_fp8`, `weight_scale`,
+    `bias`), run as the gated up-projection (op gated_up_fp8) and the down projection (op down_fp8), each checked,
+    tuned and raced as any op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
+    it loads. Neither the interleaved gate/up layout nor padding applies: sizes whose fp8 rows are not 16-byte
+    aligned (d_model or d_ff not a multiple of 16) run, at a speed nobody has measured."""
+
+    def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,
+                 device: torch.device, **options: bool) -> None:
+        """options: tuned (True), keep_original (False): get_mlp says what each does."""
+        tuned = bool(options.get("tuned", True))
+        super().__init__(tuned)
+        self.in_features = self.d_model = d_model
+        self.d_ff = d_ff
+        self.activation = activation
+        self.keep_original = bool(options.get("keep_original", False))
+        factory = dict(bias=bias, activation="none", dtype=dtype, device=device, tuned=tuned,
+                       keep_original=self.keep_original)
+        self.gate_proj = FusedLinearFp8(d_model, d_ff, **factory)
+        self.up_proj = FusedLinearFp8(d_model, d_ff, **factory)
+        self.down_proj = FusedLinearFp8(d_ff, d_model, **factory)
+        # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
+        self.register_buffer("_activations", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    def _params(self) -> tuple:
+        """((wg8, sg), bg, (wu8, su), bu, (wd8, sd), bd), read from the projections' buffer and parameter dicts."""
+        found = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            module = self._modules[name]
+            buffers = module._buffers
+            found += [(buffers["weight_fp8"], buffers["weight_scale"]), module._parameters.get("bias")]
+        return tuple(found)
+
+    def requantize(self) -> None:
+        """Each projection's fp8 weights from its kept original again (keep_original=True)."""
+        for module in (self.gate_proj, self.up_proj, self.down_proj):
+            module.requantize()
+
+    def _reference_weight(self) -> torch.Tensor:
+        return self._buffers["_activations"]
+
+    def _plan(self, residual):
+        return MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, weights="fp8")
+
+    def _bind(self, table, M):
+        return BoundMLP(table, self.activation, M)
+
+    def _libraries(self, residual):
+        bias = self.gate_proj.bias is not None
+        return {"gated_up": tuple(ops.get("gated_up_fp8").library_for(self.activation, bias, False)),
+                "down": tuple(ops.get("down_fp8").library_for("none", bias, False))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = self._params()
+        like = self._buffers["_activations"]
+        M = self._rows_of(x, "d_model", like)
+        out_shape = (*x.shape[:-1], self.d_model)
+        if needs_grad(x, params[1], params[3], params[5]):
+            raise AutofuseError("an MLP with fp8 weights runs inference only: call it under torch.no_grad() or "
+                                "torch.inference_mode(), or build it with weights='dense' to train it")
+        if _compiling():  # traced by torch.compile as the dequantized weights' eager ops
+            wg, wu, wd = (dequantize_fp8(*params[i], x.dtype) for i in (0, 2, 4))
+            return eager_mlp(x, wg, wu, wd, params[1], params[3], params[5], activation=self.activation)
+        weights = [t.data_ptr() for pair in params[::2] for t in pair] + [
+            0 if b is None else b.data_ptr() for b in params[1::2]]
+        entry = self._entry(M, weights, like)
+        return entry(x, params, weights, M, out_shape)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}, weights=fp8"
+                + (", keep_original=True" if self.keep_original else ""))
+
+
 # get_linear's options, with their defaults.
 LINEAR_OPTIONS = {"tuned": True, "weights": "dense", "keep_original": False}
 
@@ -445,16 +522,23 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
 
 
 # get_mlp's and FusedMLP's options, with their defaults.
-MLP_OPTIONS = {"tuned": True, "interleaved": True, "save_hidden": True}
+MLP_OPTIONS = {"tuned": True, "interleaved": True, "save_hidden": True, "weights": "dense", "keep_original": False}
 
 
-def mlp_options(options: dict, where: str) -> dict[str, bool]:
-    """`options` over MLP_OPTIONS' defaults, each as a bool; AutofuseError naming an unknown one."""
+def mlp_options(options: dict, where: str) -> dict:
+    """`options` over MLP_OPTIONS' defaults (each a bool but `weights`, a name of WEIGHT_FORMATS); AutofuseError
+    naming an unknown one."""
     unknown = sorted(set(options) - set(MLP_OPTIONS))
     if unknown:
         raise AutofuseError(f"{where}() got unknown option(s) {', '.join(map(shown, unknown))}; it takes "
                             f"{', '.join(MLP_OPTIONS)}")
-    return {name: bool(options.get(name, default)) for name, default in MLP_OPTIONS.items()}
+    made = {name: bool(options.get(name, default)) for name, default in MLP_OPTIONS.items() if name != "weights"}
+    weights = options.get("weights", "dense")
+    if weights not in WEIGHT_FORMATS:
+        raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
+    if made["keep_original"] and weights == "dense":
+        raise AutofuseError("keep_original applies to weights='fp8' only")
+    return {**made, "weights": weights}
 
 
 def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: bool = False,
@@ -468,11 +552,20 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
       checked or tuned faster; False keeps them as two plain tensors (and never runs gated_pairs).
     - save_hidden=True (training only): the forward keeps H = act(gate) * up for the backward, as
       torch.compile does (faster); False recomputes it in the backward and holds one [tokens, d_ff]
-      activation less per module (the attribute of that name may be changed later)."""
+      activation less per module (the attribute of that name may be changed later).
+    - weights="dense": "fp8" keeps the three weights in float8_e4m3fn with a float32 scale per output channel
+      (FusedMLPFp8: inference only, half the weight bytes of bf16; interleaved and save_hidden do not apply).
+    - keep_original=False (fp8 only): True keeps the dense weights beside them (each projection's `weight`)."""
     options = mlp_options(options, "get_mlp")
     d_model, d_ff = check_size("d_model", d_model), check_size("d_ff", d_ff)
     activation, dtype = canonical_activation(activation, GATED_ACTIVATIONS), check_dtype(dtype)
     device = parse_device(device)
+    if options["weights"] == "fp8":
+        check_fp8_device(device)
+        return allocated(lambda: FusedMLPFp8(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
+                                             device=device, tuned=options["tuned"],
+                                             keep_original=options["keep_original"]),
+                         "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)
     return allocated(lambda: FusedMLP(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
                                       device=device, **options),
                      "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)

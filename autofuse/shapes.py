@@ -54,6 +54,7 @@ class ShapeSet:
     tokens: tuple[int, ...]
     mlps: tuple[MLPShape, ...]
     linears: tuple[LinearShape, ...]
+    weights: str = "dense"  # the weight format tuned for (opspec.WEIGHT_FORMATS: `autofuse tune --weights`)
 
 
 def _fail(path: str, problem: str):

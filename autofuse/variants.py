@@ -282,7 +282,7 @@ GEMV = Variant(
     accumulator_elements=lambda config: config.block_m * config.block_n * config.block_k,
     applies=lambda device, shape: shape.M <= GEMV_MAX_M,
     fits=_gemv_fits,
-    ops=("linear", "down", "gated_up", "linear_fp8"),
+    ops=("linear", "down", "gated_up", "linear_fp8", "down_fp8", "gated_up_fp8"),
 )
 for _variant in (TILE, SPLIT_K, TMA, GEMV):
     register(_variant)

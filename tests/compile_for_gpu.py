@@ -18,6 +18,8 @@ from autofuse import ops  # noqa: E402
 from autofuse.render import KernelSpec, load_kernel  # noqa: E402
 
 _TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# The operands of an op with fp8 weights that are not in the activations' dtype: the weights and their scales.
+_FP8_WEIGHTS = {"w": "*fp8e4nv", "wg": "*fp8e4nv", "wu": "*fp8e4nv", "s": "*fp32", "sg": "*fp32", "su": "*fp32"}
 
 
 def _constexprs(spec: KernelSpec, block: tuple[int, int, int], split_k: int) -> dict:
@@ -41,8 +43,8 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
             signature[p.name] = "*fp32"
         elif p.name == "count_ptr":
             signature[p.name] = "*i32"
-        elif p.kind == "tensor" and spec.op.weights == "fp8" and p.operand in ("w", "s"):
-            signature[p.name] = "*fp8e4nv" if p.operand == "w" else "*fp32"  # weights and their scales
+        elif p.kind == "tensor" and spec.op.weights == "fp8" and p.operand in _FP8_WEIGHTS:
+            signature[p.name] = _FP8_WEIGHTS[p.operand]  # fp8 weights and their float32 scales
         elif p.kind == "tensor":
             signature[p.name] = "*" + _TRITON_DTYPES[dtype]
         else:

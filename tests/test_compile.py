@@ -70,6 +70,12 @@ CASES = [
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=3),
     dict(spec=_spec("linear_fp8", "silu", bias=True, variant="gemv"), dtype="bfloat16", capability=90,
          block=(1, 16, 1024), split_k=1, num_warps=4, num_stages=1),
+    dict(spec=_spec("gated_up_fp8", "gelu_tanh", bias=True), dtype="bfloat16", capability=90,
+         block=(128, 128, 64), split_k=1, num_warps=8, num_stages=3),
+    dict(spec=_spec("gated_up_fp8", "silu", variant="gemv"), dtype="bfloat16", capability=90,
+         block=(1, 8, 1024), split_k=2, num_warps=4, num_stages=1),
+    dict(spec=_spec("down_fp8", "none", even_k=False, variant="split_k"), dtype="bfloat16", capability=90,
+         block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
 ]
 
 
@@ -98,7 +104,7 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
 
 def test_gemv_kernels_reduce_on_cuda_cores(compiled):
     gemv = [c for c in compiled if c["kernel"].endswith("_gemv")]
-    assert len(gemv) == 4 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
+    assert len(gemv) == 5 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
 
 
 def test_split_k_kernels_are_named_for_profilers(compiled):
@@ -106,7 +112,7 @@ def test_split_k_kernels_are_named_for_profilers(compiled):
         "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias"}
     assert {c["kernel"] for c in compiled if "split_k" in c["kernel"]} == {
         "autofuse_linear_none_split_k", "autofuse_gated_up_silu_bias_split_k", "autofuse_gated_up_gelu_split_k",
-        "autofuse_gated_pairs_silu_bias_split_k", "autofuse_linear_fp8w_none_split_k"}
+        "autofuse_gated_pairs_silu_bias_split_k", "autofuse_linear_fp8w_none_split_k"}  # down_fp8: the same kernel
 
 
 def test_tma_kernels_use_the_tensor_copy_engine(compiled):

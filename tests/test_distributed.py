@@ -147,7 +147,7 @@ def test_a_poisoned_shared_storage_is_skipped_and_the_run_still_tunes_every_key(
     shapes_path = write_json(tmp_path / "s.json", SHAPES)
     storage = str(tmp_path / "shared.log")
     jobs = jobs_for_shapes(load_shapes(shapes_path), torch.device("cpu"))
-    settings = dict(train=False, ops=None, trials=1, time_budget_s=None, policy="optuna", seed=0)
+    settings = dict(train=False, ops=None, trials=1, time_budget_s=None, policy="optuna", seed=0, weights="dense")
     run = worklist.run_name(jobs, settings)  # what the CLI's workers will compute
     opened = worklist.open_storage(storage)
     from optuna.study import StudyDirection

@@ -66,16 +66,25 @@ class MLPPlan:
     bias: bool
     pairs: bool = False
     d_in: int | None = None
+    # "fp8": the weights are fp8 (FusedMLPFp8): the table's gated_up and down entries run ops gated_up_fp8 and
+    # down_fp8, and neither gated_pairs nor the one-launch kernel is planned.
+    weights: str = "dense"
 
     def problem(self, op: str, M: int, dtype: torch.dtype, device: torch.device) -> Problem:
-        """The problem of one of the plan's ops at M rows."""
+        """The problem of one of the plan's ops (its table entry's name) at M rows."""
         k_in = self.d_model if self.d_in is None else self.d_in
         n, k, activation = {"gated_up": (self.d_ff, k_in, self.activation),
                             "gated_pairs": (self.d_ff, k_in, self.activation),
                             "down": (self.d_model, self.d_ff, "none"),
                             "mlp": (self.d_ff, self.d_model, self.activation),
                             "gated_bwd": (self.d_ff, self.d_model, self.activation)}[op]
-        return Problem(op, n, k, M, dtype, activation, self.bias, False, device)
+        name = f"{op}_fp8" if self.weights == "fp8" else op
+        return Problem(name, n, k, M, dtype, activation, self.bias, False, device)
+
+    @property
+    def one_launch(self) -> bool:
+        """Whether the one-launch kernel may run this plan: dense weights, d_model read unpadded."""
+        return self.weights == "dense" and self.d_in in (None, self.d_model)
 
 
 def select(plan: LinearPlan | MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
@@ -104,7 +113,7 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
             faster = check.kernel_on_host_bound_tie(*candidates) or check.faster_of(*candidates, up_problem)
             if faster == "gated_pairs":
                 pair, others = with_pairs, [pair]
-    if not tuned or M > policy.one_launch_max_m or plan.d_in not in (None, plan.d_model):
+    if not tuned or M > policy.one_launch_max_m or not plan.one_launch:
         return pair, others
     one_problem = plan.problem("mlp", M, dtype, device)
     fused = lookup.resolve_tuned(one_problem)
@@ -129,7 +138,7 @@ def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device)
     one-launch record exists."""
     ops = ["gated_up", "down", *(["gated_pairs"] if plan.pairs else [])]
     jobs = [(problem, lookup.resolve(problem)) for problem in (plan.problem(op, M, dtype, device) for op in ops)]
-    one_launch = M <= current().one_launch_max_m and plan.d_in in (None, plan.d_model)
+    one_launch = M <= current().one_launch_max_m and plan.one_launch
     if one_launch and all(choice.source.unchecked for _, choice in jobs[:2]):
         problem = plan.problem("mlp", M, dtype, device)
         if lookup.resolve_tuned(problem) is None:

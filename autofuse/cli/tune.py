@@ -12,6 +12,7 @@ import torch
 
 from .. import ops
 from ..model_config import shapes_from_model_config
+from ..opspec import WEIGHT_FORMATS
 from ..resources import user_cache_dir
 from ..shapes import DEFAULT_TOKENS, DTYPES, load_shapes
 from ..store import Store
@@ -23,7 +24,7 @@ from ..tune.progress import RunProgress, duration, plural
 from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
 
 
-def _parse_ops(text: str | None, train: bool) -> set[str] | None:
+def _parse_ops(text: str | None, train: bool, weights: str = "dense") -> set[str] | None:
     if text is None:
         return None
     picked = set(parse_choices(text, ops.names(tunable=True), "op", "--ops"))
@@ -31,6 +32,11 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
     if training and not train:
         raise click.BadParameter(f"{', '.join(training)} tune(s) the training backward: add --train",
                                  param_hint="--ops")
+    other = sorted(name for name in picked if ops.get(name).weights != weights)
+    if other:
+        theirs = ops.get(other[0]).weights
+        fix = "leave out --weights" if theirs == "dense" else f"add --weights {theirs}"
+        raise click.BadParameter(f"{', '.join(other)} run(s) {theirs} weights: {fix}", param_hint="--ops")
     return picked
 
 
@@ -51,6 +57,9 @@ def _parse_ops(text: str | None, train: bool) -> set[str] | None:
                    "keep that one and say so).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
+@click.option("--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="dense", show_default=True,
+              help="The weight format to tune for: fp8 tunes the ops of get_linear / get_mlp(weights='fp8') "
+                   "(linear_fp8, gated_up_fp8, down_fp8).")
 @click.option("--ops", "only", default=None,
               help=f"Tune only these ops, comma-separated: {', '.join(ops.names(tunable=True))} (default: all).")
 @click.option("--devices", default=None,
@@ -99,7 +108,7 @@ class _Run:
         """What names the run in a shared storage, beside its keys (worklist.run_name)."""
         o = self.options
         return dict(train=self.train, ops=sorted(self.only) if self.only else None, trials=o.trials,
-                    time_budget_s=o.time_budget_s, policy=o.policy, seed=o.seed)
+                    time_budget_s=o.time_budget_s, policy=o.policy, seed=o.seed, weights=self.shapes.weights)
 
 
 def _tune(args: dict) -> None:
@@ -122,7 +131,7 @@ def _tune(args: dict) -> None:
     options = TuneOptions(policy=args["policy"], trials=args["trials"], time_budget_s=args["time_budget"],
                           seed=args["seed"], resume=not args["fresh"], replace=args["replace"])
     source = dict(shapes_path=shapes_path, model_path=model_path, dtype=args["dtype"], tokens=tokens)
-    run = _Run(shapes, args["train"], _parse_ops(args["only"], args["train"]), options, source)
+    run = _Run(shapes, args["train"], _parse_ops(args["only"], args["train"], shapes.weights), options, source)
     start = time.perf_counter()
     if args["devices"] is not None or args["storage"] is not None or args["worker"] is not None:
         coordinated = _tune_distributed(run, args)
@@ -143,7 +152,7 @@ def _shapes_of(args: dict):
     shapes = load_shapes(args["shapes_path"]) if args["shapes_path"] else shapes_from_model_config(args["model_path"])
     if args["dtype"]:
         shapes = dataclasses.replace(shapes, dtype=DTYPES[args["dtype"]])
-    return shapes
+    return dataclasses.replace(shapes, weights=args["weights"])
 
 
 def _tune_traffic(args: dict) -> None:
@@ -156,6 +165,8 @@ def _tune_traffic(args: dict) -> None:
         raise click.UsageError("--traffic tunes on this process's device: leave out --devices and --storage")
     if args["tokens"]:
         raise click.UsageError("--traffic picks the token counts from the trace: leave out --tokens")
+    if args["weights"] != "dense":
+        raise click.UsageError("--traffic tunes the recorded (dense) modules: leave out --weights")
     recorded = recorded_traffic.load(args["traffic_path"])
     planned = from_traffic.plan(recorded)
     if not planned.points:
@@ -269,6 +280,7 @@ def _worker_args(run: _Run, storage: str, stale_after: float) -> list[str]:
     args += ["--tokens", ",".join(map(str, run.shapes.tokens))] if source["tokens"] else []
     args += ["--time-budget", repr(options.time_budget_s)] if options.time_budget_s else []
     args += ["--train"] if run.train else []
+    args += ["--weights", run.shapes.weights] if run.shapes.weights != "dense" else []
     args += ["--ops", ",".join(sorted(run.only))] if run.only else []
     args += [] if options.resume else ["--fresh"]
     args += ["--replace"] if options.replace else []

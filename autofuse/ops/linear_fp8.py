@@ -10,6 +10,8 @@ never stand in for it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import launch as L
@@ -55,13 +57,9 @@ def linear_fp8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: tor
     L.check_operands(x, bias, residual)
     M, K = x.shape
     N = w8.shape[0]
-    L.require(w8.dtype == FP8 and scale.dtype == torch.float32 and w8.device == x.device == scale.device,
-              f"linear_fp8: weights must be float8_e4m3fn with float32 scales on {x.device}, got {w8.dtype} and "
-              f"{scale.dtype}")
-    L.require(w8.dim() == 2 and w8.shape[1] == K and tuple(scale.shape) == (N,)
-              and (residual is None or tuple(residual.shape) == (M, N)),
-              f"linear_fp8: x {tuple(x.shape)}, weight {tuple(w8.shape)}, scale {tuple(scale.shape)} and residual do "
-              f"not fit")
+    check_weights("linear_fp8", x, w8, scale, N)
+    L.require(residual is None or tuple(residual.shape) == (M, N),
+              f"linear_fp8: residual {tuple(residual.shape) if residual is not None else ()} does not fit {(M, N)}")
     y = L.output(out, (M, N), x)
     if M == 0:
         return y
@@ -70,6 +68,15 @@ def linear_fp8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: tor
                "r": residual, "y": y}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)
     return y
+
+
+def check_weights(op: str, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, N: int) -> None:
+    """LaunchError (one line) unless w8 is [N, K] float8_e4m3fn and scale [N] float32, both on x's device."""
+    L.require(w8.dtype == FP8 and scale.dtype == torch.float32 and w8.device == x.device == scale.device,
+              f"{op}: weights must be float8_e4m3fn with float32 scales on {x.device}, got {w8.dtype} and "
+              f"{scale.dtype}")
+    L.require(w8.dim() == 2 and tuple(w8.shape) == (N, x.shape[1]) and tuple(scale.shape) == (N,),
+              f"{op}: x {tuple(x.shape)}, weight {tuple(w8.shape)} and scale {tuple(scale.shape)} do not fit")
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,6 +121,8 @@ LINEAR_FP8 = OpSpec(
     reference=_reference,
     make_operands=_make_operands,
     output_width=lambda n, k: n,
+    serves="linear",  # with `autofuse tune --weights fp8`
+    dims=lambda s: (s.out_features, s.in_features, s.activation),
 )
 
 
@@ -127,3 +136,14 @@ def check_fp8_device(device: torch.device) -> None:
     if capability < (8, 9):
         raise AutofuseError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                             f"{torch.cuda.get_device_name(index)} is {capability[0]}.{capability[1]}")
+
+
+DOWN_FP8 = dataclasses.replace(
+    LINEAR_FP8,
+    name="down_fp8",
+    doc="a gated MLP's down projection with fp8 weights: the fp8 linear kernel without activation",
+    activations=("none",),
+    residual=False,
+    serves="mlp",
+    dims=lambda s: (s.d_model, s.d_ff, "none"),  # FusedMLPFp8 runs the sizes as they are (no padding)
+)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..hf import FusedHFMLP
-from ..modules import FusedMLP
+from ..modules import FusedMLP, FusedMLPFp8
 from ..shapes import DEFAULT_TOKENS, MLPShape, ShapeSet
 from .driver import tune_shapes
 
@@ -16,18 +16,24 @@ def tune_model(model: nn.Module, *, tokens: tuple[int, ...] | None = None, trial
     modules) at `tokens` (default: shapes.DEFAULT_TOKENS), `trials` per key, into the user cache; the
     blocks resolve again on their next forward. Returns the number of keys tuned."""
     fused = [m._fused if isinstance(m, FusedHFMLP) else m for m in model.modules()
-             if isinstance(m, (FusedHFMLP, FusedMLP))]
+             if isinstance(m, (FusedHFMLP, FusedMLP, FusedMLPFp8))]
     if not fused:
         return 0
-    mlps = {}
-    for block in fused:
-        g = block.gate_proj
-        shape = MLPShape(f"{g.in_features}x{g.out_features}", g.in_features, g.out_features, block.activation,
-                         g.bias is not None)
-        mlps.setdefault((shape.d_model, shape.d_ff, shape.activation, shape.bias), shape)
-    weight = fused[0].gate_proj.weight
-    results = tune_shapes(ShapeSet(weight.dtype, tuple(tokens or DEFAULT_TOKENS), tuple(mlps.values()), ()),
-                          weight.device, trials=trials)
-    for block in fused:
-        block.clear_config_table()
-    return len(results)
+    tuned = 0
+    # Dense and fp8 blocks (fuse(model, weights="fp8")) are tuned for their own ops, each format with its dtype.
+    for weights, blocks in (("dense", [b for b in fused if isinstance(b, FusedMLP)]),
+                            ("fp8", [b for b in fused if isinstance(b, FusedMLPFp8)])):
+        if not blocks:
+            continue
+        mlps = {}
+        for block in blocks:
+            g = block.gate_proj
+            shape = MLPShape(f"{g.in_features}x{g.out_features}", g.in_features, g.out_features, block.activation,
+                             g.bias is not None)
+            mlps.setdefault((shape.d_model, shape.d_ff, shape.activation, shape.bias), shape)
+        like = blocks[0]._reference_weight()
+        shapes = ShapeSet(like.dtype, tuple(tokens or DEFAULT_TOKENS), tuple(mlps.values()), (), weights)
+        tuned += len(tune_shapes(shapes, like.device, trials=trials))
+        for block in blocks:
+            block.clear_config_table()
+    return tuned

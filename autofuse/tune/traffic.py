@@ -113,7 +113,8 @@ def jobs(points: list[Point], device: torch.device, only: set[str] | None = None
     for point in points:
         shape, item = point.shape, entry(point.shape)
         for spec in ops.specs():
-            if spec.serves != shape.kind or (spec.training and not shape.train):
+            # Traces record the dense modules: their keys only.
+            if spec.serves != shape.kind or (spec.training and not shape.train) or spec.weights != "dense":
                 continue
             if spec.max_m is not None and point.run_m > spec.max_m:
                 continue

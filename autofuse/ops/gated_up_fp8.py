@@ -1,0 +1,95 @@
+"""The gated up-projection with fp8 weights (weight-only): H = act(X @ (Wg sg)^T + bg) * (X @ (Wu su)^T + bu), Wg and
+Wu stored as float8_e4m3fn with a float32 scale per output channel (ops/linear_fp8.py says how they are quantized),
+on the gated_up templates with `fp8_weights`: the weight tiles loaded in fp8 and widened to X's type for the dots,
+the scales applied in the epilogue. Keyed apart from the dense op and checked against the float64 product of the
+dequantized weights; the dense library paths never stand in for it."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import launch as L
+from ..activations import GATED_ACTIVATIONS
+from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..opspec import Operand, OpSpec
+from ..reference import eager_gated, gated_reference
+from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
+
+OPERANDS = (
+    Operand("x", "[M, K]", "mk"),
+    Operand("wg", "[N, K] float8_e4m3fn, gate projection weight", "nk"),
+    Operand("wu", "[N, K] float8_e4m3fn, up projection weight", "nk"),
+    Operand("sg", "[N] float32, the scale of each row of wg"),
+    Operand("su", "[N] float32, the scale of each row of wu"),
+    Operand("bg", "[N]", when="has_bias"),
+    Operand("bu", "[N]", when="has_bias"),
+    Operand("h", "[M, N]", "mn"),
+)
+
+
+def gated_up_fp8(x: torch.Tensor, w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
+                 b_gate: torch.Tensor | None, b_up: torch.Tensor | None, activation: str, config: KernelConfig,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """H = act(x @ (wg8 sg)^T + b_gate) * (x @ (wu8 su)^T + b_up); w_gate = (wg8, sg), w_up = (wu8, su): [N, K]
+    float8_e4m3fn weights and their [N] float32 scales. Written into `out` ([M, N], x's dtype) when given."""
+    L.check_operands(x, b_gate, b_up)
+    M, K = x.shape
+    (wg, sg), (wu, su) = w_gate, w_up
+    N = wg.shape[0]
+    for w, s in (w_gate, w_up):
+        check_weights("gated_up_fp8", x, w, s, N)
+    L.require((b_gate is None) == (b_up is None), "gated_up_fp8: gate and up biases come together")
+    h = L.output(out, (M, N), x)
+    if M == 0:
+        return h
+    kernel = L.kernel_for(GATED_UP_FP8, activation, K, x.dtype, config, b_gate is not None)
+    tensors = {"x": x, "wg": wg, "wu": wu, "sg": sg.contiguous(), "su": su.contiguous(), "h": h}
+    if b_gate is not None:
+        tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())
+    L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=2)
+    return h
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return gated_up_fp8(ops["x"], (ops["wg"], ops["sg"]), (ops["wu"], ops["su"]), ops.get("bg"), ops.get("bu"),
+                        activation, config, out=out)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    """The weights dequantized to the activations' dtype, then the dense op's eager ops."""
+    x = ops["x"]
+    wg, wu = (dequantize_fp8(ops[w], ops[s], x.dtype) for w, s in (("wg", "sg"), ("wu", "su")))
+    return eager_gated(x, wg, wu, ops.get("bg"), ops.get("bu"), activation)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    wg, wu = (ops[w].to(torch.float64) * ops[s].to(torch.float64)[:, None] for w, s in (("wg", "sg"), ("wu", "su")))
+    return gated_reference(ops["x"], wg, wu, ops.get("bg"), ops.get("bu"), activation)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    (wg, sg), (wu, su) = (quantize_fp8(rand(n, k) * k**-0.5) for _ in range(2))
+    return {"x": rand(M, k), "wg": wg, "wu": wu, "sg": sg, "su": su, "bg": rand(n) if bias else None,
+            "bu": rand(n) if bias else None}
+
+
+GATED_UP_FP8 = OpSpec(
+    name="gated_up_fp8",
+    template="gated_up",
+    doc="a gated MLP's act(x (Wg sg)^T + bg) * (x (Wu su)^T + bu) in one kernel, Wg and Wu in fp8",
+    operands=OPERANDS,
+    activations=GATED_ACTIVATIONS,
+    run=_run,
+    weights="fp8",
+    variants=("tile", "split_k"),  # and gemv (variants.GEMV names it); no TMA descriptors of fp8
+    space=SearchSpace(),
+    interpreter_space=INTERPRETER_SPACE,
+    operand_tiles=(1, 2),
+    narrow_n=True,
+    library={"eager": _eager},
+    reference=_reference,
+    make_operands=_make_operands,
+    output_width=lambda n, k: n,
+    serves="mlp",  # with `autofuse tune --weights fp8`
+    dims=lambda s: (s.d_ff, s.d_model, s.activation),  # FusedMLPFp8 runs the sizes as they are (no padding)
+)
