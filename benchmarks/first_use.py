@@ -3,7 +3,7 @@ what it goes to (the first-use checks, choose/check.py, and the Triton compiles 
 (un-graphed) calls that follow, in windows of 50 calls, against eager PyTorch's: what the un-graphed race
 (choose/race.py) costs while it runs, and after how many calls it has decided.
 
-  python benchmarks/first_use.py [--out DIR] [--shapes 6] [--tokens 1,16,128,1024] [--seed 36] [--calls 1000]
+  python benchmarks/first_use.py [--out DIR] [--shapes 6] [--tokens 1,16,128,1024] [--seed 36] [--calls 2000]
 
 Gated MLPs drawn by a seeded generator (d_model 896-4096, d_ff 2-4x d_model, every other d_ff not a multiple
 of 8), none in the shipped files, bf16, each shape's modules built fresh. Run with AUTOFUSE_CACHE_DIR pointing
@@ -32,6 +32,7 @@ import torch  # noqa: E402 - after TRITON_CACHE_DIR: Triton reads it when first 
 import autofuse  # noqa: E402
 from autofuse import evaluator  # noqa: E402
 from autofuse.choose import check  # noqa: E402
+from autofuse.choose.race import race_length  # noqa: E402
 
 
 def draw(seed: int, count: int) -> list[tuple[int, int, str]]:
@@ -128,7 +129,9 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, default=6)
     parser.add_argument("--tokens", default="1,16,128,1024")
     parser.add_argument("--seed", type=int, default=36)
-    parser.add_argument("--calls", type=int, default=1000, help="plain calls after the first (0: none)")
+    parser.add_argument("--calls", type=int, default=2000,
+                        help=f"plain calls after the first (0: none; a race of 12 tables takes at most "
+                             f"{race_length(12)})")
     args = parser.parse_args()
     out = harness.out_dir(args.out)
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -5,7 +5,8 @@
 Gated MLPs drawn with a seeded generator (never_slower.py's: d_model 512-8192, d_ff 1-8x d_model, some not
 multiples of 8 or 64), bf16 activations. Per shape and M: CUDA-graph-replayed GPU time of the bf16 peers (eager
 PyTorch, torch.compile, Liger where installed, autofuse's bf16 MLP) and of autofuse's MLP with fp8 weights
-(get_mlp(weights="fp8"), the bf16 module's weights quantized), the providers replayed in turn in this process.
+(get_mlp(weights="fp8"), the bf16 module's weights quantized), the providers replayed in turn in this process,
+and at M <= 16 the plain (un-graphed) call's time too (never_slower.measure).
 Run it with an empty user cache: every fp8 config then comes from a first-use check. Reported per point: the best
 bf16 peer of eager / torch.compile / Liger over the fp8 MLP, the same against autofuse's bf16 MLP, and the fp8
 MLP's relative error against the bf16 model's output (eager bf16) beside the bf16 MLP's own. Needs a GPU of
@@ -18,10 +19,9 @@ import time
 
 import harness
 import torch
-from never_slower import draw_shapes, geomean, liger_gate, mlp_providers
+from never_slower import draw_shapes, geomean, liger_gate, measure, mlp_providers
 
 import autofuse
-from autofuse.tools.measure import graph_replay_round_robin
 
 PEERS = ("eager", "torch.compile", "liger")
 
@@ -33,21 +33,6 @@ def fp8_twin(module):
     dense = {name: p.detach().contiguous() for name, p in module.state_dict().items()}
     fp8.load_state_dict(dense)
     return fp8
-
-
-def measure(providers: dict, d_model: int, M: int) -> dict:
-    x = torch.randn(M, d_model, device="cuda", dtype=torch.bfloat16)
-    ref = providers["eager"](x).float()
-    errors = {}
-    for name, fn in providers.items():
-        out = fn(x)  # first calls: compile, first-use checks
-        errors[name] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()},
-                                     replays=50 if M < 1000 else 30, calls_per_graph=10 if M < 1000 else 2)
-    peers = {name: times[name] for name in PEERS if name in times}
-    best = min(peers, key=peers.get)
-    return dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse-fp8"],
-                ratio_to_autofuse_bf16=times["autofuse"] / times["autofuse-fp8"])
 
 
 def main() -> None:
@@ -69,7 +54,8 @@ def main() -> None:
             providers = mlp_providers(shape, liger)
             providers["autofuse-fp8"] = fp8_twin(providers["autofuse"])
             for M in tokens:
-                row = dict(**shape, **measure(providers, shape["d_model"], M))
+                row = dict(**shape, **measure(providers, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS))
+                row["ratio_to_autofuse_bf16"] = row["us"]["autofuse"] / row["us"]["autofuse-fp8"]
                 row["sources"] = providers["autofuse-fp8"].config_sources(M)
                 row["choices"] = {op: c.short() for op, c in providers["autofuse-fp8"].config_for(M).items()}
                 rows.append(row)

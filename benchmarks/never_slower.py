@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import autofuse
+from autofuse.choose.race import race_length
 from autofuse.reference import eager_linear, eager_mlp
 from autofuse.tools.measure import graph_replay_round_robin, launch_hooks, plain_call_us
 
@@ -122,7 +123,10 @@ def linear_providers(shape: dict) -> dict:
     return {"eager": eager, "torch.compile": torch.compile(eager), "autofuse": module}
 
 
-def measure(providers: dict, d_in: int, M: int) -> dict:
+def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
+            peers: tuple[str, ...] | None = None) -> dict:
+    """One point: every provider's error against eager's output and graph-replayed time, and at M <= PLAIN_M its
+    plain calls' time; `ratio` is the best of `peers` (default: every provider but `subject`) over `subject`."""
     x = torch.randn(M, d_in, device="cuda", dtype=torch.bfloat16)
     ref = providers["eager"](x).float()
     errors = {}
@@ -135,30 +139,30 @@ def measure(providers: dict, d_in: int, M: int) -> dict:
     times = graph_replay_round_robin({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()},
                                      replays=50 if M < 1000 else 30,
                                      calls_per_graph=10 if M < 1000 else 2)
-    peers = {k: v for k, v in times.items() if k != "autofuse"}
-    best = min(peers, key=peers.get)
-    row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=peers[best] / times["autofuse"])
+    peers = [name for name in times if name != subject] if peers is None else [p for p in peers if p in times]
+    best = min(peers, key=times.get)
+    row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=times[best] / times[subject])
     if M <= PLAIN_M:
         # Steady state: every provider's first RACE_CALLS plain calls first, so that autofuse's un-graphed race
-        # (choose/race.py, a few hundred calls) has decided; what those calls cost is first_use.py's to measure.
+        # (choose/race.py) has decided; what those calls cost is first_use.py's to measure.
         for fn in providers.values():
             for _ in range(RACE_CALLS):
                 fn(x)
         plain = plain_call_us({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()}, calls=100, rounds=5)
-        plain_peers = {k: v for k, v in plain.items() if k != "autofuse"}
-        plain_best = min(plain_peers, key=plain_peers.get)
-        row.update(plain_us=plain, plain_best_peer=plain_best, plain_ratio=plain_peers[plain_best] / plain["autofuse"],
-                   # autofuse's plain call again with no other provider in between, and whether a launch hook
+        plain_best = min(peers, key=plain.get)
+        row.update(plain_us=plain, plain_best_peer=plain_best, plain_ratio=plain[plain_best] / plain[subject],
+                   # the subject's plain call again with no other provider in between, and whether a launch hook
                    # (which bound launches decline, autofuse/bound.py) was set: where the two plain times differ.
-                   plain_alone_us=plain_call_us({"autofuse": lambda: providers["autofuse"](x)}, calls=100,
-                                                rounds=3)["autofuse"],
+                   plain_alone_us=plain_call_us({subject: lambda: providers[subject](x)}, calls=100,
+                                                rounds=3)[subject],
                    launch_hooks=sum(launch_hooks().values()))
     return row
 
 
-# Up to this M the plain call's time (host included, un-graphed) is measured too, after RACE_CALLS calls.
+# Up to this M the plain call's time (host included, un-graphed) is measured too, after RACE_CALLS calls: the most
+# a race of 12 tables takes (choose/race.py).
 PLAIN_M = 16
-RACE_CALLS = 600
+RACE_CALLS = race_length(12)
 
 
 def main() -> None:

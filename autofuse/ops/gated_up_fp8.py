@@ -6,13 +6,15 @@ dequantized weights; the dense library paths never stand in for it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import launch as L
-from ..activations import GATED_ACTIVATIONS
-from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
-from ..opspec import Operand, OpSpec
+from ..configs import KernelConfig
+from ..opspec import Operand
 from ..reference import eager_gated, gated_reference
+from .gated_up import GATED_UP
 from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
 
 OPERANDS = (
@@ -63,7 +65,7 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
 
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
-    wg, wu = (ops[w].to(torch.float64) * ops[s].to(torch.float64)[:, None] for w, s in (("wg", "sg"), ("wu", "su")))
+    wg, wu = (dequantize_fp8(ops[w], ops[s], torch.float64) for w, s in (("wg", "sg"), ("wu", "su")))
     return gated_reference(ops["x"], wg, wu, ops.get("bg"), ops.get("bu"), activation)
 
 
@@ -73,23 +75,18 @@ def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> 
             "bu": rand(n) if bias else None}
 
 
-GATED_UP_FP8 = OpSpec(
+# The dense gated up-projection's op with fp8 weights: the same template, activations, search spaces and tile
+# estimates; its own operands (Wg8, Wu8 and their scales), launcher, checks, library path and keys' dimensions.
+GATED_UP_FP8 = dataclasses.replace(
+    GATED_UP,
     name="gated_up_fp8",
-    template="gated_up",
     doc="a gated MLP's act(x (Wg sg)^T + bg) * (x (Wu su)^T + bu) in one kernel, Wg and Wu in fp8",
     operands=OPERANDS,
-    activations=GATED_ACTIVATIONS,
     run=_run,
     weights="fp8",
     variants=("tile", "split_k"),  # and gemv (variants.GEMV names it); no TMA descriptors of fp8
-    space=SearchSpace(),
-    interpreter_space=INTERPRETER_SPACE,
-    operand_tiles=(1, 2),
-    narrow_n=True,
     library={"eager": _eager},
     reference=_reference,
     make_operands=_make_operands,
-    output_width=lambda n, k: n,
-    serves="mlp",  # with `autofuse tune --weights fp8`
     dims=lambda s: (s.d_ff, s.d_model, s.activation),  # FusedMLPFp8 runs the sizes as they are (no padding)
 )

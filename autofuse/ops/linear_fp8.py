@@ -15,11 +15,11 @@ import dataclasses
 import torch
 
 from .. import launch as L
-from ..activations import LINEAR_ACTIVATIONS
-from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..configs import KernelConfig
 from ..errors import AutofuseError
-from ..opspec import Operand, OpSpec
+from ..opspec import Operand
 from ..reference import eager_linear, linear_reference
+from .linear import LINEAR
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -45,8 +45,9 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W8 * s[:, None] in `dtype` (rounded once, from float32)."""
-    return (w8.to(torch.float32) * scale[:, None]).to(dtype)
+    """W8 * s[:, None] in `dtype`: exact in float64 (what references take), else rounded once from float32."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (w8.to(wide) * scale.to(wide)[:, None]).to(dtype)
 
 
 def linear_fp8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -93,8 +94,8 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     """float64, from the dequantized weights: the function the kernel computes (its error against the original
     weights is the quantization's, reported apart)."""
-    w = ops["w"].to(torch.float64) * ops["s"].to(torch.float64)[:, None]
-    return linear_reference(ops["x"], w, ops.get("b"), ops.get("r"), activation)
+    return linear_reference(ops["x"], dequantize_fp8(ops["w"], ops["s"], torch.float64), ops.get("b"), ops.get("r"),
+                            activation)
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
@@ -104,25 +105,30 @@ def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> 
             "r": rand(M, n) if residual else None}
 
 
-LINEAR_FP8 = OpSpec(
+# The dense Linear's op with fp8 weights: the same template, activations, residual, search spaces and keys'
+# dimensions; its own operands (W8 and its scales s), launcher, checks and library path.
+LINEAR_FP8 = dataclasses.replace(
+    LINEAR,
     name="linear_fp8",
-    template="linear",
     doc="act(x (W s)^T + b) [+ residual] in one kernel, W in fp8 with a scale per output channel",
     operands=OPERANDS,
-    activations=LINEAR_ACTIVATIONS,
     run=_run,
-    residual=True,
     weights="fp8",
     # The persistent TMA variant reads W through descriptors of the activations' type: not for fp8 weights.
     variants=("tile", "split_k"),
-    space=SearchSpace(),
-    interpreter_space=INTERPRETER_SPACE,
     library={"eager": _eager},
     reference=_reference,
     make_operands=_make_operands,
-    output_width=lambda n, k: n,
-    serves="linear",  # with `autofuse tune --weights fp8`
-    dims=lambda s: (s.out_features, s.in_features, s.activation),
+)
+
+DOWN_FP8 = dataclasses.replace(
+    LINEAR_FP8,
+    name="down_fp8",
+    doc="a gated MLP's down projection with fp8 weights: the fp8 linear kernel without activation",
+    activations=("none",),
+    residual=False,
+    serves="mlp",
+    dims=lambda s: (s.d_model, s.d_ff, "none"),  # FusedMLPFp8 runs the sizes as they are (no padding)
 )
 
 
@@ -137,13 +143,3 @@ def check_fp8_device(device: torch.device) -> None:
         raise AutofuseError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                             f"{torch.cuda.get_device_name(index)} is {capability[0]}.{capability[1]}")
 
-
-DOWN_FP8 = dataclasses.replace(
-    LINEAR_FP8,
-    name="down_fp8",
-    doc="a gated MLP's down projection with fp8 weights: the fp8 linear kernel without activation",
-    activations=("none",),
-    residual=False,
-    serves="mlp",
-    dims=lambda s: (s.d_model, s.d_ff, "none"),  # FusedMLPFp8 runs the sizes as they are (no padding)
-)
