@@ -89,6 +89,7 @@ class Evaluator:
         self._input = next(iter(self.operands))  # the activations, drawn fresh for every check
         self.out_features = self.spec.output_width(key.n, key.k)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._original_error = ""  # the last check's errors, where the op's weights are quantized (spec)
 
     def _random(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator, device=self.device).to(self.dtype)
@@ -165,7 +166,9 @@ class Evaluator:
                 if wrong is not None:
                     self._clean_up()
                     return TrialRecord(config, "wrong_result", None, wrong)
-                return TrialRecord(config, "ok", self._time(self.runner(config)))
+                if self._original_error:
+                    logger.info("%s %s: %s", self.key.op, config.short(), self._original_error)
+                return TrialRecord(config, "ok", self._time(self.runner(config)), self._original_error)
         except Exception as e:  # any failure is a typed result, never a crash of the run
             self._clean_up()
             return TrialRecord(config, _status_of(e), None, f"{type(e).__name__}: {e}")
@@ -237,11 +240,17 @@ class Evaluator:
         return self._check(out, x)
 
     def _check(self, out: torch.Tensor, x: torch.Tensor) -> str | None:
+        self._original_error = ""
         if not torch.isfinite(out).all():
             return f"{(~torch.isfinite(out)).sum().item()} non-finite or unwritten elements"
         error = relative_error(out, self._reference(x))
         if not error <= ERROR_BOUNDS[self.dtype]:
             return f"relative error {error:.3g} > {ERROR_BOUNDS[self.dtype]:.3g}"
+        original = self.spec.original_reference
+        if original is not None:  # what the quantized weights cost, reported with the trial (not a bound)
+            self._original_error = (f"relative error {error:.3g} against the float64 reference, "
+                                    f"{relative_error(out, original(self._with_input(x), self.key.activation)):.3g} "
+                                    "against the weights before quantization")
         return None
 
     def close(self) -> None:

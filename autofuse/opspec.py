@@ -197,6 +197,10 @@ class OpSpec:
     # PyTorch model runs) comes first and is every op's fallback.
     library: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     reference: Callable | None = None  # fn(operands, activation, dtype) -> the float64 output
+    # Ops whose weights are quantized (fp8): fn(operands, activation) -> the float64 output of the weights before
+    # quantization (make_operands keeps them beside the quantized ones); each correct trial reports its error
+    # against it, the quantization's share of what a user sees. None: nothing is quantized.
+    original_reference: Callable | None = None
     # The tuner's problem: make_operands(n, k, M, bias, residual, rand) -> dict; its first operand is
     # the activations, drawn fresh for every check; output_width(n, k) the output's columns.
     make_operands: Callable | None = None

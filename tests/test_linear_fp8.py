@@ -97,8 +97,16 @@ def test_an_fp8_key_is_tuned_checked_against_float64_and_never_run_by_the_dense_
     device = torch.device(device)
     key = Problem("linear_fp8", N, K, M, torch.float16, "gelu", True).key(M, current_environment(device))
     assert key.op == "linear_fp8"  # the weight format is the op's: never the dense Linear's records
-    result = tune_key(Job(key, M, "fp8"), Store(str(tmp_path)), device, policy="random", trials=3)
+    store = Store(str(tmp_path))
+    result = tune_key(Job(key, M, "fp8"), store, device, policy="random", trials=3)
     assert result.new == 3 and not result.failures  # the heuristic's config and two picks, all correct
+    # Each trial reports its error against the float64 reference (bounded) and against the weights before
+    # quantization (the quantization's share: e4m3 keeps 3 mantissa bits).
+    for trial in store.trials(key):
+        numbers = [float(word.rstrip(",")) for word in trial.detail.split() if word[0].isdigit()]
+        assert "against the weights before quantization" in trial.detail and len(numbers) == 2
+        against_reference, against_original = numbers
+        assert against_reference < against_original < 2**-4
     assert isinstance(result.winner.config, KernelConfig)  # the interpreter: the best kernel wins
     assert set(LINEAR_FP8.library_for("gelu", True, False)) == {"eager"}
     assert Library("eager") != result.winner.config

@@ -69,10 +69,16 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     return gated_reference(ops["x"], wg, wu, ops.get("bg"), ops.get("bu"), activation)
 
 
+def _original_reference(ops: dict, activation: str) -> torch.Tensor:
+    """float64, from the weights before quantization (make_operands keeps them as "wg_original", "wu_original")."""
+    return gated_reference(ops["x"], ops["wg_original"], ops["wu_original"], ops.get("bg"), ops.get("bu"), activation)
+
+
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    (wg, sg), (wu, su) = (quantize_fp8(rand(n, k) * k**-0.5) for _ in range(2))
+    wg_original, wu_original = rand(n, k) * k**-0.5, rand(n, k) * k**-0.5
+    (wg, sg), (wu, su) = quantize_fp8(wg_original), quantize_fp8(wu_original)
     return {"x": rand(M, k), "wg": wg, "wu": wu, "sg": sg, "su": su, "bg": rand(n) if bias else None,
-            "bu": rand(n) if bias else None}
+            "bu": rand(n) if bias else None, "wg_original": wg_original, "wu_original": wu_original}
 
 
 # The dense gated up-projection's op with fp8 weights: the same template, activations, search spaces and tile
@@ -87,6 +93,7 @@ GATED_UP_FP8 = dataclasses.replace(
     variants=("tile", "split_k"),  # and gemv (variants.GEMV names it); no TMA descriptors of fp8
     library={"eager": _eager},
     reference=_reference,
+    original_reference=_original_reference,
     make_operands=_make_operands,
     dims=lambda s: (s.d_ff, s.d_model, s.activation),  # FusedMLPFp8 runs the sizes as they are (no padding)
 )

@@ -98,11 +98,17 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
                             activation)
 
 
+def _original_reference(ops: dict, activation: str) -> torch.Tensor:
+    """float64, from the weights before quantization (make_operands keeps them as "w_original")."""
+    return linear_reference(ops["x"], ops["w_original"], ops.get("b"), ops.get("r"), activation)
+
+
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    # nn.Linear-like scale, then quantized as get_linear(weights="fp8") quantizes.
-    w8, scale = quantize_fp8(rand(n, k) * k**-0.5)
+    # nn.Linear-like scale, then quantized as get_linear(weights="fp8") quantizes; the original kept beside.
+    original = rand(n, k) * k**-0.5
+    w8, scale = quantize_fp8(original)
     return {"x": rand(M, k), "w": w8, "s": scale, "b": rand(n) if bias else None,
-            "r": rand(M, n) if residual else None}
+            "r": rand(M, n) if residual else None, "w_original": original}
 
 
 # The dense Linear's op with fp8 weights: the same template, activations, residual, search spaces and keys'
@@ -118,6 +124,7 @@ LINEAR_FP8 = dataclasses.replace(
     variants=("tile", "split_k"),
     library={"eager": _eager},
     reference=_reference,
+    original_reference=_original_reference,
     make_operands=_make_operands,
 )
 
