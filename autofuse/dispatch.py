@@ -13,7 +13,8 @@ from .configs import KernelConfig
 from .key import Problem
 from .ops.gated_pairs import pairs_of
 from .ops.linear import linear
-from .ops.linear_fp8 import linear_fp8
+from .ops.linear_fp8 import Fp8Weight, linear_fp8
+from .ops.linear_w8a8 import linear_w8a8
 from .ops.mlp import mlp_decode
 
 
@@ -27,22 +28,24 @@ def _traced(name: str, activation: str, table: dict[str, Choice]):
 
 
 def linear_op(weight) -> str:
-    """The op a Linear's weight runs through: `weight` is W, or (W8, s) for fp8 weights with their scales."""
-    return "linear_fp8" if isinstance(weight, tuple) else "linear"
+    """The op a Linear's weight runs through: `weight` is W (linear), or an Fp8Weight, which names its op (linear_fp8,
+    or linear_w8a8 where the activations are quantized too)."""
+    return weight.op if isinstance(weight, Fp8Weight) else "linear"
 
 
 def linear_operands(x2d, weight, bias, r2d) -> dict:
     """A Linear's operands as its op names them (a library candidate takes them so)."""
-    if isinstance(weight, tuple):
-        return {"x": x2d, "w": weight[0], "s": weight[1], "b": bias, "r": r2d}
+    if isinstance(weight, Fp8Weight):
+        return {"x": x2d, "w": weight.w8, "s": weight.scale, "b": bias, "r": r2d}
     return {"x": x2d, "w": weight, "b": bias, "r": r2d}
 
 
 def run_linear_kernel(x2d, weight, bias, r2d, activation: str, config: KernelConfig, out=None) -> torch.Tensor:
-    """The linear kernel, or the fp8-weight one where `weight` is (W8, s)."""
-    if isinstance(weight, tuple):
-        return linear_fp8(x2d, weight[0], weight[1], bias, r2d, activation, config, out=out)
-    return linear(x2d, weight, bias, r2d, activation, config, out=out)
+    """The linear kernel, or the fp8 one of `weight`'s op (linear_op)."""
+    if not isinstance(weight, Fp8Weight):
+        return linear(x2d, weight, bias, r2d, activation, config, out=out)
+    run = linear_w8a8 if weight.op == "linear_w8a8" else linear_fp8
+    return run(x2d, weight.w8, weight.scale, bias, r2d, activation, config, out=out)
 
 
 def run_linear(x2d, weight, bias, r2d, activation: str, table: dict[str, Choice]) -> torch.Tensor:
@@ -136,8 +139,8 @@ class BoundMLP:
         self.hidden: tuple[int, torch.Tensor] | None = None  # (stream, H)
 
     def __call__(self, x: torch.Tensor, params: tuple, weights: list, M: int, out_shape: tuple) -> torch.Tensor:
-        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd), each weight W or, for fp8 weights,
-        (W8, s); weights: the parameters' addresses."""
+        """x: [..., d_model] with M rows; params: (wg, bg, wu, bu, wd, bd), each weight W or, for fp8 weights, an
+        Fp8Weight; weights: the parameters' addresses."""
         replayable = M == self.M and _replayable(self.inside_ops)
         if replayable and self.launches is not None and weights == self.weights:
             return self._replay(x, params, out_shape)
@@ -200,10 +203,10 @@ def up_op_of(table: dict[str, Choice]) -> str:
 
 
 def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
-    """H through the table's gated_up or gated_pairs choice (gated_up_fp8 where the weights are (W8, s) pairs)."""
+    """H through the table's gated_up or gated_pairs choice (gated_up_fp8 where the weights are Fp8Weights)."""
     wg, bg, wu, bu = params[:4]
-    if isinstance(wg, tuple):
-        operands = {"x": x2d, "wg": wg[0], "wu": wu[0], "sg": wg[1], "su": wu[1], "bg": bg, "bu": bu}
+    if isinstance(wg, Fp8Weight):
+        operands = {"x": x2d, "wg": wg.w8, "wu": wu.w8, "sg": wg.scale, "su": wu.scale, "bg": bg, "bu": bu}
         return run_choice("gated_up_fp8", table["gated_up"], operands, activation)
     if "gated_pairs" in table:
         w, b = pairs_of(wg, bg)
@@ -214,15 +217,15 @@ def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tens
 def run_down(h, params, down: Choice) -> torch.Tensor:
     wd, bd = params[4:]
     if down.kernel is None:
-        op = "down_fp8" if isinstance(wd, tuple) else "down"
+        op = "down_fp8" if isinstance(wd, Fp8Weight) else "down"
         return _library(op, down, linear_operands(h, wd, bd, None), "none")
     return run_linear_kernel(h, wd, bd, None, "none", down.kernel)
 
 
 def hidden_width(params: tuple) -> int:
-    """d_ff of an MLP's params (wg, bg, wu, bu, wd, bd), each weight W or (W8, s)."""
+    """d_ff of an MLP's params (wg, bg, wu, bu, wd, bd), each weight W or an Fp8Weight."""
     wg = params[0]
-    return (wg[0] if isinstance(wg, tuple) else wg).shape[0]
+    return (wg.w8 if isinstance(wg, Fp8Weight) else wg).shape[0]
 
 
 class BoundLinear:

@@ -29,7 +29,6 @@ from .modules import FusedMLP, FusedMLPFp8
 from .norm import FusedRMSNorm
 from .ops.linear_fp8 import check_fp8_device
 from .ops.rms_norm import FORMS, eager_rms_norm
-from .opspec import WEIGHT_FORMATS
 
 logger = logging.getLogger("autofuse")
 
@@ -241,8 +240,8 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
     holds each projection's weight_fp8 and weight_scale instead of its weight).
     `autofuse.tune_model(model)` then tunes the replaced shapes on the model's GPU, as `autofuse tune
     --model` would."""
-    if weights not in WEIGHT_FORMATS:
-        raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
+    if weights not in ("dense", "fp8"):
+        raise AutofuseError(f"weights must be one of 'dense', 'fp8' for gated MLPs, got {shown(weights)}")
     report = FuseReport()
     found = []
     for path, module in model.named_modules():

@@ -23,8 +23,8 @@ from .fused_module import FusedModule, allocated, check_dtype, check_size, needs
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
-from .ops.linear_fp8 import check_fp8_device, dequantize_fp8, quantize_fp8
-from .opspec import WEIGHT_FORMATS
+from .ops.linear_fp8 import Fp8Weight, check_fp8_device, dequantize_fp8, quantize_fp8
+from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
 from .reference import eager_mlp
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
@@ -125,6 +125,12 @@ class FusedLinearFp8(FusedLinear):
         super().__init__(in_features, out_features, bias=bias, activation=activation, dtype=dtype, device=device,
                          tuned=bool(options.get("tuned", True)))
         self.keep_original = bool(options.get("keep_original", False))
+        # "fp8": weight-only (op linear_fp8); "w8a8": the activations quantized too (op linear_w8a8).
+        self.weights = options.get("weights", "fp8")
+        if self.weights not in FP8_WEIGHTS:
+            raise AutofuseError(f"FusedLinearFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
+                                f"got {shown(self.weights)}")
+        self._op = "linear_w8a8" if self.weights == "w8a8" else "linear_fp8"
         w8, scale = quantize_fp8(self.weight)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scale)
@@ -161,13 +167,13 @@ class FusedLinearFp8(FusedLinear):
 
     def _plan(self, residual):
         return LinearPlan(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
-                          op="linear_fp8")
+                          op=self._op)
 
     def _bind(self, table, M):
-        return BoundLinear(table, self.activation, M, op="linear_fp8")
+        return BoundLinear(table, self.activation, M, op=self._op)
 
     def _libraries(self, residual):
-        return {"linear": tuple(ops.get("linear_fp8").library_for(self.activation, self.bias is not None, residual))}
+        return {"linear": tuple(ops.get(self._op).library_for(self.activation, self.bias is not None, residual))}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         buffers = self._buffers
@@ -182,16 +188,17 @@ class FusedLinearFp8(FusedLinear):
             raise AutofuseError("a Linear with fp8 weights runs inference only: call it under torch.no_grad() or "
                                 "torch.inference_mode(), or build it with weights='dense' to train it")
         r2d = None if residual is None else residual.reshape(-1, self.out_features)
-        if _compiling():  # traced by torch.compile as the dequantized weights' eager ops (LINEAR_FP8's "eager")
+        if _compiling():  # traced by torch.compile as the op's eager ops on the dequantized values
             operands = {"x": x.reshape(-1, self.in_features), "w": w8, "s": scale, "b": bias, "r": r2d}
-            return ops.get("linear_fp8").library["eager"](operands, self.activation).reshape(out_shape)
+            return ops.get(self._op).library["eager"](operands, self.activation).reshape(out_shape)
         weights = [w8.data_ptr(), scale.data_ptr()] if bias is None else [w8.data_ptr(), scale.data_ptr(),
                                                                           bias.data_ptr()]
         entry = self._entry(M, weights, like, residual is not None)
-        return entry(x, (w8, scale), bias, residual, weights, M, out_shape)
+        return entry(x, Fp8Weight(w8, scale, self._op), bias, residual, weights, M, out_shape)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", weights=fp8" + (", keep_original=True" if self.keep_original else "")
+        return super().extra_repr() + f", weights={self.weights}" + (", keep_original=True" if self.keep_original
+                                                                      else "")
 
 
 def _quantize_dense_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -436,12 +443,13 @@ class FusedMLPFp8(FusedModule):
         self.register_buffer("_activations", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
     def _params(self) -> tuple:
-        """((wg8, sg), bg, (wu8, su), bu, (wd8, sd), bd), read from the projections' buffer and parameter dicts."""
+        """(wg, bg, wu, bu, wd, bd), each weight an Fp8Weight, read from the projections' buffer and parameter
+        dicts."""
         found = []
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name, op in (("gate_proj", "gated_up_fp8"), ("up_proj", "gated_up_fp8"), ("down_proj", "down_fp8")):
             module = self._modules[name]
             buffers = module._buffers
-            found += [(buffers["weight_fp8"], buffers["weight_scale"]), module._parameters.get("bias")]
+            found += [Fp8Weight(buffers["weight_fp8"], buffers["weight_scale"], op), module._parameters.get("bias")]
         return tuple(found)
 
     def requantize(self) -> None:
@@ -472,9 +480,9 @@ class FusedMLPFp8(FusedModule):
             raise AutofuseError("an MLP with fp8 weights runs inference only: call it under torch.no_grad() or "
                                 "torch.inference_mode(), or build it with weights='dense' to train it")
         if _compiling():  # traced by torch.compile as the dequantized weights' eager ops
-            wg, wu, wd = (dequantize_fp8(*params[i], x.dtype) for i in (0, 2, 4))
+            wg, wu, wd = (dequantize_fp8(params[i].w8, params[i].scale, x.dtype) for i in (0, 2, 4))
             return eager_mlp(x, wg, wu, wd, params[1], params[3], params[5], activation=self.activation)
-        weights = [t.data_ptr() for pair in params[::2] for t in pair] + [
+        weights = [t.data_ptr() for w in params[::2] for t in (w.w8, w.scale)] + [
             0 if b is None else b.data_ptr() for b in params[1::2]]
         entry = self._entry(M, weights, like)
         return entry(x, params, weights, M, out_shape)
@@ -495,8 +503,9 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
     options (keywords):
     - tuned=True: False ignores tuned configs and uses the built-in heuristic.
     - weights="dense": "fp8" keeps W in float8_e4m3fn with a float32 scale per output channel (FusedLinearFp8:
-      inference only, half the weight bytes of bf16).
-    - keep_original=False (fp8 only): True keeps the dense weights beside them (as `weight`, in the state_dict
+      inference only, half the weight bytes of bf16); "w8a8" the same, and the kernel quantizes x per row to fp8
+      too, for fp8 tensor cores (op linear_w8a8).
+    - keep_original=False (fp8, w8a8): True keeps the dense weights beside them (as `weight`, in the state_dict
       too), for requantize() and for comparing with the original."""
     unknown = sorted(set(options) - set(LINEAR_OPTIONS))
     if unknown:
@@ -511,13 +520,14 @@ def get_linear(in_features: int, out_features: int, *, bias: bool = True, activa
         raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
     if weights == "dense":
         if keep_original:
-            raise AutofuseError("keep_original applies to weights='fp8' only")
+            raise AutofuseError("keep_original applies to fp8 weights only")
         return allocated(lambda: FusedLinear(in_features, out_features, bias=bool(bias), activation=activation,
                                              dtype=dtype, device=device, tuned=tuned),
                          "the Linear", (in_features + 1) * out_features, dtype, device)
     check_fp8_device(device)
     return allocated(lambda: FusedLinearFp8(in_features, out_features, bias=bool(bias), activation=activation,
-                                            dtype=dtype, device=device, tuned=tuned, keep_original=keep_original),
+                                            dtype=dtype, device=device, tuned=tuned, keep_original=keep_original,
+                                            weights=weights),
                      "the Linear", (in_features + 1) * out_features, dtype, device)
 
 
@@ -537,7 +547,7 @@ def mlp_options(options: dict, where: str) -> dict:
     if weights not in WEIGHT_FORMATS:
         raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
     if made["keep_original"] and weights == "dense":
-        raise AutofuseError("keep_original applies to weights='fp8' only")
+        raise AutofuseError("keep_original applies to fp8 weights only")
     return {**made, "weights": weights}
 
 
@@ -560,6 +570,8 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
     d_model, d_ff = check_size("d_model", d_model), check_size("d_ff", d_ff)
     activation, dtype = canonical_activation(activation, GATED_ACTIVATIONS), check_dtype(dtype)
     device = parse_device(device)
+    if options["weights"] == "w8a8":
+        raise AutofuseError("weights='w8a8' is built for get_linear only; gated MLPs take weights='fp8'")
     if options["weights"] == "fp8":
         check_fp8_device(device)
         return allocated(lambda: FusedMLPFp8(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,

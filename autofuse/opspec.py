@@ -26,8 +26,9 @@ GEMM_VARIANTS = dict(variants=("tile", "split_k", "tma"), space=SearchSpace(), i
 # what the gated MLP's pointwise ops declare.
 POINTWISE = dict(sizes=("M", "N"), constexprs=("BLOCK_M", "BLOCK_N"))
 
-# How an op's weights may be stored (OpSpec.weights).
-WEIGHT_FORMATS = ("dense", "fp8")
+# How an op's weights may be stored and multiplied (OpSpec.weights).
+WEIGHT_FORMATS = ("dense", "fp8", "w8a8")
+FP8_WEIGHTS = ("fp8", "w8a8")  # the formats whose weights are float8_e4m3fn with a scale per output channel
 
 # KernelSpec flags an operand may depend on ("!" negates): its bias, its residual, or a variant's name (the
 # operand is present in that variant's kernel only).
@@ -210,9 +211,11 @@ class OpSpec:
     max_m: int | None = None  # keyed and run only up to this M
     training: bool = False  # keyed only when tuning for training (--train)
     template_dir: Path | None = None  # None: autofuse's templates/; else searched first (ops added outside)
-    # How the weights are stored (WEIGHT_FORMATS): "dense" in the activations' dtype; "fp8": float8_e4m3fn with a
-    # float32 scale per output channel (operand `s`), widened to the activations' dtype as they are loaded and
-    # scaled in the epilogue. Templates read it as the flag `fp8_weights`.
+    # How the weights are stored and multiplied (WEIGHT_FORMATS): "dense" in the activations' dtype; "fp8":
+    # float8_e4m3fn with a float32 scale per output channel (operand `s`), widened to the activations' dtype as
+    # they are loaded and scaled in the epilogue; "w8a8": the same weights, and the activations quantized to fp8
+    # inside the kernel with a scale per row (token) from its largest magnitude over K, for an fp8 x fp8 dot.
+    # Templates read them as the flags `fp8_weights` (fp8, w8a8) and `fp8_activations` (w8a8).
     weights: str = "dense"
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ import jinja2.meta
 
 from . import variants
 from .device import check_interpreter_consistency, interpreting
-from .opspec import OpSpec, Parameter, parameters, signature_lines
+from .opspec import FP8_WEIGHTS, OpSpec, Parameter, parameters, signature_lines
 from .resources import templates_dir
 
 
@@ -51,9 +51,10 @@ class KernelSpec:
 
     @property
     def kernel_name(self) -> str:
-        # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias_tma, autofuse_linear_fp8w_none.
+        # Says what the kernel is in profiler traces: autofuse_gated_up_gelu_tanh_bias_tma, autofuse_linear_fp8w_none,
+        # autofuse_linear_w8a8_gelu.
         flags = (("bias", self.has_bias), ("res", self.has_residual), (self.variant, self.variant != "tile"))
-        weights = [] if self.op.weights == "dense" else [f"{self.op.weights}w"]
+        weights = {"dense": [], "fp8": ["fp8w"]}.get(self.op.weights, [self.op.weights])
         return "_".join(["autofuse", self.op.template, *weights, self.activation] + [name for name, on in flags if on])
 
     @property
@@ -98,11 +99,12 @@ def render(spec: KernelSpec) -> str:
 def template_variables(spec: KernelSpec) -> dict:
     """What a template is rendered with: the spec's fields, the kernel's name and signature lines, every
     registered variant's name, true for the one rendered (a variant without a file of its own is the op
-    template's `{% if <name> %}` blocks), and `fp8_weights`, whether the op's weights are fp8 (OpSpec.weights)."""
+    template's `{% if <name> %}` blocks), `fp8_weights`, whether the op's weights are fp8, and `fp8_activations`,
+    whether its kernel quantizes the activations too (OpSpec.weights)."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op"}
     flags = {name: name == spec.variant for name in variants.names()}
     return dict(kernel_name=spec.kernel_name, signature=signature_lines(spec.parameters, spec.constexprs), **flags,
-                fp8_weights=spec.op.weights == "fp8", **fields)
+                fp8_weights=spec.op.weights in FP8_WEIGHTS, fp8_activations=spec.op.weights == "w8a8", **fields)
 
 
 def entry_template(op: OpSpec, variant: variants.Variant) -> str:

@@ -43,7 +43,7 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
             signature[p.name] = "*fp32"
         elif p.name == "count_ptr":
             signature[p.name] = "*i32"
-        elif p.kind == "tensor" and spec.op.weights == "fp8" and p.operand in _FP8_WEIGHTS:
+        elif p.kind == "tensor" and spec.op.weights != "dense" and p.operand in _FP8_WEIGHTS:
             signature[p.name] = _FP8_WEIGHTS[p.operand]  # fp8 weights and their float32 scales
         elif p.kind == "tensor":
             signature[p.name] = "*" + _TRITON_DTYPES[dtype]
@@ -55,6 +55,7 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
     ptx = compiled.asm["ptx"]
     return dict(kernel=spec.kernel_name, dtype=dtype, capability=capability, block=list(block),
                 shared=compiled.metadata.shared, wgmma="wgmma" in ptx, mma="mma.sync" in ptx,
+                fp8_mma=".e4m3.e4m3" in ptx,
                 tma_loads="cp.async.bulk.tensor" in ptx,
                 cubin_bytes=len(compiled.asm["cubin"]))
 

@@ -76,6 +76,11 @@ CASES = [
          block=(1, 8, 1024), split_k=2, num_warps=4, num_stages=1),
     dict(spec=_spec("down_fp8", "none", even_k=False, variant="split_k"), dtype="bfloat16", capability=90,
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
+    # W8A8: the activations quantized in the kernel, an fp8 x fp8 dot.
+    dict(spec=_spec("linear_w8a8", "gelu_tanh", bias=True, residual=True), dtype="bfloat16", capability=90,
+         block=(128, 128, 128), split_k=1, num_warps=8, num_stages=3),
+    dict(spec=_spec("linear_w8a8", "none", even_k=False, variant="split_k", input_precision="tf32"),
+         dtype="float32", capability=90, block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
 ]
 
 
@@ -112,10 +117,17 @@ def test_split_k_kernels_are_named_for_profilers(compiled):
         "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias"}
     assert {c["kernel"] for c in compiled if "split_k" in c["kernel"]} == {
         "autofuse_linear_none_split_k", "autofuse_gated_up_silu_bias_split_k", "autofuse_gated_up_gelu_split_k",
-        "autofuse_gated_pairs_silu_bias_split_k", "autofuse_linear_fp8w_none_split_k"}  # down_fp8: the same kernel
+        "autofuse_gated_pairs_silu_bias_split_k", "autofuse_linear_fp8w_none_split_k",  # down_fp8: the same kernel
+        "autofuse_linear_w8a8_none_split_k"}
 
 
 def test_tma_kernels_use_the_tensor_copy_engine(compiled):
     tma = [c for c in compiled if c["kernel"].endswith("_tma")]
     assert len(tma) == 6 and all(c["tma_loads"] for c in tma), tma
     assert not any(c["tma_loads"] for c in compiled if not c["kernel"].endswith("_tma"))
+
+
+def test_w8a8_kernels_multiply_fp8_on_the_tensor_cores(compiled):
+    w8a8 = [c for c in compiled if "_w8a8_" in c["kernel"]]
+    assert len(w8a8) == 2 and all(c["fp8_mma"] and c["wgmma"] for c in w8a8), w8a8
+    assert not any(c["fp8_mma"] for c in compiled if "_w8a8_" not in c["kernel"])  # weight-only: widened first

@@ -103,7 +103,7 @@ def test_an_fp8_mlp_refuses_training_and_options_it_cannot_take_in_one_line(devi
         mlp(torch.randn(M, D, device=device, requires_grad=True))
     with pytest.raises(autofuse.AutofuseError, match="weights must be one of"):
         autofuse.get_mlp(D, F_, device=device, weights="fp4")
-    with pytest.raises(autofuse.AutofuseError, match="keep_original applies to weights='fp8' only"):
+    with pytest.raises(autofuse.AutofuseError, match="keep_original applies to fp8 weights only"):
         autofuse.get_mlp(D, F_, device=device, keep_original=True)
     with pytest.raises(autofuse.AutofuseError, match="FusedMLPFp8"):
         autofuse.FusedMLP(D, F_, bias=False, activation="silu", dtype=torch.float32, device=torch.device(device),
@@ -185,3 +185,21 @@ def test_tune_model_tunes_fp8_blocks_for_their_ops(device, monkeypatch):
                                                                 device=device))
     assert autofuse.tune_model(model, tokens=(1,)) == 2
     assert sorted(s.weights for s in seen) == ["dense", "fp8"] and all(s.dtype == torch.float32 for s in seen)
+
+
+def test_under_torch_compile_fp8_modules_run_the_dequantized_weights_eager_ops(device):
+    mlp = _mlp(device)
+    lin = autofuse.get_linear(D, F_, activation="gelu", dtype=torch.float32, device=device, weights="w8a8")
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        compiled = torch.compile(mlp, backend="eager", fullgraph=True)(x)
+        expected = ops.get("down_fp8").library["eager"]({
+            "x": ops.get("gated_up_fp8").library["eager"]({
+                "x": x, "wg": mlp.gate_proj.weight_fp8, "sg": mlp.gate_proj.weight_scale, "wu": mlp.up_proj.weight_fp8,
+                "su": mlp.up_proj.weight_scale, "bg": mlp.gate_proj.bias, "bu": mlp.up_proj.bias}, "silu"),
+            "w": mlp.down_proj.weight_fp8, "s": mlp.down_proj.weight_scale, "b": mlp.down_proj.bias}, "none")
+        torch.testing.assert_close(compiled, expected)
+        compiled_lin = torch.compile(lin, backend="eager", fullgraph=True)(x)
+        operands = {"x": x, "w": lin.weight_fp8, "s": lin.weight_scale, "b": lin.bias}
+        torch.testing.assert_close(compiled_lin, ops.get("linear_w8a8").library["eager"](operands, "gelu"))
+    torch._dynamo.reset()

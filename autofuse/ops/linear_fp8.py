@@ -11,6 +11,7 @@ never stand in for it.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,15 @@ OPERANDS = (
     Operand("r", "[M, N], added after the activation", "mn", when="has_residual"),
     Operand("y", "[M, N]", "mn"),
 )
+
+
+class Fp8Weight(NamedTuple):
+    """fp8 weights as the modules pass them to dispatch: W8, its scales, and the op that multiplies them (a Linear's
+    linear_fp8, or linear_w8a8 where the activations are quantized too; an MLP's gated_up_fp8 and down_fp8)."""
+
+    w8: torch.Tensor
+    scale: torch.Tensor
+    op: str
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

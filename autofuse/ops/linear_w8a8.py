@@ -1,0 +1,112 @@
+"""The Linear with fp8 weights and fp8 activations (W8A8): Y = act((X8 sx) @ (W8 s)^T + b) [+ R], W stored as
+float8_e4m3fn with a float32 scale per output channel (ops/linear_fp8.py's quantize_fp8), X quantized to
+float8_e4m3fn inside the kernel that consumes it, with a float32 scale per row (token) from its largest magnitude
+over K (quantize_rows says how). The dot runs on fp8 tensor cores, twice bf16's rate on Hopper; the scales apply in
+the epilogue. The linear template with `fp8_activations`: a first pass over each tile's rows finds their scales,
+then the K loop quantizes each X tile as it is loaded.
+
+It computes another function than the weight-only op (the activations are rounded to e4m3 too): keyed apart (op
+linear_w8a8), checked against the float64 product of the quantized activations and weights, and reported against
+the unquantized ones beside it. Its library paths: eager PyTorch on the same quantized values, and on a CUDA GPU
+torch._scaled_mm (fp8 x fp8 with rowwise scales) plus one pointwise pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import launch as L
+from ..configs import KernelConfig
+from ..opspec import LibraryPath
+from ..reference import eager_linear, linear_reference
+from .bias_act import bias_activation
+from .linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, check_weights, dequantize_fp8, quantize_fp8
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X8, sx): each row of x as float8_e4m3fn with a float32 scale, the row's largest magnitude mapped to e4m3's
+    largest finite value (448), computed in float32 as the kernel computes it; a row of zeros gets scale 1."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, activation: str, config: KernelConfig,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Y = act(quantize_rows(x) @ (w8 * scale[:, None]).T + bias) + residual, x quantized inside the kernel; x: [M, K]
+    (float32, float16 or bfloat16), w8: [N, K] float8_e4m3fn, scale: [N] float32. Written into `out` when given."""
+    L.check_operands(x, bias, residual)
+    M, K = x.shape
+    N = w8.shape[0]
+    check_weights("linear_w8a8", x, w8, scale, N)
+    L.require(residual is None or tuple(residual.shape) == (M, N),
+              f"linear_w8a8: residual {tuple(residual.shape) if residual is not None else ()} does not fit {(M, N)}")
+    y = L.output(out, (M, N), x)
+    if M == 0:
+        return y
+    kernel = L.kernel_for(LINEAR_W8A8, activation, K, x.dtype, config, bias is not None, residual is not None)
+    tensors = {"x": x, "w": w8, "s": scale.contiguous(), "b": None if bias is None else bias.contiguous(),
+               "r": residual, "y": y}
+    L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)
+    return y
+
+
+def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_w8a8(ops["x"], ops["w"], ops["s"], ops.get("b"), ops.get("r"), activation, config, out=out)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    """The same quantized values in PyTorch's ops: X and W dequantized to X's dtype, then the dense Linear's."""
+    x = ops["x"]
+    x8, sx = quantize_rows(x)
+    return eager_linear(dequantize_fp8(x8, sx, x.dtype), dequantize_fp8(ops["w"], ops["s"], x.dtype), ops.get("b"),
+                        ops.get("r"), activation)
+
+
+def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:
+    """torch._scaled_mm of the quantized rows and weights (fp8 tensor cores, rowwise scales), then one pointwise
+    pass act(Y + b) [+ R] (op bias_act). Off CUDA, where _scaled_mm does not run, the same values through eager's
+    ops."""
+    x = ops["x"]
+    if not x.is_cuda:
+        return _eager(ops, activation)
+    x8, sx = quantize_rows(x)
+    y = torch._scaled_mm(x8, ops["w"].t(), scale_a=sx[:, None], scale_b=ops["s"][None, :], out_dtype=x.dtype)
+    return bias_activation(y, ops.get("b"), ops.get("r"), activation)
+
+
+def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    """float64, from the quantized activations and weights: the function the kernel computes."""
+    x8, sx = quantize_rows(ops["x"])
+    return linear_reference(dequantize_fp8(x8, sx, torch.float64), dequantize_fp8(ops["w"], ops["s"], torch.float64),
+                            ops.get("b"), ops.get("r"), activation)
+
+
+def _original_reference(ops: dict, activation: str) -> torch.Tensor:
+    """float64, from the activations and the weights before quantization."""
+    return linear_reference(ops["x"], ops["w_original"], ops.get("b"), ops.get("r"), activation)
+
+
+def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    original = rand(n, k) * k**-0.5
+    w8, scale = quantize_fp8(original)
+    return {"x": rand(M, k), "w": w8, "s": scale, "b": rand(n) if bias else None,
+            "r": rand(M, n) if residual else None, "w_original": original}
+
+
+# The fp8-weight Linear's op with the activations quantized too: its template, operands and keys' dimensions.
+LINEAR_W8A8 = dataclasses.replace(
+    LINEAR_FP8,
+    name="linear_w8a8",
+    doc="act(x8 sx (W8 s)^T + b) [+ residual] in one kernel, x quantized to fp8 per row inside it, W in fp8",
+    run=_run,
+    weights="w8a8",
+    library={"eager": _eager, "scaled_mm": LibraryPath(_scaled_mm, applies=lambda activation, bias, residual: True)},
+    reference=_reference,
+    original_reference=_original_reference,
+    make_operands=_make_operands,
+)

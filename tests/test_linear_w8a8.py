@@ -1,0 +1,132 @@
+"""The Linear with fp8 weights and activations (op linear_w8a8, autofuse/ops/linear_w8a8.py): each row of x quantized
+inside the kernel exactly as quantize_rows quantizes it, so the kernel matches the float64 product of the quantized
+values in every dtype, activation and variant with ragged N and K, bias and residual; bound launches bit-identical;
+tuned and checked like any op, its error against the unquantized values reported beside."""
+
+import pytest
+import torch
+from _helpers import DTYPES, assert_matches_reference
+
+from autofuse import launch, ops, variants
+from autofuse.activations import LINEAR_ACTIVATIONS
+from autofuse.configs import KernelConfig
+from autofuse.key import Problem, current_environment
+from autofuse.ops.linear_fp8 import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
+from autofuse.ops.linear_w8a8 import LINEAR_W8A8, linear_w8a8, quantize_rows
+from autofuse.reference import linear_reference
+from autofuse.store import Store
+from autofuse.tune.driver import Job, tune_key
+
+M, N, K = 5, 24, 72  # ragged against every tile: N over 16 / 32 columns, K over 32
+TILE = KernelConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=2)
+SPLIT = KernelConfig(16, 16, 32, group_m=1, num_warps=4, num_stages=2, variant="split_k", knobs={"split_k": 2})
+
+
+def _operands(dtype, device, bias=True, residual=True):
+    w8, scale = quantize_fp8(torch.randn(N, K, device=device) / K**0.5)
+    x = torch.randn(M, K, device=device) * torch.logspace(-2, 1, M, device=device)[:, None]  # rows of all sizes
+    x[2] = 0.0  # a row of zeros: scale 1, all zeros
+    return (x.to(dtype), w8, scale, torch.randn(N, device=device).to(dtype) if bias else None,
+            torch.randn(M, N, device=device).to(dtype) if residual else None)
+
+
+def test_rows_are_quantized_to_e4m3_with_their_largest_magnitude_at_448():
+    x = torch.randn(M, K) * torch.logspace(-3, 3, M)[:, None]
+    x[1] = 0.0
+    x8, scale = quantize_rows(x)
+    assert x8.dtype == FP8 and scale.dtype == torch.float32 and scale[1] == 1.0
+    assert torch.equal(x8.float().abs().amax(dim=1)[torch.arange(M) != 1], torch.full((M - 1,), FP8_MAX))
+    back = dequantize_fp8(x8, scale, torch.float64)
+    assert ((back - x.double()).abs() <= 2**-4 * x.double().abs() + 2**-9 * scale.double()[:, None]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
+@pytest.mark.parametrize("config", [TILE, SPLIT], ids=lambda c: c.variant)
+def test_w8a8_linear_matches_the_float64_product_of_the_quantized_values(device, dtype, activation, config):
+    for bias, residual in ((False, False), (True, True)):
+        x, w8, scale, b, r = _operands(dtype, device, bias, residual)
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+        linear_w8a8(x, w8, scale, b, r, activation, config, out=out)
+        x8, sx = quantize_rows(x)
+        ref = linear_reference(dequantize_fp8(x8, sx, torch.float64), dequantize_fp8(w8, scale, torch.float64), b, r,
+                               activation)
+        peer = LINEAR_W8A8.library["eager"]({"x": x, "w": w8, "s": scale, "b": b, "r": r}, activation)
+        assert_matches_reference(out, ref, peer)
+
+
+@pytest.mark.parametrize("config", [TILE, SPLIT], ids=lambda c: c.variant)
+def test_bound_w8a8_linear_is_bit_identical_to_the_jit_path(device, config):
+    x, w8, scale, b, _ = _operands(torch.bfloat16, device, residual=False)
+    with launch.binding() as recorded:
+        linear_w8a8(x, w8, scale, b, None, "silu", config)
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    y = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=device)
+    assert recorded[0]({"x": x, "r": None, "y": y})
+    tolerance = 2**-7 if variants.get(config.variant).workspace and y.is_cuda else 0  # GPU atomics: any order
+    torch.testing.assert_close(y, linear_w8a8(x, w8, scale, b, None, "silu", config), rtol=tolerance, atol=tolerance)
+
+
+def test_its_library_paths_compute_the_same_quantized_product(device):
+    x, w8, scale, b, r = _operands(torch.bfloat16, device)
+    operands = {"x": x, "w": w8, "s": scale, "b": b, "r": r}
+    assert list(LINEAR_W8A8.library_for("gelu", True, True)) == ["eager", "scaled_mm"]
+    x8, sx = quantize_rows(x)
+    ref = linear_reference(dequantize_fp8(x8, sx, torch.float64), dequantize_fp8(w8, scale, torch.float64), b, r,
+                           "gelu")
+    for name in ("eager", "scaled_mm"):
+        out = LINEAR_W8A8.library[name](operands, "gelu")
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * 2**-8, name
+
+
+def test_a_w8a8_key_is_tuned_with_its_error_against_the_unquantized_values_reported(tmp_path):
+    device = torch.device("cpu")
+    key = Problem("linear_w8a8", N, K, M, torch.float16, "gelu", True).key(M, current_environment(device))
+    store = Store(str(tmp_path))
+    result = tune_key(Job(key, M, "w8a8"), store, device, policy="random", trials=3)
+    assert result.new == 3 and not result.failures
+    for trial in store.trials(key):
+        against_reference, against_original = (float(w.rstrip(",")) for w in trial.detail.split() if w[0].isdigit())
+        assert against_reference < 4 * 2**-11 < against_original < 2**-3  # x and W both rounded to e4m3
+    assert ops.get("linear_w8a8").weights == "w8a8" and "fp8_activations" not in LINEAR_W8A8.__dict__
+
+
+def test_get_linear_w8a8_runs_the_w8a8_op_and_matches_the_quantized_reference(device):
+    import autofuse
+
+    module = autofuse.get_linear(K, N, bias=True, activation="gelu", dtype=torch.float16, device=device,
+                                 weights="w8a8")
+    assert isinstance(module, autofuse.FusedLinearFp8) and "weights=w8a8" in repr(module)
+    x = torch.randn(2, M, K, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        out = module(x)
+        again = module(x)  # the bound entry replays
+    x8, sx = quantize_rows(x.reshape(-1, K))
+    ref = linear_reference(dequantize_fp8(x8, sx, torch.float64),
+                           dequantize_fp8(module.weight_fp8, module.weight_scale, torch.float64), module.bias, None,
+                           "gelu").reshape(2, M, N)
+    torch.testing.assert_close(out.double(), ref, rtol=2 * 2**-11, atol=2e-3)
+    assert torch.equal(out, again)
+    plan = module._plan(False)
+    assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager", "scaled_mm"}
+    with pytest.raises(autofuse.AutofuseError, match="built for get_linear only"):
+        autofuse.get_mlp(K, N, device=device, weights="w8a8")
+    with pytest.raises(autofuse.AutofuseError, match="'dense', 'fp8' for gated MLPs"):
+        autofuse.fuse(torch.nn.Sequential(), weights="w8a8")
+
+
+def test_tune_weights_w8a8_tunes_the_linears_w8a8_keys(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from autofuse.cli import main
+
+    shapes = tmp_path / "s.json"
+    shapes.write_text(json.dumps({"dtype": "float16", "tokens": [M],
+                                  "mlps": [{"name": "m", "d_model": K, "d_ff": N, "activation": "silu"}],
+                                  "linears": [{"name": "l", "in_features": K, "out_features": N}]}))
+    result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--weights", "w8a8", "--trials", "1"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split()[:2] for line in result.output.splitlines() if line.startswith(("m ", "l "))]
+    assert rows == [["l", "linear_w8a8"]]  # gated MLPs have no w8a8 ops
