@@ -44,7 +44,7 @@ def run_linear_kernel(x2d, weight, bias, r2d, activation: str, config: KernelCon
     """The linear kernel, or the fp8 one of `weight`'s op (linear_op)."""
     if not isinstance(weight, Fp8Weight):
         return linear(x2d, weight, bias, r2d, activation, config, out=out)
-    run = linear_w8a8 if weight.op == "linear_w8a8" else linear_fp8
+    run = linear_w8a8 if ops.get(weight.op).weights == "w8a8" else linear_fp8  # linear_* or down_* of the format
     return run(x2d, weight.w8, weight.scale, bias, r2d, activation, config, out=out)
 
 
@@ -203,11 +203,11 @@ def up_op_of(table: dict[str, Choice]) -> str:
 
 
 def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tensor:
-    """H through the table's gated_up or gated_pairs choice (gated_up_fp8 where the weights are Fp8Weights)."""
+    """H through the table's gated_up or gated_pairs choice (the Fp8Weights' op where the weights are fp8)."""
     wg, bg, wu, bu = params[:4]
     if isinstance(wg, Fp8Weight):
         operands = {"x": x2d, "wg": wg.w8, "wu": wu.w8, "sg": wg.scale, "su": wu.scale, "bg": bg, "bu": bu}
-        return run_choice("gated_up_fp8", table["gated_up"], operands, activation)
+        return run_choice(wg.op, table["gated_up"], operands, activation)
     if "gated_pairs" in table:
         w, b = pairs_of(wg, bg)
         return run_choice("gated_pairs", table["gated_pairs"], {"x": x2d, "w": w, "b": b}, activation)
@@ -217,7 +217,7 @@ def run_up(x2d, params, activation: str, table: dict[str, Choice]) -> torch.Tens
 def run_down(h, params, down: Choice) -> torch.Tensor:
     wd, bd = params[4:]
     if down.kernel is None:
-        op = "down_fp8" if isinstance(wd, Fp8Weight) else "down"
+        op = wd.op if isinstance(wd, Fp8Weight) else "down"
         return _library(op, down, linear_operands(h, wd, bd, None), "none")
     return run_linear_kernel(h, wd, bd, None, "none", down.kernel)
 

@@ -29,6 +29,7 @@ from .modules import FusedMLP, FusedMLPFp8
 from .norm import FusedRMSNorm
 from .ops.linear_fp8 import check_fp8_device
 from .ops.rms_norm import FORMS, eager_rms_norm
+from .opspec import WEIGHT_FORMATS
 
 logger = logging.getLogger("autofuse")
 
@@ -240,8 +241,8 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
     holds each projection's weight_fp8 and weight_scale instead of its weight).
     `autofuse.tune_model(model)` then tunes the replaced shapes on the model's GPU, as `autofuse tune
     --model` would."""
-    if weights not in ("dense", "fp8"):
-        raise AutofuseError(f"weights must be one of 'dense', 'fp8' for gated MLPs, got {shown(weights)}")
+    if weights not in WEIGHT_FORMATS:
+        raise AutofuseError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {shown(weights)}")
     report = FuseReport()
     found = []
     for path, module in model.named_modules():
@@ -261,15 +262,16 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
         if not path:
             raise AutofuseError("fuse() replaces the MLP blocks inside a model; call it on the model, not on an "
                                 "MLP itself (for a lone MLP use autofuse.get_mlp)")
-        if weights == "fp8":
-            replacement = _fp8_block(module, names, activation)
+        if weights != "dense":
+            replacement = _fp8_block(module, names, activation, weights)
             g = replacement.gate_proj
         else:
             replacement = FusedHFMLP(module, names, activation, interleaved=interleaved, save_hidden=save_hidden)
             g = replacement._fused.gate_proj
         _replace_at(model, path, module, replacement)
         report.replaced.append((path, f"{type(module).__name__} {g.in_features}->{g.out_features} {activation}"
-                                      f"{' bias' if g.bias is not None else ''}{' fp8' if weights == 'fp8' else ''}"))
+                                      f"{' bias' if g.bias is not None else ''}"
+                                      f"{'' if weights == 'dense' else ' ' + weights}"))
     if norms:
         _fuse_norms(model, report)
     on_cpu = any(p.device.type == "cpu" for p in model.parameters())
@@ -281,13 +283,14 @@ def fuse(model: nn.Module, *, verbose: bool = True, interleaved: bool = True, sa
     return report
 
 
-def _fp8_block(original: nn.Module, names: tuple[str, str, str], activation: str) -> FusedMLPFp8:
-    """A FusedMLPFp8 holding `original`'s projections quantized (their dense weights are not kept)."""
+def _fp8_block(original: nn.Module, names: tuple[str, str, str], activation: str, weights: str) -> FusedMLPFp8:
+    """A FusedMLPFp8 (`weights`: fp8 or w8a8) holding `original`'s projections quantized (their dense weights are
+    not kept)."""
     gate, up, down = (getattr(original, n) for n in names)
     weight = gate.weight
     check_fp8_device(weight.device)
     fused = FusedMLPFp8(gate.in_features, gate.out_features, bias=gate.bias is not None, activation=activation,
-                        dtype=weight.dtype, device=weight.device)
+                        dtype=weight.dtype, device=weight.device, weights=weights)
     with torch.no_grad():  # each projection's load quantizes its dense weight (FusedLinearFp8)
         for name, linear in zip(("gate_proj", "up_proj", "down_proj"), (gate, up, down)):
             getattr(fused, name).load_state_dict(linear.state_dict())

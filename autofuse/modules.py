@@ -23,9 +23,8 @@ from .fused_module import FusedModule, allocated, check_dtype, check_size, needs
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
-from .ops.linear_fp8 import Fp8Weight, check_fp8_device, dequantize_fp8, quantize_fp8
+from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
-from .reference import eager_mlp
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
@@ -434,8 +433,13 @@ class FusedMLPFp8(FusedModule):
         self.d_ff = d_ff
         self.activation = activation
         self.keep_original = bool(options.get("keep_original", False))
+        # "fp8": weight-only (ops gated_up_fp8, down_fp8); "w8a8": x and H quantized too (gated_up_w8a8, down_w8a8).
+        self.weights = options.get("weights", "fp8")
+        if self.weights not in FP8_WEIGHTS:
+            raise AutofuseError(f"FusedMLPFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
+                                f"got {shown(self.weights)}")
         factory = dict(bias=bias, activation="none", dtype=dtype, device=device, tuned=tuned,
-                       keep_original=self.keep_original)
+                       keep_original=self.keep_original, weights=self.weights)
         self.gate_proj = FusedLinearFp8(d_model, d_ff, **factory)
         self.up_proj = FusedLinearFp8(d_model, d_ff, **factory)
         self.down_proj = FusedLinearFp8(d_ff, d_model, **factory)
@@ -446,7 +450,8 @@ class FusedMLPFp8(FusedModule):
         """(wg, bg, wu, bu, wd, bd), each weight an Fp8Weight, read from the projections' buffer and parameter
         dicts."""
         found = []
-        for name, op in (("gate_proj", "gated_up_fp8"), ("up_proj", "gated_up_fp8"), ("down_proj", "down_fp8")):
+        up, down = f"gated_up_{self.weights}", f"down_{self.weights}"
+        for name, op in (("gate_proj", up), ("up_proj", up), ("down_proj", down)):
             module = self._modules[name]
             buffers = module._buffers
             found += [Fp8Weight(buffers["weight_fp8"], buffers["weight_scale"], op), module._parameters.get("bias")]
@@ -461,15 +466,15 @@ class FusedMLPFp8(FusedModule):
         return self._buffers["_activations"]
 
     def _plan(self, residual):
-        return MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, weights="fp8")
+        return MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, weights=self.weights)
 
     def _bind(self, table, M):
         return BoundMLP(table, self.activation, M)
 
     def _libraries(self, residual):
         bias = self.gate_proj.bias is not None
-        return {"gated_up": tuple(ops.get("gated_up_fp8").library_for(self.activation, bias, False)),
-                "down": tuple(ops.get("down_fp8").library_for("none", bias, False))}
+        return {"gated_up": tuple(ops.get(f"gated_up_{self.weights}").library_for(self.activation, bias, False)),
+                "down": tuple(ops.get(f"down_{self.weights}").library_for("none", bias, False))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._params()
@@ -479,16 +484,20 @@ class FusedMLPFp8(FusedModule):
         if needs_grad(x, params[1], params[3], params[5]):
             raise AutofuseError("an MLP with fp8 weights runs inference only: call it under torch.no_grad() or "
                                 "torch.inference_mode(), or build it with weights='dense' to train it")
-        if _compiling():  # traced by torch.compile as the dequantized weights' eager ops
-            wg, wu, wd = (dequantize_fp8(params[i].w8, params[i].scale, x.dtype) for i in (0, 2, 4))
-            return eager_mlp(x, wg, wu, wd, params[1], params[3], params[5], activation=self.activation)
+        if _compiling():  # traced by torch.compile as its ops' eager paths on the dequantized values
+            wg, bg, wu, bu, wd, bd = params
+            x2d = x.reshape(-1, self.d_model)
+            h = ops.get(wg.op).library["eager"]({"x": x2d, "wg": wg.w8, "sg": wg.scale, "wu": wu.w8, "su": wu.scale,
+                                                  "bg": bg, "bu": bu}, self.activation)
+            y = ops.get(wd.op).library["eager"]({"x": h, "w": wd.w8, "s": wd.scale, "b": bd}, "none")
+            return y.reshape(out_shape)
         weights = [t.data_ptr() for w in params[::2] for t in (w.w8, w.scale)] + [
             0 if b is None else b.data_ptr() for b in params[1::2]]
         entry = self._entry(M, weights, like)
         return entry(x, params, weights, M, out_shape)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}, weights=fp8"
+        return (f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}, weights={self.weights}"
                 + (", keep_original=True" if self.keep_original else ""))
 
 
@@ -564,19 +573,18 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
       torch.compile does (faster); False recomputes it in the backward and holds one [tokens, d_ff]
       activation less per module (the attribute of that name may be changed later).
     - weights="dense": "fp8" keeps the three weights in float8_e4m3fn with a float32 scale per output channel
-      (FusedMLPFp8: inference only, half the weight bytes of bf16; interleaved and save_hidden do not apply).
+      (FusedMLPFp8: inference only, half the weight bytes of bf16; interleaved and save_hidden do not apply);
+      "w8a8" the same, and the kernels quantize x and H per row to fp8 too, for fp8 tensor cores.
     - keep_original=False (fp8 only): True keeps the dense weights beside them (each projection's `weight`)."""
     options = mlp_options(options, "get_mlp")
     d_model, d_ff = check_size("d_model", d_model), check_size("d_ff", d_ff)
     activation, dtype = canonical_activation(activation, GATED_ACTIVATIONS), check_dtype(dtype)
     device = parse_device(device)
-    if options["weights"] == "w8a8":
-        raise AutofuseError("weights='w8a8' is built for get_linear only; gated MLPs take weights='fp8'")
-    if options["weights"] == "fp8":
+    if options["weights"] in FP8_WEIGHTS:
         check_fp8_device(device)
         return allocated(lambda: FusedMLPFp8(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
                                              device=device, tuned=options["tuned"],
-                                             keep_original=options["keep_original"]),
+                                             keep_original=options["keep_original"], weights=options["weights"]),
                          "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)
     return allocated(lambda: FusedMLP(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
                                       device=device, **options),

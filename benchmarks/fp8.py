@@ -1,15 +1,15 @@
-"""MLPs with fp8 weights against the best bf16 peer, on shapes nobody tuned.
+"""MLPs with fp8 weights (weight-only, and W8A8) against the best bf16 peer, on shapes nobody tuned.
 
   python benchmarks/fp8.py [--out DIR] [--mlps 6] [--seed 39] [--tokens 1,2,4,8,16,64,256,1024,4096,16384]
 
 Gated MLPs drawn with a seeded generator (never_slower.py's: d_model 512-8192, d_ff 1-8x d_model, some not
 multiples of 8 or 64), bf16 activations. Per shape and M: CUDA-graph-replayed GPU time of the bf16 peers (eager
-PyTorch, torch.compile, Liger where installed, autofuse's bf16 MLP) and of autofuse's MLP with fp8 weights
-(get_mlp(weights="fp8"), the bf16 module's weights quantized), the providers replayed in turn in this process,
-and at M <= 16 the plain (un-graphed) call's time too (never_slower.measure).
+PyTorch, torch.compile, Liger where installed, autofuse's bf16 MLP) and of autofuse's MLPs with fp8 weights
+(get_mlp(weights="fp8") and weights="w8a8", the bf16 module's weights quantized), the providers replayed in turn in
+this process, and at M <= 16 the plain (un-graphed) call's time too (never_slower.measure).
 Run it with an empty user cache: every fp8 config then comes from a first-use check. Reported per point: the best
-bf16 peer of eager / torch.compile / Liger over the fp8 MLP, the same against autofuse's bf16 MLP, and the fp8
-MLP's relative error against the bf16 model's output (eager bf16) beside the bf16 MLP's own. Needs a GPU of
+bf16 peer of eager / torch.compile / Liger over each fp8 MLP, the same against autofuse's bf16 MLP, and each MLP's
+relative error against the bf16 model's output (eager bf16). Needs a GPU of
 compute capability 8.9 or newer.
 """
 
@@ -26,10 +26,10 @@ import autofuse
 PEERS = ("eager", "torch.compile", "liger")
 
 
-def fp8_twin(module):
-    """get_mlp(weights="fp8") holding `module`'s weights quantized."""
+def fp8_twin(module, weights: str):
+    """get_mlp(weights=`weights`, fp8 or w8a8) holding `module`'s weights quantized."""
     fp8 = autofuse.get_mlp(module.d_model, module.d_ff, activation=module.activation, dtype=torch.bfloat16,
-                           device="cuda", weights="fp8")
+                           device="cuda", weights=weights)
     dense = {name: p.detach().contiguous() for name, p in module.state_dict().items()}
     fp8.load_state_dict(dense)
     return fp8
@@ -52,18 +52,22 @@ def main() -> None:
     with torch.no_grad():
         for shape in gated:
             providers = mlp_providers(shape, liger)
-            providers["autofuse-fp8"] = fp8_twin(providers["autofuse"])
+            for weights in ("fp8", "w8a8"):
+                providers[f"autofuse-{weights}"] = fp8_twin(providers["autofuse"], weights)
             for M in tokens:
                 row = dict(**shape, **measure(providers, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS))
-                row["ratio_to_autofuse_bf16"] = row["us"]["autofuse"] / row["us"]["autofuse-fp8"]
-                row["sources"] = providers["autofuse-fp8"].config_sources(M)
-                row["choices"] = {op: c.short() for op, c in providers["autofuse-fp8"].config_for(M).items()}
+                us = row["us"]
+                row["ratio_w8a8"] = us[row["best_peer"]] / us["autofuse-w8a8"]
+                row["ratio_to_autofuse_bf16"] = {w: us["autofuse"] / us[f"autofuse-{w}"] for w in ("fp8", "w8a8")}
+                row["choices"] = {w: {op: c.short() for op, c in providers[f"autofuse-{w}"].config_for(M).items()}
+                                  for w in ("fp8", "w8a8")}
                 rows.append(row)
-                print(f"{shape['d_model']}->{shape['d_ff']} {shape['activation']} M={M}: fp8 "
-                      f"{row['us']['autofuse-fp8']:.1f} us, best bf16 peer {row['best_peer']} "
-                      f"{row['us'][row['best_peer']]:.1f} ({row['ratio']:.2f}x), autofuse bf16 "
-                      f"{row['us']['autofuse']:.1f} ({row['ratio_to_autofuse_bf16']:.2f}x); error "
-                      f"{row['rel_error']['autofuse-fp8']:.2e} (bf16 {row['rel_error']['autofuse']:.2e})", flush=True)
+                print(f"{shape['d_model']}->{shape['d_ff']} {shape['activation']} M={M}: best bf16 peer "
+                      f"{row['best_peer']} {us[row['best_peer']]:.1f} us; fp8 {us['autofuse-fp8']:.1f} "
+                      f"({row['ratio']:.2f}x), w8a8 {us['autofuse-w8a8']:.1f} ({row['ratio_w8a8']:.2f}x), autofuse "
+                      f"bf16 {us['autofuse']:.1f}; error against eager bf16: fp8 "
+                      f"{row['rel_error']['autofuse-fp8']:.2e}, w8a8 {row['rel_error']['autofuse-w8a8']:.2e}, bf16 "
+                      f"{row['rel_error']['autofuse']:.2e}", flush=True)
             del providers
             torch._dynamo.reset()
             summary = _summary(rows, start)
@@ -72,13 +76,17 @@ def main() -> None:
 
 
 def _summary(rows: list[dict], start: float) -> dict:
-    def of(points):
-        ratios = [r["ratio"] for r in points]
+    def of(points, key):
+        ratios = [r[key] for r in points]
         return dict(points=len(ratios), geomean=geomean(ratios), min=min(ratios, default=float("nan")))
 
-    return dict(m_le_16=of([r for r in rows if r["M"] <= 16]), m_ge_1024=of([r for r in rows if r["M"] >= 1024]),
-                all=of(rows), max_rel_error=max((r["rel_error"]["autofuse-fp8"] for r in rows), default=float("nan")),
-                seconds=time.perf_counter() - start)
+    summary = {}
+    for weights, key in (("fp8", "ratio"), ("w8a8", "ratio_w8a8")):
+        summary[weights] = dict(m_le_16=of([r for r in rows if r["M"] <= 16], key),
+                                m_ge_1024=of([r for r in rows if r["M"] >= 1024], key), all=of(rows, key),
+                                max_rel_error=max((r["rel_error"][f"autofuse-{weights}"] for r in rows),
+                                                  default=float("nan")))
+    return dict(**summary, seconds=time.perf_counter() - start)
 
 
 if __name__ == "__main__":

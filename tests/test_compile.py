@@ -81,6 +81,8 @@ CASES = [
          block=(128, 128, 128), split_k=1, num_warps=8, num_stages=3),
     dict(spec=_spec("linear_w8a8", "none", even_k=False, variant="split_k", input_precision="tf32"),
          dtype="float32", capability=90, block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
+    dict(spec=_spec("gated_up_w8a8", "silu", bias=True), dtype="bfloat16", capability=90,
+         block=(128, 128, 128), split_k=1, num_warps=8, num_stages=3),
 ]
 
 
@@ -129,5 +131,5 @@ def test_tma_kernels_use_the_tensor_copy_engine(compiled):
 
 def test_w8a8_kernels_multiply_fp8_on_the_tensor_cores(compiled):
     w8a8 = [c for c in compiled if "_w8a8_" in c["kernel"]]
-    assert len(w8a8) == 2 and all(c["fp8_mma"] and c["wgmma"] for c in w8a8), w8a8
+    assert len(w8a8) == 3 and all(c["fp8_mma"] and c["wgmma"] for c in w8a8), w8a8
     assert not any(c["fp8_mma"] for c in compiled if "_w8a8_" not in c["kernel"])  # weight-only: widened first

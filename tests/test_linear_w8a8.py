@@ -8,12 +8,13 @@ import torch
 from _helpers import DTYPES, assert_matches_reference
 
 from autofuse import launch, ops, variants
-from autofuse.activations import LINEAR_ACTIVATIONS
+from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from autofuse.configs import KernelConfig
 from autofuse.key import Problem, current_environment
+from autofuse.ops.gated_up_fp8 import GATED_UP_W8A8, gated_up_w8a8
 from autofuse.ops.linear_fp8 import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
-from autofuse.ops.linear_w8a8 import LINEAR_W8A8, linear_w8a8, quantize_rows
-from autofuse.reference import linear_reference
+from autofuse.ops.linear_w8a8 import DOWN_W8A8, LINEAR_W8A8, linear_w8a8, quantize_rows
+from autofuse.reference import gated_reference, linear_reference
 from autofuse.store import Store
 from autofuse.tune.driver import Job, tune_key
 
@@ -109,10 +110,8 @@ def test_get_linear_w8a8_runs_the_w8a8_op_and_matches_the_quantized_reference(de
     assert torch.equal(out, again)
     plan = module._plan(False)
     assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager", "scaled_mm"}
-    with pytest.raises(autofuse.AutofuseError, match="built for get_linear only"):
-        autofuse.get_mlp(K, N, device=device, weights="w8a8")
-    with pytest.raises(autofuse.AutofuseError, match="'dense', 'fp8' for gated MLPs"):
-        autofuse.fuse(torch.nn.Sequential(), weights="w8a8")
+    with pytest.raises(autofuse.AutofuseError, match="weights must be one of 'dense', 'fp8', 'w8a8'"):
+        autofuse.fuse(torch.nn.Sequential(), weights="int8")
 
 
 def test_tune_weights_w8a8_tunes_the_linears_w8a8_keys(tmp_path):
@@ -129,4 +128,50 @@ def test_tune_weights_w8a8_tunes_the_linears_w8a8_keys(tmp_path):
     result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--weights", "w8a8", "--trials", "1"])
     assert result.exit_code == 0, result.output
     rows = [line.split()[:2] for line in result.output.splitlines() if line.startswith(("m ", "l "))]
-    assert rows == [["l", "linear_w8a8"]]  # gated MLPs have no w8a8 ops
+    assert sorted(rows) == [["l", "linear_w8a8"], ["m", "down_w8a8"], ["m", "gated_up_w8a8"]]
+
+
+
+# Gated MLPs with W8A8: op gated_up_w8a8 (x quantized per row, both dots fp8 x fp8), down_w8a8 (H quantized the same).
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("config", [TILE, SPLIT], ids=lambda c: c.variant)
+def test_w8a8_gated_up_matches_the_float64_product_of_the_quantized_values(device, dtype, activation, config):
+    x = _operands(dtype, device)[0]
+    wg, wu = (quantize_fp8(torch.randn(N, K, device=device) / K**0.5) for _ in range(2))
+    for biases in ((None, None), tuple(torch.randn(N, device=device).to(dtype) for _ in range(2))):
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+        gated_up_w8a8(x, wg, wu, *biases, activation, config, out=out)
+        x8, sx = quantize_rows(x)
+        ref = gated_reference(dequantize_fp8(x8, sx, torch.float64), *(dequantize_fp8(*w, torch.float64)
+                                                                       for w in (wg, wu)), *biases, activation)
+        operands = {"x": x, "wg": wg[0], "sg": wg[1], "wu": wu[0], "su": wu[1], "bg": biases[0], "bu": biases[1]}
+        assert_matches_reference(out, ref, GATED_UP_W8A8.library["eager"](operands, activation))
+        scaled = GATED_UP_W8A8.library["scaled_mm"](operands, activation)
+        assert ((scaled.double() - ref).norm() / ref.norm()).item() < 4 * 2**-8
+
+
+def test_a_w8a8_mlp_runs_the_w8a8_ops_and_a_fused_model_generates(device):
+    import transformers
+
+    import autofuse
+
+    mlp = autofuse.get_mlp(K, N, activation="silu", bias=False, dtype=torch.float32, device=device, weights="w8a8")
+    x = torch.randn(M, K, device=device)
+    with torch.no_grad():
+        out = mlp(x)
+    g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    h = GATED_UP_W8A8.library["eager"]({"x": x, "wg": g.weight_fp8, "sg": g.weight_scale, "wu": u.weight_fp8,
+                                        "su": u.weight_scale}, "silu")
+    expected = DOWN_W8A8.library["eager"]({"x": h, "w": d.weight_fp8, "s": d.weight_scale}, "none")
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)  # H rounded to e4m3 in both; rare ties apart
+    assert set(mlp.config_for(M)) == {"gated_up", "down"} and mlp._plan(False).problem(
+        "down", M, torch.float32, torch.device(device)).op == "down_w8a8"
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    report = autofuse.fuse(model, verbose=False, weights="w8a8", norms=False)
+    assert len(report.replaced) == 2 and all(what.endswith("silu w8a8") for _, what in report.replaced)
+    ids = torch.randint(0, 128, (1, 5), device=device)
+    assert model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (1, 7)

@@ -66,8 +66,8 @@ class MLPPlan:
     bias: bool
     pairs: bool = False
     d_in: int | None = None
-    # "fp8": the weights are fp8 (FusedMLPFp8): the table's gated_up and down entries run ops gated_up_fp8 and
-    # down_fp8, and neither gated_pairs nor the one-launch kernel is planned.
+    # "fp8" or "w8a8": the weights are fp8 (FusedMLPFp8): the table's gated_up and down entries run ops
+    # gated_up_<weights> and down_<weights>, and neither gated_pairs nor the one-launch kernel is planned.
     weights: str = "dense"
 
     def problem(self, op: str, M: int, dtype: torch.dtype, device: torch.device) -> Problem:
@@ -78,7 +78,7 @@ class MLPPlan:
                             "down": (self.d_model, self.d_ff, "none"),
                             "mlp": (self.d_ff, self.d_model, self.activation),
                             "gated_bwd": (self.d_ff, self.d_model, self.activation)}[op]
-        name = f"{op}_fp8" if self.weights == "fp8" else op
+        name = op if self.weights == "dense" else f"{op}_{self.weights}"  # gated_up_fp8, down_w8a8, ...
         return Problem(name, n, k, M, dtype, activation, self.bias, False, device)
 
     @property

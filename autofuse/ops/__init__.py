@@ -23,10 +23,10 @@ from .gated_bwd import GATED_BWD
 from .gated_grad import GATED_DGU, GATED_GRAD
 from .gated_pairs import GATED_PAIRS
 from .gated_up import GATED_UP
-from .gated_up_fp8 import GATED_UP_FP8
+from .gated_up_fp8 import GATED_UP_FP8, GATED_UP_W8A8
 from .linear import DOWN, LINEAR
 from .linear_fp8 import DOWN_FP8, LINEAR_FP8
-from .linear_w8a8 import LINEAR_W8A8
+from .linear_w8a8 import DOWN_W8A8, LINEAR_W8A8
 from .mlp import MLP
 from .rms_norm import RMS_NORM
 
@@ -80,7 +80,8 @@ def specs() -> tuple[OpSpec, ...]:
 
 
 for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_DGU, GATED_PAIRS,
-              PAIRS_ACT, BIAS_ACT, RMS_NORM, LINEAR_FP8, DOWN_FP8, GATED_UP_FP8, LINEAR_W8A8):
+              PAIRS_ACT, BIAS_ACT, RMS_NORM, LINEAR_FP8, DOWN_FP8, GATED_UP_FP8, LINEAR_W8A8, DOWN_W8A8,
+              GATED_UP_W8A8):
     register(_spec)
 
 

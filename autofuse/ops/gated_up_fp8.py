@@ -14,8 +14,10 @@ from .. import launch as L
 from ..configs import KernelConfig
 from ..opspec import Operand
 from ..reference import eager_gated, gated_reference
+from .gated_act import gated_activation
 from .gated_up import GATED_UP
 from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
+from .linear_w8a8 import quantize_rows
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk"),
@@ -34,17 +36,29 @@ def gated_up_fp8(x: torch.Tensor, w_gate: tuple[torch.Tensor, torch.Tensor], w_u
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """H = act(x @ (wg8 sg)^T + b_gate) * (x @ (wu8 su)^T + b_up); w_gate = (wg8, sg), w_up = (wu8, su): [N, K]
     float8_e4m3fn weights and their [N] float32 scales. Written into `out` ([M, N], x's dtype) when given."""
+    return _launch(GATED_UP_FP8, x, (w_gate, w_up), (b_gate, b_up), activation, config, out)
+
+
+def gated_up_w8a8(x: torch.Tensor, w_gate: tuple[torch.Tensor, torch.Tensor], w_up: tuple[torch.Tensor, torch.Tensor],
+                  b_gate: torch.Tensor | None, b_up: torch.Tensor | None, activation: str, config: KernelConfig,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """gated_up_fp8 with x quantized per row inside the kernel (linear_w8a8.quantize_rows) for fp8 x fp8 dots."""
+    return _launch(GATED_UP_W8A8, x, (w_gate, w_up), (b_gate, b_up), activation, config, out)
+
+
+def _launch(spec, x: torch.Tensor, weights: tuple, biases: tuple, activation: str, config: KernelConfig,
+            out: torch.Tensor | None) -> torch.Tensor:
+    (b_gate, b_up), ((wg, sg), (wu, su)) = biases, weights
     L.check_operands(x, b_gate, b_up)
     M, K = x.shape
-    (wg, sg), (wu, su) = w_gate, w_up
     N = wg.shape[0]
-    for w, s in (w_gate, w_up):
-        check_weights("gated_up_fp8", x, w, s, N)
-    L.require((b_gate is None) == (b_up is None), "gated_up_fp8: gate and up biases come together")
+    for w, s in weights:
+        check_weights(spec.name, x, w, s, N)
+    L.require((b_gate is None) == (b_up is None), f"{spec.name}: gate and up biases come together")
     h = L.output(out, (M, N), x)
     if M == 0:
         return h
-    kernel = L.kernel_for(GATED_UP_FP8, activation, K, x.dtype, config, b_gate is not None)
+    kernel = L.kernel_for(spec, activation, K, x.dtype, config, b_gate is not None)
     tensors = {"x": x, "wg": wg, "wu": wu, "sg": sg.contiguous(), "su": su.contiguous(), "h": h}
     if b_gate is not None:
         tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())
@@ -96,4 +110,52 @@ GATED_UP_FP8 = dataclasses.replace(
     original_reference=_original_reference,
     make_operands=_make_operands,
     dims=lambda s: (s.d_ff, s.d_model, s.activation),  # FusedMLPFp8 runs the sizes as they are (no padding)
+)
+
+
+# W8A8: the activations quantized per row inside the kernel, as linear_w8a8 quantizes them.
+
+def _run_w8a8(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    return gated_up_w8a8(ops["x"], (ops["wg"], ops["sg"]), (ops["wu"], ops["su"]), ops.get("bg"), ops.get("bu"),
+                         activation, config, out=out)
+
+
+def _quantized_x(ops: dict, dtype: torch.dtype) -> torch.Tensor:
+    x8, sx = quantize_rows(ops["x"])
+    return dequantize_fp8(x8, sx, dtype)
+
+
+def _eager_w8a8(ops: dict, activation: str) -> torch.Tensor:
+    """The same quantized values in PyTorch's ops: x and the weights dequantized to x's dtype, then eager's."""
+    x = ops["x"]
+    return _eager({**ops, "x": _quantized_x(ops, x.dtype)}, activation)
+
+
+def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
+    """torch._scaled_mm for G and U (fp8 tensor cores, rowwise scales), then one pointwise pass act(G) * U (op
+    gated_act); off CUDA, the same values through eager's ops."""
+    x = ops["x"]
+    if not x.is_cuda:
+        return _eager_w8a8(ops, activation)
+    x8, sx = quantize_rows(x)
+    gate, up = (torch._scaled_mm(x8, ops[w].t(), scale_a=sx[:, None], scale_b=ops[s][None, :], out_dtype=x.dtype)
+                for w, s in (("wg", "sg"), ("wu", "su")))
+    if ops.get("bg") is not None:
+        gate, up = gate + ops["bg"], up + ops["bu"]
+    return gated_activation(gate, up, activation)
+
+
+def _reference_w8a8(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    """float64, from the quantized activations and weights: the function the kernel computes."""
+    return _reference({**ops, "x": _quantized_x(ops, torch.float64)}, activation, dtype)
+
+
+GATED_UP_W8A8 = dataclasses.replace(
+    GATED_UP_FP8,
+    name="gated_up_w8a8",
+    doc="a gated MLP's gated up-projection with x quantized to fp8 per row inside it and Wg, Wu in fp8",
+    run=_run_w8a8,
+    weights="w8a8",
+    library={"eager": _eager_w8a8, "scaled_mm": _scaled_mm_w8a8},
+    reference=_reference_w8a8,
 )

@@ -110,3 +110,13 @@ LINEAR_W8A8 = dataclasses.replace(
     original_reference=_original_reference,
     make_operands=_make_operands,
 )
+
+DOWN_W8A8 = dataclasses.replace(
+    LINEAR_W8A8,
+    name="down_w8a8",
+    doc="a gated MLP's down projection with H quantized to fp8 per row inside it and W in fp8",
+    activations=("none",),
+    residual=False,
+    serves="mlp",
+    dims=lambda s: (s.d_model, s.d_ff, "none"),  # FusedMLPFp8 runs the sizes as they are (no padding)
+)

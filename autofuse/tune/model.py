@@ -20,9 +20,12 @@ def tune_model(model: nn.Module, *, tokens: tuple[int, ...] | None = None, trial
     if not fused:
         return 0
     tuned = 0
-    # Dense and fp8 blocks (fuse(model, weights="fp8")) are tuned for their own ops, each format with its dtype.
-    for weights, blocks in (("dense", [b for b in fused if isinstance(b, FusedMLP)]),
-                            ("fp8", [b for b in fused if isinstance(b, FusedMLPFp8)])):
+    # Dense and fp8 blocks (fuse(model, weights="fp8" or "w8a8")) are tuned for their own ops, each format apart.
+    formats = {"dense": [b for b in fused if isinstance(b, FusedMLP)]}
+    for block in fused:
+        if isinstance(block, FusedMLPFp8):
+            formats.setdefault(block.weights, []).append(block)
+    for weights, blocks in formats.items():
         if not blocks:
             continue
         mlps = {}
