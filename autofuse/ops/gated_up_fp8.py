@@ -17,7 +17,7 @@ from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 from .gated_up import GATED_UP
 from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
-from .linear_w8a8 import quantize_rows
+from .linear_w8a8 import dequantized_rows, quantize_rows
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk"),
@@ -120,15 +120,10 @@ def _run_w8a8(ops: dict, activation: str, config: KernelConfig, out: torch.Tenso
                          activation, config, out=out)
 
 
-def _quantized_x(ops: dict, dtype: torch.dtype) -> torch.Tensor:
-    x8, sx = quantize_rows(ops["x"])
-    return dequantize_fp8(x8, sx, dtype)
-
-
 def _eager_w8a8(ops: dict, activation: str) -> torch.Tensor:
     """The same quantized values in PyTorch's ops: x and the weights dequantized to x's dtype, then eager's."""
     x = ops["x"]
-    return _eager({**ops, "x": _quantized_x(ops, x.dtype)}, activation)
+    return _eager({**ops, "x": dequantized_rows(x, x.dtype)}, activation)
 
 
 def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
@@ -147,7 +142,7 @@ def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
 
 def _reference_w8a8(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     """float64, from the quantized activations and weights: the function the kernel computes."""
-    return _reference({**ops, "x": _quantized_x(ops, torch.float64)}, activation, dtype)
+    return _reference({**ops, "x": dequantized_rows(ops["x"], torch.float64)}, activation, dtype)
 
 
 GATED_UP_W8A8 = dataclasses.replace(

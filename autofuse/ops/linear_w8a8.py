@@ -19,10 +19,8 @@ import torch
 
 from .. import launch as L
 from ..configs import KernelConfig
-from ..opspec import LibraryPath
-from ..reference import eager_linear, linear_reference
 from .bias_act import bias_activation
-from .linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, check_weights, dequantize_fp8, quantize_fp8
+from .linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, check_weights, dequantize_fp8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,12 +57,15 @@ def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | N
     return linear_w8a8(ops["x"], ops["w"], ops["s"], ops.get("b"), ops.get("r"), activation, config, out=out)
 
 
-def _eager(ops: dict, activation: str) -> torch.Tensor:
-    """The same quantized values in PyTorch's ops: X and W dequantized to X's dtype, then the dense Linear's."""
-    x = ops["x"]
+def dequantized_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the W8A8 kernels multiply it (quantize_rows), dequantized to `dtype` (exactly, in float64)."""
     x8, sx = quantize_rows(x)
-    return eager_linear(dequantize_fp8(x8, sx, x.dtype), dequantize_fp8(ops["w"], ops["s"], x.dtype), ops.get("b"),
-                        ops.get("r"), activation)
+    return dequantize_fp8(x8, sx, dtype)
+
+
+def _eager(ops: dict, activation: str) -> torch.Tensor:
+    """The same quantized values in PyTorch's ops: x and W dequantized to x's dtype, then the dense Linear's."""
+    return LINEAR_FP8.library["eager"]({**ops, "x": dequantized_rows(ops["x"], ops["x"].dtype)}, activation)
 
 
 def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:
@@ -81,34 +82,19 @@ def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     """float64, from the quantized activations and weights: the function the kernel computes."""
-    x8, sx = quantize_rows(ops["x"])
-    return linear_reference(dequantize_fp8(x8, sx, torch.float64), dequantize_fp8(ops["w"], ops["s"], torch.float64),
-                            ops.get("b"), ops.get("r"), activation)
+    return LINEAR_FP8.reference({**ops, "x": dequantized_rows(ops["x"], torch.float64)}, activation, dtype)
 
 
-def _original_reference(ops: dict, activation: str) -> torch.Tensor:
-    """float64, from the activations and the weights before quantization."""
-    return linear_reference(ops["x"], ops["w_original"], ops.get("b"), ops.get("r"), activation)
-
-
-def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    original = rand(n, k) * k**-0.5
-    w8, scale = quantize_fp8(original)
-    return {"x": rand(M, k), "w": w8, "s": scale, "b": rand(n) if bias else None,
-            "r": rand(M, n) if residual else None, "w_original": original}
-
-
-# The fp8-weight Linear's op with the activations quantized too: its template, operands and keys' dimensions.
+# The fp8-weight Linear's op with the activations quantized too: its template, operands, problems (make_operands,
+# original_reference) and keys' dimensions.
 LINEAR_W8A8 = dataclasses.replace(
     LINEAR_FP8,
     name="linear_w8a8",
     doc="act(x8 sx (W8 s)^T + b) [+ residual] in one kernel, x quantized to fp8 per row inside it, W in fp8",
     run=_run,
     weights="w8a8",
-    library={"eager": _eager, "scaled_mm": LibraryPath(_scaled_mm, applies=lambda activation, bias, residual: True)},
+    library={"eager": _eager, "scaled_mm": _scaled_mm},
     reference=_reference,
-    original_reference=_original_reference,
-    make_operands=_make_operands,
 )
 
 DOWN_W8A8 = dataclasses.replace(
