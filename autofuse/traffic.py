@@ -36,11 +36,14 @@ import torch
 
 from .device import capturing
 from .errors import AutofuseError, shown
+from .opspec import WEIGHT_FORMATS
 
 FORMAT = "autofuse-traffic"
 VERSION = 1
 KINDS = ("mlp", "linear")
 _DTYPES = ("float32", "float16", "bfloat16")
+# What every entry of a trace holds; "weights" (a format other than dense) may stand beside them.
+_ENTRY_FIELDS = {"kind", "dims", "activation", "bias", "dtype", "train", "tokens"}
 # Pending CUDA event pairs kept before the finished ones are read (query(): no synchronisation).
 _PENDING_KEPT = 64
 
@@ -55,11 +58,14 @@ class Shape:
     bias: bool
     dtype: str
     train: bool  # recorded in a forward that builds a graph for a backward
+    weights: str = "dense"  # the module's weight format (opspec.WEIGHT_FORMATS): fp8 and w8a8 modules run other ops
 
     def label(self) -> str:
         a, b = self.dims
         what = f"mlp {a}->{b}" if self.kind == "mlp" else f"linear {a}->{b}"
-        return f"{what} {self.activation}{' bias' if self.bias else ''} {self.dtype}{' train' if self.train else ''}"
+        weights = "" if self.weights == "dense" else f" {self.weights}"
+        return (f"{what} {self.activation}{' bias' if self.bias else ''} {self.dtype}{weights}"
+                f"{' train' if self.train else ''}")
 
 
 @dataclasses.dataclass
@@ -118,8 +124,11 @@ class Traffic:
         entries = []
         for shape, by_m in sorted(self.counts.items(), key=lambda kv: dataclasses.astuple(kv[0])):
             tokens = [[M, c.calls, c.sampled, round(c.sampled_ms, 6)] for M, c in sorted(by_m.items())]
-            entries.append(dict(kind=shape.kind, dims=list(shape.dims), activation=shape.activation, bias=shape.bias,
-                                dtype=shape.dtype, train=shape.train, tokens=tokens))
+            entry = dict(kind=shape.kind, dims=list(shape.dims), activation=shape.activation, bias=shape.bias,
+                         dtype=shape.dtype, train=shape.train, tokens=tokens)
+            if shape.weights != "dense":  # dense shapes' entries stay as they were written before formats
+                entry["weights"] = shape.weights
+            entries.append(entry)
         return dict(format=FORMAT, version=VERSION, gpu=gpu,
                     time="GPU ms (CUDA events)" if gpu != "cpu" else "CPU wall ms", entries=entries)
 
@@ -146,8 +155,12 @@ def parse(document, source: str) -> Traffic:
         traffic = Traffic(gpus={gpu}, sources=[source])
         for i, e in enumerate(entries):
             where = f"entries[{i}]"
-            if not isinstance(e, dict) or set(e) != {"kind", "dims", "activation", "bias", "dtype", "train", "tokens"}:
-                raise ValueError(f"{where} must hold kind, dims, activation, bias, dtype, train and tokens")
+            if not isinstance(e, dict) or set(e) - {"weights"} != _ENTRY_FIELDS:
+                raise ValueError(f"{where} must hold kind, dims, activation, bias, dtype, train and tokens (and "
+                                 "weights)")
+            weights = e.get("weights", "dense")
+            if weights not in WEIGHT_FORMATS:
+                raise ValueError(f"{where}.weights must be one of {', '.join(WEIGHT_FORMATS)}")
             if e["kind"] not in KINDS:
                 raise ValueError(f"{where}.kind must be one of {', '.join(KINDS)}, got {shown(e['kind'], 20)}")
             dims = e["dims"]
@@ -160,7 +173,7 @@ def parse(document, source: str) -> Traffic:
                 raise ValueError(f"{where}.bias and .train must be true or false")
             if e["dtype"] not in _DTYPES:
                 raise ValueError(f"{where}.dtype must be one of {', '.join(_DTYPES)}")
-            shape = Shape(e["kind"], dims, e["activation"], e["bias"], e["dtype"], e["train"])
+            shape = Shape(e["kind"], dims, e["activation"], e["bias"], e["dtype"], e["train"], weights)
             if not isinstance(e["tokens"], list):
                 raise ValueError(f"{where}.tokens must be a list of [M, calls, sampled, sampled_ms]")
             for j, row in enumerate(e["tokens"]):
@@ -349,7 +362,8 @@ def _shape_of(module, train: bool) -> Shape:
     else:
         kind, dims, bias = "linear", (module.in_features, module.out_features), module.bias is not None
     dtype = module._reference_weight().dtype
-    return Shape(kind, dims, module.activation, bias, str(dtype).removeprefix("torch."), train)
+    weights = getattr(module, "weights", "dense")  # FusedLinearFp8 / FusedMLPFp8 say theirs
+    return Shape(kind, dims, module.activation, bias, str(dtype).removeprefix("torch."), train, weights)
 
 
 @contextlib.contextmanager

@@ -195,3 +195,29 @@ def test_tune_traffic_refuses_what_it_cannot_do(tmp_path):
     assert out.exit_code == 2 and "leave out --devices" in out.output
     out = CliRunner().invoke(main, ["tune", "--traffic", str(trace), "--tokens", "1,2"])
     assert out.exit_code == 2 and "leave out --tokens" in out.output
+
+
+def test_fp8_modules_are_recorded_under_their_format_and_tuned_with_its_ops(tmp_path):
+    mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device="cpu", weights="fp8")
+    lin = autofuse.get_linear(D, 56, activation="gelu", dtype=torch.float32, device="cpu", weights="w8a8")
+    dense = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device="cpu")
+    with autofuse.record_traffic(tmp_path / "t.json", sample_every=2):
+        with torch.no_grad():
+            for _ in range(3):
+                mlp(torch.randn(2, D))
+                lin(torch.randn(2, D))
+                dense(torch.randn(2, D))
+    recorded = traffic.load(tmp_path / "t.json")
+    by_format = {(shape.kind, shape.weights): {M: c.calls for M, c in by_m.items()}
+                 for shape, by_m in recorded.counts.items()}
+    assert by_format == {("mlp", "fp8"): {2: 3}, ("linear", "w8a8"): {2: 3}, ("mlp", "dense"): {2: 3}}
+    document = json.loads((tmp_path / "t.json").read_text())
+    assert sorted(e.get("weights", "dense") for e in document["entries"]) == ["dense", "fp8", "w8a8"]
+    planned = from_traffic.plan(recorded)
+    ops_of = {}
+    for job, point in from_traffic.jobs(planned.points, torch.device("cpu")):
+        ops_of.setdefault(point.shape.weights, set()).add(job.key.op)
+    assert ops_of["fp8"] == {"gated_up_fp8", "down_fp8"} and ops_of["w8a8"] == {"linear_w8a8"}
+    assert "gated_up" in ops_of["dense"] and not any(op.endswith(("_fp8", "_w8a8")) for op in ops_of["dense"])
+    assert sorted(shape.label() for shape in recorded.counts) == sorted([
+        f"mlp {D}->{F_} silu float32", f"mlp {D}->{F_} silu float32 fp8", f"linear {D}->56 gelu bias float32 w8a8"])

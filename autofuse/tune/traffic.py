@@ -113,8 +113,8 @@ def jobs(points: list[Point], device: torch.device, only: set[str] | None = None
     for point in points:
         shape, item = point.shape, entry(point.shape)
         for spec in ops.specs():
-            # Traces record the dense modules: their keys only.
-            if spec.serves != shape.kind or (spec.training and not shape.train) or spec.weights != "dense":
+            # A shape's keys are its weight format's ops (fp8 and w8a8 modules run their own).
+            if spec.serves != shape.kind or (spec.training and not shape.train) or spec.weights != shape.weights:
                 continue
             if spec.max_m is not None and point.run_m > spec.max_m:
                 continue
