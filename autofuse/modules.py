@@ -113,14 +113,15 @@ class FusedLinear(FusedModule):
 
 class FusedLinearFp8(FusedLinear):
     """y = act(x @ (W8 s)^T + bias) [+ residual] in one kernel, with W8 the weights in float8_e4m3fn and s a float32
-    scale per output channel (ops/linear_fp8.py): half the weight bytes of bf16. Inference only: its parameters do
+    scale per output channel (op linear_fp8; with weights="w8a8", op linear_w8a8, which quantizes x per row too):
+    half the weight bytes of bf16. Inference only: its parameters do
     not train, and a forward that would build a graph raises. State: `weight_fp8`, `weight_scale`, `bias`, and
     `weight` (the original, not used by the forward) where built with keep_original=True; a state_dict holding a
     dense `weight` (an nn.Linear's, say) and no `weight_fp8` is quantized as it loads."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, activation: str,
                  dtype: torch.dtype, device: torch.device, **options: bool) -> None:
-        """options: tuned (True), keep_original (False): get_linear says what each does."""
+        """options: tuned (True), keep_original (False), weights ("fp8" or "w8a8"): get_linear says what each does."""
         super().__init__(in_features, out_features, bias=bias, activation=activation, dtype=dtype, device=device,
                          tuned=bool(options.get("tuned", True)))
         self.keep_original = bool(options.get("keep_original", False))
@@ -424,14 +425,15 @@ class FusedMLP(FusedModule):
 class FusedMLPFp8(FusedModule):
     """down_proj(act(gate_proj(x)) * up_proj(x)) with fp8 weights: each projection a FusedLinearFp8 holding its
     weights in float8_e4m3fn with a float32 scale per output channel (its state: `weight_fp8`, `weight_scale`,
-    `bias`), run as the gated up-projection (op gated_up_fp8) and the down projection (op down_fp8), each checked,
-    tuned and raced as any op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
+    `bias`), run as the gated up-projection (op gated_up_fp8, or gated_up_w8a8 with weights="w8a8", which quantizes
+    x too) and the down projection (down_fp8, or down_w8a8, which quantizes H), each checked, tuned and raced as any
+    op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
     it loads. Neither the interleaved gate/up layout nor padding applies: sizes whose fp8 rows are not 16-byte
     aligned (d_model or d_ff not a multiple of 16) run, at a speed nobody has measured."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,
                  device: torch.device, **options: bool) -> None:
-        """options: tuned (True), keep_original (False): get_mlp says what each does."""
+        """options: tuned (True), keep_original (False), weights ("fp8" or "w8a8"): get_mlp says what each does."""
         tuned = bool(options.get("tuned", True))
         super().__init__(tuned)
         self.in_features = self.d_model = d_model

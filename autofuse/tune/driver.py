@@ -47,9 +47,9 @@ class Job:
 
 def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
                     only: set[str] | None = None) -> list[Job]:
-    """One job per key the shapes need: each registered op that serves an MLP or a Linear with the shapes' weight
-    format (dense, or fp8: ops linear_fp8, gated_up_fp8, down_fp8) gets a key per entry and M (within the op's
-    max_m; training ops only with `train`); `only` keeps those ops."""
+    """One job per key the shapes need: each registered op that serves an MLP or a Linear in the shapes' weight
+    format (OpSpec.weights: dense, fp8 or w8a8) gets a key per entry and M (within the op's max_m; training ops
+    only with `train`); `only` keeps those ops."""
     env = current_environment(device)
     entries = {"mlp": shapes.mlps, "linear": shapes.linears}
     jobs = []
