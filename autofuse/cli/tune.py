@@ -59,7 +59,8 @@ def _parse_ops(text: str | None, train: bool, weights: str = "dense") -> set[str
 @click.option("--train", is_flag=True, help="Also tune each MLP's backward kernel (gated_bwd), for training.")
 @click.option("--weights", type=click.Choice(list(WEIGHT_FORMATS)), default="dense", show_default=True,
               help="The weight format to tune for: fp8 tunes the ops of get_linear / get_mlp(weights='fp8') "
-                   "(linear_fp8, gated_up_fp8, down_fp8).")
+                   "(linear_fp8, gated_up_fp8, down_fp8), w8a8 those of weights='w8a8' (linear_w8a8, "
+                   "gated_up_w8a8, down_w8a8).")
 @click.option("--ops", "only", default=None,
               help=f"Tune only these ops, comma-separated: {', '.join(ops.names(tunable=True))} (default: all).")
 @click.option("--devices", default=None,
