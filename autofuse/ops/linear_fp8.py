@@ -65,16 +65,25 @@ def linear_fp8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: tor
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Y = act(x @ (w8 * scale[:, None]).T + bias) + residual; x: [M, K] (float32, float16 or bfloat16), w8: [N, K]
     float8_e4m3fn, scale: [N] float32, bias: [N] and residual: [M, N] in x's dtype. Written into `out` when given."""
+    return launch_linear(LINEAR_FP8, x, (w8, scale), bias, residual, activation, config, out)
+
+
+def launch_linear(spec, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, activation: str, config: KernelConfig,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """The kernel of `spec` (an fp8 linear op: linear_fp8, linear_w8a8) on x and weight = (W8, s): checked,
+    allocated, launched."""
+    w8, scale = weight
     L.check_operands(x, bias, residual)
     M, K = x.shape
     N = w8.shape[0]
-    check_weights("linear_fp8", x, w8, scale, N)
+    check_weights(spec.name, x, w8, scale, N)
     L.require(residual is None or tuple(residual.shape) == (M, N),
-              f"linear_fp8: residual {tuple(residual.shape) if residual is not None else ()} does not fit {(M, N)}")
+              f"{spec.name}: residual {tuple(residual.shape) if residual is not None else ()} does not fit {(M, N)}")
     y = L.output(out, (M, N), x)
     if M == 0:
         return y
-    kernel = L.kernel_for(LINEAR_FP8, activation, K, x.dtype, config, bias is not None, residual is not None)
+    kernel = L.kernel_for(spec, activation, K, x.dtype, config, bias is not None, residual is not None)
     tensors = {"x": x, "w": w8, "s": scale.contiguous(), "b": None if bias is None else bias.contiguous(),
                "r": residual, "y": y}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)

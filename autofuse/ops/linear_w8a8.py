@@ -17,10 +17,9 @@ import dataclasses
 
 import torch
 
-from .. import launch as L
 from ..configs import KernelConfig
 from .bias_act import bias_activation
-from .linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, check_weights, dequantize_fp8
+from .linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, launch_linear
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,20 +36,7 @@ def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: to
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Y = act(quantize_rows(x) @ (w8 * scale[:, None]).T + bias) + residual, x quantized inside the kernel; x: [M, K]
     (float32, float16 or bfloat16), w8: [N, K] float8_e4m3fn, scale: [N] float32. Written into `out` when given."""
-    L.check_operands(x, bias, residual)
-    M, K = x.shape
-    N = w8.shape[0]
-    check_weights("linear_w8a8", x, w8, scale, N)
-    L.require(residual is None or tuple(residual.shape) == (M, N),
-              f"linear_w8a8: residual {tuple(residual.shape) if residual is not None else ()} does not fit {(M, N)}")
-    y = L.output(out, (M, N), x)
-    if M == 0:
-        return y
-    kernel = L.kernel_for(LINEAR_W8A8, activation, K, x.dtype, config, bias is not None, residual is not None)
-    tensors = {"x": x, "w": w8, "s": scale.contiguous(), "b": None if bias is None else bias.contiguous(),
-               "r": residual, "y": y}
-    L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)
-    return y
+    return launch_linear(LINEAR_W8A8, x, (w8, scale), bias, residual, activation, config, out)
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
