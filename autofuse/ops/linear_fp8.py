@@ -147,14 +147,15 @@ LINEAR_FP8 = dataclasses.replace(
     make_operands=_make_operands,
 )
 
+# What makes a gated MLP's down projection of an fp8 linear op: no activation, no residual, keyed for the shapes
+# file's MLPs at the sizes FusedMLPFp8 runs (no padding).
+DOWN_FIELDS = dict(activations=("none",), residual=False, serves="mlp", dims=lambda s: (s.d_model, s.d_ff, "none"))
+
 DOWN_FP8 = dataclasses.replace(
     LINEAR_FP8,
     name="down_fp8",
     doc="a gated MLP's down projection with fp8 weights: the fp8 linear kernel without activation",
-    activations=("none",),
-    residual=False,
-    serves="mlp",
-    dims=lambda s: (s.d_model, s.d_ff, "none"),  # FusedMLPFp8 runs the sizes as they are (no padding)
+    **DOWN_FIELDS,
 )
 
 

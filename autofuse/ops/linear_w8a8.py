@@ -19,7 +19,7 @@ import torch
 
 from ..configs import KernelConfig
 from .bias_act import bias_activation
-from .linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, launch_linear
+from .linear_fp8 import DOWN_FIELDS, FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, launch_linear
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +87,5 @@ DOWN_W8A8 = dataclasses.replace(
     LINEAR_W8A8,
     name="down_w8a8",
     doc="a gated MLP's down projection with H quantized to fp8 per row inside it and W in fp8",
-    activations=("none",),
-    residual=False,
-    serves="mlp",
-    dims=lambda s: (s.d_model, s.d_ff, "none"),  # FusedMLPFp8 runs the sizes as they are (no padding)
+    **DOWN_FIELDS,
 )
