@@ -173,7 +173,8 @@ class FusedLinearFp8(FusedLinear):
         return BoundLinear(table, self.activation, M, op=self._op)
 
     def _libraries(self, residual):
-        return {"linear": tuple(ops.get(self._op).library_for(self.activation, self.bias is not None, residual))}
+        names = ops.get(self._op).library_for(self.activation, self.bias is not None, residual)
+        return {"linear": _fitting(names, self.in_features, self.out_features)}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         buffers = self._buffers
@@ -480,8 +481,10 @@ class FusedMLPFp8(FusedModule):
 
     def _libraries(self, residual):
         bias = self.gate_proj.bias is not None
-        return {"gated_up": tuple(ops.get(f"gated_up_{self.weights}").library_for(self.activation, bias, False)),
-                "down": tuple(ops.get(f"down_{self.weights}").library_for("none", bias, False))}
+        return {"gated_up": _fitting(ops.get(f"gated_up_{self.weights}").library_for(self.activation, bias, False),
+                                     self.d_model, self.d_ff),
+                "down": _fitting(ops.get(f"down_{self.weights}").library_for("none", bias, False), self.d_model,
+                                 self.d_ff)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._params()
@@ -599,3 +602,10 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
     return allocated(lambda: FusedMLP(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
                                       device=device, **options),
                      "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)
+
+
+def _fitting(names, *sizes: int) -> tuple[str, ...]:
+    """The library candidates `names` that can run these sizes: torch._scaled_mm's ("scaled_mm") needs multiples
+    of 16 (linear_w8a8.scaled_mm_sizes)."""
+    aligned = all(size % 16 == 0 for size in sizes)
+    return tuple(name for name in names if aligned or name != "scaled_mm")

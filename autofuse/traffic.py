@@ -91,7 +91,13 @@ class Traffic:
     sources: list[str] = dataclasses.field(default_factory=list)
 
     def count(self, shape: Shape, M: int) -> Count:
-        return self.counts.setdefault(shape, {}).setdefault(M, Count())
+        by_m = self.counts.get(shape)
+        if by_m is None:
+            by_m = self.counts[shape] = {}
+        count = by_m.get(M)
+        if count is None:
+            count = by_m[M] = Count()
+        return count
 
     def merge(self, other: Traffic) -> None:
         for shape, by_m in other.counts.items():
@@ -297,17 +303,21 @@ class Recorder:
         return out
 
     def _read_events(self, wait: bool) -> None:
-        kept = []
-        for count, start, end in self._pending:
+        """Fold the timed samples that have ended into their counts (all of them, waiting, where `wait`). Without
+        waiting, the reading stops at the first sample still running: samples end in the order they were queued
+        (one stream), and querying each one left would cost every timed call tens of µs."""
+        pending = self._pending
+        done = 0
+        for count, start, end in pending:
             if wait:
                 end.synchronize()
             elif not end.query():
-                kept.append((count, start, end))
-                continue
+                break
+            done += 1
             count.sampled += 1
             count.sampled_ms += start.elapsed_time(end)
             self._free.append((start, end))  # events are reused: creating a pair costs more than a forward
-        self._pending = kept
+        del pending[:done]
 
     def snapshot(self) -> Traffic:
         """The traffic so far (timed samples still running on the GPU are waited for)."""

@@ -22,6 +22,8 @@ import torch
 from never_slower import draw_shapes, geomean, liger_gate, measure, mlp_providers
 
 import autofuse
+from autofuse.ops.gated_act import gated_activation
+from autofuse.ops.linear_w8a8 import quantize_rows
 
 PEERS = ("eager", "torch.compile", "liger")
 
@@ -33,6 +35,27 @@ def fp8_twin(module, weights: str):
     dense = {name: p.detach().contiguous() for name, p in module.state_dict().items()}
     fp8.load_state_dict(dense)
     return fp8
+
+
+def scaled_mm_mlp(w8a8):
+    """The library path of a W8A8 MLP: torch._scaled_mm (fp8 tensor cores, rowwise scales) for gate, up and down,
+    each input quantized per row by PyTorch's ops, and one pointwise pass act(G) * U, on `w8a8`'s quantized
+    weights; None where _scaled_mm cannot run the sizes (d_model and d_ff must be multiples of 16)."""
+    if w8a8.d_model % 16 or w8a8.d_ff % 16:
+        return None
+    projections = [(m.weight_fp8, m.weight_scale, m.bias) for m in (w8a8.gate_proj, w8a8.up_proj, w8a8.down_proj)]
+
+    def project(x, w8, scale, bias):
+        x8, sx = quantize_rows(x)
+        return torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=scale[None, :], bias=bias,
+                                out_dtype=x.dtype)
+
+    def forward(x):
+        (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = projections
+        h = gated_activation(project(x, wg, sg, bg), project(x, wu, su, bu), w8a8.activation)
+        return project(h, wd, sd, bd)
+
+    return forward
 
 
 def main() -> None:
@@ -54,10 +77,16 @@ def main() -> None:
             providers = mlp_providers(shape, liger)
             for weights in ("fp8", "w8a8"):
                 providers[f"autofuse-{weights}"] = fp8_twin(providers["autofuse"], weights)
+            scaled_mm = scaled_mm_mlp(providers["autofuse-w8a8"])
+            if scaled_mm is not None:
+                providers["scaled_mm-w8a8"] = scaled_mm
             for M in tokens:
                 row = dict(**shape, **measure(providers, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS))
                 us = row["us"]
                 row["ratio_w8a8"] = us[row["best_peer"]] / us["autofuse-w8a8"]
+                if "scaled_mm-w8a8" in us:
+                    row["ratio_to_scaled_mm"] = {w: us["scaled_mm-w8a8"] / us[f"autofuse-{w}"]
+                                                 for w in ("fp8", "w8a8")}
                 row["ratio_to_autofuse_bf16"] = {w: us["autofuse"] / us[f"autofuse-{w}"] for w in ("fp8", "w8a8")}
                 row["choices"] = {w: {op: c.short() for op, c in providers[f"autofuse-{w}"].config_for(M).items()}
                                   for w in ("fp8", "w8a8")}
@@ -65,7 +94,8 @@ def main() -> None:
                 print(f"{shape['d_model']}->{shape['d_ff']} {shape['activation']} M={M}: best bf16 peer "
                       f"{row['best_peer']} {us[row['best_peer']]:.1f} us; fp8 {us['autofuse-fp8']:.1f} "
                       f"({row['ratio']:.2f}x), w8a8 {us['autofuse-w8a8']:.1f} ({row['ratio_w8a8']:.2f}x), autofuse "
-                      f"bf16 {us['autofuse']:.1f}; error against eager bf16: fp8 "
+                      f"bf16 {us['autofuse']:.1f}, _scaled_mm {us.get('scaled_mm-w8a8', float('nan')):.1f}; error "
+                      f"against eager bf16: fp8 "
                       f"{row['rel_error']['autofuse-fp8']:.2e}, w8a8 {row['rel_error']['autofuse-w8a8']:.2e}, bf16 "
                       f"{row['rel_error']['autofuse']:.2e}", flush=True)
             del providers
@@ -84,6 +114,8 @@ def _summary(rows: list[dict], start: float) -> dict:
     for weights, key in (("fp8", "ratio"), ("w8a8", "ratio_w8a8")):
         summary[weights] = dict(m_le_16=of([r for r in rows if r["M"] <= 16], key),
                                 m_ge_1024=of([r for r in rows if r["M"] >= 1024], key), all=of(rows, key),
+                                over_scaled_mm=of([dict(r=r["ratio_to_scaled_mm"][weights]) for r in rows
+                                                   if "ratio_to_scaled_mm" in r], "r"),
                                 max_rel_error=max((r["rel_error"][f"autofuse-{weights}"] for r in rows),
                                                   default=float("nan")))
     return dict(**summary, seconds=time.perf_counter() - start)

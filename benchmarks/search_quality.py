@@ -57,12 +57,12 @@ KEYS = [
 WITHIN = 0.03  # "found": within 3% of the sweep's best
 
 
-def _dims(op: str) -> tuple[int, int]:
-    """(n, k) of an op of the sampled MLP."""
+def _dims(op: str) -> tuple[int, int, str]:
+    """(n, k, activation) of an op of the sampled MLP (the down projection's activation is its own, not the
+    MLP's)."""
     from autofuse.shapes import MLPShape
 
-    n, k, _ = ops.get(op).dims(MLPShape("llama-3.2-1b", D_MODEL, D_FF, ACTIVATION, False))
-    return n, k
+    return ops.get(op).dims(MLPShape("llama-3.2-1b", D_MODEL, D_FF, ACTIVATION, False))
 
 
 def measure(args) -> None:
@@ -85,8 +85,8 @@ def measure(args) -> None:
     for group, label, op, M, space in KEYS:
         if group not in groups:
             continue
-        n, k = _dims(op)
-        key = Problem(op, n, k, M, torch.bfloat16, ACTIVATION).key(M, current_environment(device))
+        n, k, activation = _dims(op)
+        key = Problem(op, n, k, M, torch.bfloat16, activation).key(M, current_environment(device))
         job = Job(key, M, label)
         spec = ops.get(op)
         space = space or spec.search_space(False)
@@ -119,7 +119,7 @@ def measure(args) -> None:
               f"side by side: tuned {side['tuned']:.4f} ms, sweep's best {side['sweep']:.4f} ms "
               f"(tuned at {ratio:.3f} of its speed)", flush=True)
         results.append({
-            "group": group, "label": label, "op": op, "n": n, "k": k, "M": M, "activation": ACTIVATION,
+            "group": group, "label": label, "op": op, "n": n, "k": k, "M": M, "activation": activation,
             "space": space.dimensions(), "variants": [v.name for v in kinds],
             "shared_memory_limit": info.shared_memory_limit, "multiprocessors": info.multiprocessors,
             "capability": list(info.capability), "sweep_seconds": seconds, "sweep_budget_ms": args.sweep_budget_ms,

@@ -68,16 +68,57 @@ def test_bound_w8a8_linear_is_bit_identical_to_the_jit_path(device, config):
     torch.testing.assert_close(y, linear_w8a8(x, w8, scale, b, None, "silu", config), rtol=tolerance, atol=tolerance)
 
 
-def test_its_library_paths_compute_the_same_quantized_product(device):
-    x, w8, scale, b, r = _operands(torch.bfloat16, device)
+@pytest.mark.parametrize("n, k", [(N, K), (32, 64)], ids=["ragged", "aligned"])
+def test_its_library_paths_compute_the_same_quantized_product(device, n, k):
+    x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
+    w8, scale = quantize_fp8(torch.randn(n, k, device=device) / k**0.5)
+    b, r = (torch.randn(n, device=device, dtype=torch.bfloat16), torch.randn(M, n, device=device, dtype=torch.bfloat16))
     operands = {"x": x, "w": w8, "s": scale, "b": b, "r": r}
     assert list(LINEAR_W8A8.library_for("gelu", True, True)) == ["eager", "scaled_mm"]
     x8, sx = quantize_rows(x)
     ref = linear_reference(dequantize_fp8(x8, sx, torch.float64), dequantize_fp8(w8, scale, torch.float64), b, r,
                            "gelu")
     for name in ("eager", "scaled_mm"):
+        if name == "scaled_mm" and x.is_cuda and k % 16:
+            # torch._scaled_mm takes multiples of 16 only: the candidate says so in one line, and a check leaves
+            # it out (test_a_library_candidate_that_cannot_run_a_key_is_left_out_of_its_check).
+            with pytest.raises(ValueError, match="multiples of 16"):
+                LINEAR_W8A8.library[name](operands, "gelu")
+            continue
         out = LINEAR_W8A8.library[name](operands, "gelu")
         assert ((out.double() - ref).norm() / ref.norm()).item() < 4 * 2**-8, name
+
+
+def test_a_library_candidate_that_cannot_run_a_key_is_left_out_of_its_check(device):
+    from autofuse.evaluator import Evaluator
+
+    def cannot(operands, activation):
+        raise ValueError("not at these sizes")
+
+    ops.register_library("linear_w8a8", "cannot_run", cannot)
+    try:
+        device = torch.device(device)
+        key = Problem("linear_w8a8", N, K, M, torch.bfloat16, "gelu", True).key(M, current_environment(device))
+        evaluator = Evaluator(key, M, device, budget_ms=5)
+        try:
+            times = evaluator.library_ms()
+        finally:
+            evaluator.close()
+    finally:
+        ops.unregister_library("linear_w8a8", "cannot_run")
+    assert "eager" in times and "cannot_run" not in times
+    assert ("scaled_mm" in times) == (device.type == "cpu")  # on a GPU, K = 72 is no multiple of 16
+
+
+def test_an_fp8_module_races_scaled_mm_only_where_its_sizes_are_multiples_of_16(device):
+    import autofuse
+
+    ragged = autofuse.get_linear(K, N, activation="gelu", dtype=torch.bfloat16, weights="w8a8", device=device)
+    aligned = autofuse.get_linear(64, 32, activation="gelu", dtype=torch.bfloat16, weights="w8a8", device=device)
+    assert ragged._libraries(False) == {"linear": ("eager",)}
+    assert aligned._libraries(False) == {"linear": ("eager", "scaled_mm")}
+    mlp = autofuse.get_mlp(64, 72, activation="silu", dtype=torch.bfloat16, weights="w8a8", device=device)
+    assert all("scaled_mm" not in names for names in mlp._libraries(False).values())
 
 
 def test_a_w8a8_key_is_tuned_with_its_error_against_the_unquantized_values_reported(tmp_path):

@@ -54,13 +54,22 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
     return LINEAR_FP8.library["eager"]({**ops, "x": dequantized_rows(ops["x"], ops["x"].dtype)}, activation)
 
 
+def scaled_mm_sizes(w8: torch.Tensor) -> None:
+    """Raise ValueError where torch._scaled_mm cannot take a weight of this [N, K]: both must be multiples of 16
+    (its fp8 GEMMs' alignment). The check that meets it leaves the library path out (Evaluator.library_ms)."""
+    n, k = w8.shape
+    if n % 16 or k % 16:
+        raise ValueError(f"torch._scaled_mm needs N and K multiples of 16, got N={n}, K={k}")
+
+
 def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:
     """torch._scaled_mm of the quantized rows and weights (fp8 tensor cores, rowwise scales), then one pointwise
     pass act(Y + b) [+ R] (op bias_act). Off CUDA, where _scaled_mm does not run, the same values through eager's
-    ops."""
+    ops. ValueError where the sizes are not multiples of 16 (scaled_mm_sizes)."""
     x = ops["x"]
     if not x.is_cuda:
         return _eager(ops, activation)
+    scaled_mm_sizes(ops["w"])
     x8, sx = quantize_rows(x)
     y = torch._scaled_mm(x8, ops["w"].t(), scale_a=sx[:, None], scale_b=ops["s"][None, :], out_dtype=x.dtype)
     return bias_activation(y, ops.get("b"), ops.get("r"), activation)
