@@ -97,7 +97,13 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
     decided_after = None
     if entry is not None and hasattr(entry, "race_calls"):
         decided_after = "undecided" if entry.plain is None else "raced"
+    # Against eager's median window too: a window's host can stall for milliseconds (both providers' windows
+    # showed such spikes, 3-8x their neighbours), and the window beside it is then no measure of eager's call.
+    eager_us = statistics.median(theirs)
     return dict(autofuse_us=ours, eager_us=theirs, worst_ratio=max(o / e for o, e in zip(ours, theirs)),
+                worst_over_eager_median=max(ours) / eager_us,
+                windows_over_1_25=sum(o > 1.25 * e for o, e in zip(ours, theirs)),
+                windows_over_1_25_eager_median=sum(o > 1.25 * eager_us for o in ours),
                 steady_ratio=statistics.median(o / e for o, e in zip(ours[-5:], theirs[-5:])), race=decided_after)
 
 
@@ -142,7 +148,9 @@ def main() -> None:
             rows.append(row)
             print(f"{d}->{f} {activation} M={M}: first {row['first_s']:.2f} s (checks {row['checks_s']:.2f}, "
                   f"compiles {row['compiles_s']:.2f}), second {row['second_s'] * 1e3:.2f} ms {row['sources']}"
-                  + (f"; plain windows: worst {row['plain']['worst_ratio']:.2f}x eager, steady "
+                  + (f"; plain windows: worst {row['plain']['worst_ratio']:.2f}x eager beside it "
+                     f"({row['plain']['worst_over_eager_median']:.2f}x eager's median; windows over 1.25x: "
+                     f"{row['plain']['windows_over_1_25']}, {row['plain']['windows_over_1_25_eager_median']}), steady "
                      f"{row['plain']['steady_ratio']:.2f}x ({row['plain']['race']})" if "plain" in row else ""),
                   flush=True)
         harness.write(out, "first_use.json", dict(rows=rows, summary=_summary(rows, tokens)))
@@ -156,6 +164,14 @@ def _summary(rows: list[dict], tokens: list[int]) -> dict:
         if at:
             summary[f"M={M}"] = {key: statistics.median(r[key] for r in at)
                                  for key in ("first_s", "checks_s", "compiles_s", "second_s")}
+            plain = [r["plain"] for r in at if "plain" in r]
+            if plain:
+                summary[f"M={M}"].update(
+                    worst_window_ratio=max(p["worst_ratio"] for p in plain),
+                    worst_window_over_eager_median=max(p["worst_over_eager_median"] for p in plain),
+                    windows_over_1_25=sum(p["windows_over_1_25"] for p in plain),
+                    windows_over_1_25_eager_median=sum(p["windows_over_1_25_eager_median"] for p in plain),
+                    windows=sum(len(p["autofuse_us"]) for p in plain))
     return summary
 
 
