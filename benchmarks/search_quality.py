@@ -1,7 +1,7 @@
 """How close does the tuner's search come to an exhaustive sweep of its space?
 
   measure (a CUDA GPU):  python benchmarks/search_quality.py measure [--keys decode,prefill,backward]
-                             [--trials 20] [--tuned-cache DIR] [--work DIR] [--sweep-budget-ms 20] [--out DIR]
+                             [--trials 30] [--tuned-cache DIR] [--work DIR] [--sweep-budget-ms 20] [--out DIR]
   simulate (anywhere):   python benchmarks/search_quality.py simulate FILE [--seeds 20] [--budgets 5,10,20,40]
 
 measure samples the keys of a Llama-3.2-1B-shaped MLP (d_model 2048, d_ff 8192, SwiGLU, bf16): decode (M = 1:
@@ -40,6 +40,7 @@ import torch
 from autofuse import ops, variants
 from autofuse.configs import KernelConfig, Library, SearchSpace, Shape
 from autofuse.store import TrialRecord
+from autofuse.tune.driver import DEFAULT_TRIALS
 from autofuse.tune.space import SearchProblem, candidates
 
 D_MODEL, D_FF, ACTIVATION = 2048, 8192, "silu"
@@ -242,7 +243,8 @@ def main() -> None:
     m = sub.add_parser("measure", help="sweep the sampled keys on this GPU (CUDA)")
     m.add_argument("--out", default=None, help="folder for the raw JSON (default: benchmarks/results/<gpu>/)")
     m.add_argument("--keys", default="decode,prefill,backward", help="groups of keys to sweep")
-    m.add_argument("--trials", type=int, default=20, help="the tuning run's trials where --tuned-cache has no record")
+    m.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
+                   help="the tuning run's trials where --tuned-cache has no record")
     m.add_argument("--tuned-cache", default=None, help="a cache folder whose records are the tuned ones")
     m.add_argument("--work", default=None, help="folder the sweeps' trials are kept in (a rerun resumes them)")
     m.add_argument("--sweep-budget-ms", type=float, default=20.0, help="GPU time each swept config is timed for")

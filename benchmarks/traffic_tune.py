@@ -2,7 +2,7 @@
 a short greedy generate (batch 1, a 100-token prompt, 32 new tokens) and one training step (batch 4 x 256 tokens)
 with traffic recording on; then `autofuse tune --traffic` tunes from that trace into an empty user cache.
 
-  python benchmarks/traffic_tune.py [--out DIR] [--trials 20] [--keep-cache DIR]
+  python benchmarks/traffic_tune.py [--out DIR] [--trials 30] [--keep-cache DIR]
 
 Reports the trace (calls and recorded ms per shape and M), the tuning run's wall time (the command, process start
 included), its keys and trials, and its expected-saving table. --keep-cache DIR tunes into DIR (which must be
@@ -25,6 +25,7 @@ import transformers
 
 import autofuse
 from autofuse import traffic
+from autofuse.tune.driver import DEFAULT_TRIALS
 
 
 def record(folder: Path) -> dict:
@@ -55,7 +56,7 @@ def record(folder: Path) -> dict:
 
 def main() -> None:
     parser = harness.parser(__doc__)
-    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS)
     parser.add_argument("--keep-cache", default=None, help="tune into this (empty) folder and keep it")
     args = parser.parse_args()
     if args.keep_cache and Path(args.keep_cache).exists() and any(Path(args.keep_cache).iterdir()):

@@ -18,7 +18,7 @@ from ..shapes import DEFAULT_TOKENS, DTYPES, load_shapes
 from ..store import Store
 from ..tune import worklist
 from ..tune.coordinator import default_storage, parse_devices, run_workers
-from ..tune.driver import TuneOptions, TuningInterrupted, jobs_for_shapes, tune_jobs, tune_shapes
+from ..tune.driver import DEFAULT_TRIALS, TuneOptions, TuningInterrupted, jobs_for_shapes, tune_jobs, tune_shapes
 from ..tune.policies import POLICIES
 from ..tune.progress import RunProgress, duration, plural
 from .common import dtype_option, main, model_option, parse_choices, parse_tokens, select_device, shapes_file_option
@@ -45,7 +45,8 @@ def _parse_ops(text: str | None, train: bool, weights: str = "dense") -> set[str
 @model_option("Instead of --shapes: a Hugging Face config.json or model folder; its MLP is tuned.")
 @dtype_option("Override the file's dtype.")
 @click.option("--tokens", default=None, help="Override the file's token counts, e.g. 1,16,128.")
-@click.option("--trials", type=click.IntRange(min=1), default=20, show_default=True, help="Trials per key.")
+@click.option("--trials", type=click.IntRange(min=1), default=DEFAULT_TRIALS, show_default=True,
+              help="Trials per key.")
 @click.option("--time-budget", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds per key (with --trials, whichever ends first).")
 @click.option("--policy", type=click.Choice(list(POLICIES)), default="optuna", show_default=True)

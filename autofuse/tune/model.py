@@ -8,10 +8,10 @@ from torch import nn
 from ..hf import FusedHFMLP
 from ..modules import FusedMLP, FusedMLPFp8
 from ..shapes import DEFAULT_TOKENS, MLPShape, ShapeSet
-from .driver import tune_shapes
+from .driver import DEFAULT_TRIALS, tune_shapes
 
 
-def tune_model(model: nn.Module, *, tokens: tuple[int, ...] | None = None, trials: int = 20) -> int:
+def tune_model(model: nn.Module, *, tokens: tuple[int, ...] | None = None, trials: int = DEFAULT_TRIALS) -> int:
     """Tune every distinct MLP shape among `model`'s fused blocks (after autofuse.fuse, or FusedMLP
     modules) at `tokens` (default: shapes.DEFAULT_TOKENS), `trials` per key, into the user cache; the
     blocks resolve again on their next forward. Returns the number of keys tuned."""
