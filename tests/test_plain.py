@@ -135,7 +135,8 @@ class _Entry:
 
     def __init__(self, name, cost=1.0):
         self.name, self.cost, self.calls = name, cost, 0
-        self.table = {"linear": Choice(Library(name), Source.USER_CACHE, FAST)}
+        # a host-bound table: its GPU time (ms) half its plain call's
+        self.table = {"linear": Choice(Library(name), Source.USER_CACHE, cost * 1e-3 / 2)}
 
     def __call__(self, *args):
         self.calls += 1
@@ -153,12 +154,15 @@ def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     return raced, entries
 
 
-@pytest.mark.parametrize("costs, expected, dropped", [
-    ([30.0, 10.0, 20.0], "e1", ["e2"]),  # the fastest plain call; e2 probed beside e1, twice as slow
-    ([30.0, 29.0, 40.0], "e0", ["e2"]),  # within race_margin of the GPU-time winner: the winner stays
-    ([30.0, 31.0, 28.0], "e2", []),  # none dropped
+@pytest.mark.parametrize("costs, expected, dropped, unprobed", [
+    # the fastest plain call; e0's host time alone is 3x e1's: dropped without a probe; e2, twice as slow as e1,
+    # dropped after its probe beside e1
+    ([30.0, 10.0, 20.0], "e1", ["e2"], ["e0"]),
+    ([30.0, 29.0, 40.0], "e0", ["e2"], []),  # within race_margin of the GPU-time winner: the winner stays
+    ([30.0, 31.0, 28.0], "e2", [], []),  # none dropped
 ])
-def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected, dropped):
+def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected, dropped,
+                                                                           unprobed):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     raced, entries = _raced(monkeypatch, costs)
     racing = raced.race_calls()
@@ -167,11 +171,14 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     assert racing == plain.race_length(len(costs)) == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe) + \
         policy.race_rounds * len(costs) * window
     during = [raced("x") for _ in range(racing)]
-    assert set(during) == {e.name for e in entries}
-    # An entry slower than the fastest known by more than race_keep ran its binding call and its probe, no more.
-    assert [e.name for e in entries if e.calls == 1 + probe] == dropped
-    if not dropped:  # the race took every call planned, and its first call ran every entry
-        assert sum(e.calls for e in entries) == racing + len(costs) - 1
+    assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
+    # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls and
+    # its probe, no more; one whose host time alone rules it out, its binding and host-timed calls.
+    estimate = plain.ESTIMATE_CALLS
+    assert [e.name for e in entries if e.calls == 1 + estimate + probe] == dropped
+    assert [e.name for e in entries if e.calls == 1 + estimate] == unprobed
+    if not dropped and not unprobed:  # the race took every call planned, and its first call ran every entry
+        assert sum(e.calls for e in entries) == racing + len(costs) * (1 + estimate) - 1
     assert [raced("x") for _ in range(3)] == [expected] * 3
     assert raced.plain_table == next(e.table for e in entries if e.name == expected)
     assert raced.table is entries[0].table  # what config_for reports: the GPU-time winner's
@@ -185,20 +192,24 @@ def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monke
     with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1)):
         raced, entries = _raced(monkeypatch, [1.0, 1.1, 0.9], key=("test", "order"))
         order = [raced("x") for _ in range(raced.race_calls())]
-        assert [e.calls for e in entries] == [1 + 2 + 10 + 6, 1 + 1 + 6, 1 + 1 + 6]
+        estimate = plain.ESTIMATE_CALLS
+        assert [e.calls for e in entries] == [1 + estimate + 1 + 6, 1 + estimate + 1 + 6,
+                                              1 + estimate + 2 + 10 + 6]
         decided = raced("x")
-    # The first call runs every entry (each binds its launches) and returns the GPU-time winner's result; its
-    # window; per other entry two windows and a probe of the fastest known (e0: e2 is probed after e1, whose probe
-    # was slower than e0's), then that entry's probe; then rounds of one window each, the order rotated.
-    expected = ["e0"] + ["e0"] * 2 + ["e0"] * 5 + ["e1"] + ["e0"] * 5 + ["e2"] + [
+    # The first call runs every entry (each binds its launches, then has its host time taken) and returns the
+    # GPU-time winner's result; the window of the lowest estimate (e2); per other entry, lowest estimate first,
+    # two windows and a probe of the fastest known (e2), then that entry's probe; then rounds of one window each,
+    # the order rotated.
+    expected = ["e0"] + ["e2"] * 2 + ["e2"] * 5 + ["e0"] + ["e2"] * 5 + ["e1"] + [
         "e0", "e0", "e1", "e1", "e2", "e2"] + ["e1", "e1", "e2", "e2", "e0", "e0"] + [
         "e2", "e2", "e0", "e0", "e1", "e1"]
     assert order == expected and decided == "e2"
 
 
 def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeypatch):
-    """Tables up to 4x slower than the fastest known: each runs its probe and is dropped; no 50 calls in a row cost
-    more than 1.25x what the GPU-time winner's would, and the fastest table runs from the decision on."""
+    """Tables up to 4x slower than the fastest known: those whose host time alone is over twice the lowest estimate
+    are dropped in the first call, the others after their probes; no 50 calls in a row cost more than 1.25x what
+    the GPU-time winner's would, and the fastest table runs from the decision on."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     costs = [1.0, 3.0, 0.9, 4.0, 1.05]
     raced, entries = _raced(monkeypatch, costs, key=("test", "bounded"))
@@ -208,11 +219,26 @@ def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeyp
         before = _Entry.clock[0]
         raced("x")
         spent.append((_Entry.clock[0] - before) * 1e6)
-    probe = current_policy().race_probe_calls
-    assert entries[1].calls == entries[3].calls == 1 + probe  # dropped after their probes
+    assert entries[1].calls == entries[3].calls == 1 + plain.ESTIMATE_CALLS  # dropped without a probe
     worst = max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
     assert worst <= 1.25 * 50 * costs[0]
     assert raced("x") == "e2" and raced.plain is entries[2]
+
+
+def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(monkeypatch):
+    """A table of cheap host time but long known GPU time is neither started from nor dropped unprobed: its
+    estimate is its GPU time, and host time alone does not rule it out."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=1, race_probe_calls=1)):
+        raced, entries = _raced(monkeypatch, [10.0, 2.0, 30.0], key=("test", "estimate"))
+        entries[1].table = {"linear": Choice(Library("e1"), Source.USER_CACHE, 0.05)}  # 50 µs of GPU time
+        raced.tables[1] = entries[1].table
+        order = [raced("x") for _ in range(4)]
+    # The first call (e0's result), then e0's window: e1's estimate is 50 µs, e0's 10; e2's host time alone
+    # (30 µs) is over twice e0's estimate: dropped without a probe.
+    assert order == ["e0", "e0", "e0", "e0"]
+    assert raced._start == 0 and raced._alive == [True, True, False]
+    assert entries[2].calls == 1 + plain.ESTIMATE_CALLS
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
@@ -247,6 +273,8 @@ def _race_on_cpu(monkeypatch, times):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     monkeypatch.setattr(plain.Raced, "_times", lambda self: raced.append(list(self.tables)) or (
         times + [float("inf")] * len(self.tables))[:len(self.tables)])
+    # The interpreter's host times say nothing of a GPU's: every table's estimate is the same, none dropped by it.
+    monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: ([1.0] * len(self.tables),) * 2)
     plain._decided.clear()
     return raced
 

@@ -36,6 +36,9 @@ logger = logging.getLogger("autofuse")
 _KEPT = 512
 
 _decided: dict[tuple, int] = {}
+# Host-timed calls of each entry in a race's first call, after its binding call: the fastest of them is its host
+# time per call (one call alone may meet a collection or a page fault).
+ESTIMATE_CALLS = 2
 
 
 def host_bound(table: dict[str, Choice]) -> bool:
@@ -107,8 +110,8 @@ def _capturing() -> bool:
 
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
-    tables are dropped): the first call; the GPU-time winner's window; per other table two windows of the fastest
-    known and a probe of each of the two; race_rounds rounds of one window per table."""
+    tables are dropped): the first call; the window of the table of the lowest estimate; per other table two
+    windows of the fastest known and a probe of each of the two; race_rounds rounds of one window per table."""
     policy = current()
     window, probe = policy.race_calls, policy.race_probe_calls
     return 1 + window + (tables - 1) * (2 * window + 2 * probe) + policy.race_rounds * tables * window
@@ -120,20 +123,24 @@ class Raced:
     calls, so that no call waits for a race, and so that the race costs those calls little over the fastest entry
     known; each window is timed from a synchronisation before its first call to one after its last.
     - The first call runs every entry once, each binding its launches then (a module's first call at an M
-      resolves and checks its configs anyway; a binding call among the windows had cost them up to 1.8x), and
-      returns the GPU-time winner's result.
-    - Probes: the GPU-time winner runs a window of race_calls calls; then, for each other entry in turn, the fastest
-      entry known runs two such windows, then a probe of race_probe_calls calls, then the other entry the same. An
-      entry whose probe is slower than the fastest's, taken just before it, by more than race_keep is dropped: a
-      slow table runs race_probe_calls calls in all, with at least 2 x race_calls calls of the fastest between two
-      tables' probes.
+      resolves and checks its configs anyway; a binding call among the windows had cost them up to 1.8x), then
+      each entry ESTIMATE_CALLS more times, timing its host time per call (no synchronisation), and returns the
+      GPU-time winner's result. An entry's estimate is the larger of that host time and its table's known GPU
+      time; an entry whose host time alone exceeds the lowest estimate by more than race_host_keep is dropped
+      there (its plain call cannot be faster: a bound table's host took 19-20 us per call where the slowest took
+      76-176, and the GPU-time winner's 35, on an H100 host).
+    - Probes: the entry of the lowest estimate runs a window of race_calls calls; then, for each other entry in
+      turn (lowest estimate first), the fastest entry known runs two such windows, then a probe of race_probe_calls
+      calls, then the other entry the same. An entry whose probe is slower than the fastest's, taken just before
+      it, by more than race_keep is dropped: a slow table runs race_probe_calls calls in all, with at least
+      2 x race_calls calls of the fastest between two tables' probes.
     - Rounds: the entries left run race_rounds rounds of one window each, in a rotated order; after each round an
       entry whose median window is slower than the fastest's by more than race_keep is dropped.
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "_plan", "_samples",
-                 "_probes", "_alive", "_rounds", "_window", "_reference")
+                 "_probes", "_alive", "_rounds", "_window", "_reference", "_start")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -149,6 +156,7 @@ class Raced:
         self._rounds = 0  # rounds of windows planned so far
         self._window: tuple[int, int, int, bool, float] | None = None  # (entry, calls left, calls, probe, start)
         self._reference: float | None = None  # the fastest known entry's probe just before another's
+        self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any probe
 
     @property
     def table(self) -> dict[str, Choice]:
@@ -195,8 +203,9 @@ class Raced:
         return out
 
     def _first(self, args: tuple):
-        """The race's first call: every entry binds its launches (the others first), the GPU-time winner's result
-        is returned; then the probes are planned."""
+        """The race's first call: every entry binds its launches (the others first) and has its plain call
+        estimated (_estimates); the GPU-time winner's result is returned; then the probes are planned, the entries
+        whose host time alone rules them out dropped."""
         count = len(self.entries)
         for entry in self.entries[1:]:
             entry(*args)
@@ -204,11 +213,35 @@ class Raced:
         policy = current()
         window, probe = policy.race_calls, policy.race_probe_calls
         self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
+        host, estimate = self._estimates(args)
+        lowest = min(estimate)
+        self._start = estimate.index(lowest)
+        for i, us in enumerate(host):
+            if us > lowest * (1 + policy.race_host_keep):
+                self._alive[i] = False
+        order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=estimate.__getitem__)
         # None: the fastest entry known when the window starts.
-        self._plan = [(0, window, False)]
-        for other in range(1, count):
+        self._plan = [(self._start, window, False)]
+        for other in order:
             self._plan += [(None, window, False), (None, window, False), (None, probe, True), (other, probe, True)]
         return out
+
+    def _estimates(self, args: tuple) -> tuple[list[float], list[float]]:
+        """(host, estimate), µs per plain call of each entry: its host time, the fastest of ESTIMATE_CALLS calls
+        timed without synchronising (the launches queue; the GPU's time is not in it), and the larger of that and
+        its table's known GPU time (host time alone where a choice's time is unknown)."""
+        host, estimate = [], []
+        for entry, table in zip(self.entries, self.tables):
+            fastest = float("inf")
+            for _ in range(ESTIMATE_CALLS):
+                start = _now()
+                entry(*args)
+                fastest = min(fastest, (_now() - start) * 1e6)
+            times = [c.time_ms for c in table.values()]
+            gpu_us = sum(times) * 1e3 if None not in times else 0.0
+            host.append(fastest)
+            estimate.append(max(fastest, gpu_us))
+        return host, estimate
 
     def _next_window(self) -> tuple[int, int, bool] | None:
         """The next window to run (entry, calls, probe), planning the next round where the plan is done; None once
@@ -236,9 +269,9 @@ class Raced:
             self._rounds += 1
 
     def _fastest_known(self) -> int:
-        """The entry left whose last probe was fastest (the GPU-time winner before any other was probed)."""
+        """The entry left whose last probe was fastest (the entry of the lowest estimate before any was probed)."""
         probed = [(us, i) for i, us in enumerate(self._probes) if us is not None and self._alive[i]]
-        return min(probed)[1] if probed else 0
+        return min(probed)[1] if probed else self._start
 
     def _timed(self, index: int, us: float, probe: bool) -> None:
         if not probe:
