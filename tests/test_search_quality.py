@@ -23,7 +23,7 @@ def _measured(tmp_path) -> Path:
     failed config, and the heuristic's config among the trials, as measure writes it."""
     entry = next(e for e in search_quality.KEYS if e[2] == "mlp")
     _, label, op, M, _ = entry
-    n, k = search_quality._dims(op)
+    n, k, _ = search_quality._dims(op)
     spec = ops.get(op)
     space = spec.search_space(False)
     problem = SearchProblem(spec.operand_tiles, M, n, k, torch.bfloat16, (variants.TILE,))
