@@ -3,6 +3,7 @@ compared on this GPU and key runs; the check's decision is stored once as a chec
 by later processes; where no check can run (inside the torch.library ops, capturing, tracing) the eager
 library path runs until a check has decided."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from autofuse.choose import Choice, Source
 from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
 from autofuse.choose.policy import current as current_policy
+from autofuse.choose.policy import use as use_policy
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import Problem
 from autofuse.reference import eager_mlp
@@ -245,6 +247,19 @@ def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkey
     else:
         assert list(mlp.config_for(M)) == ["gated_up", "down"]
     assert {w.key.op for w in Store().winners()} == {"gated_up", "down", "mlp"}
+
+
+def test_a_large_mlp_s_first_use_checks_the_pair_alone(device, monkeypatch):
+    """Above one_launch_check_max_mb of weights the one-launch kernel, which lost every first-use check measured
+    there, is neither checked nor run at first use, even where its fake time would win."""
+    _fake_timer(monkeypatch, library_ms=10.0, kernel_ms=2.0, one_launch_ms=1.0)
+    mlp, w = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad(), use_policy(dataclasses.replace(current_policy(), one_launch_check_max_mb=1e-6)):
+        out = mlp(x)
+    torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
+    assert list(mlp.config_for(M)) == ["gated_up", "down"]
+    assert {w.key.op for w in Store().winners()} == {"gated_up", "down"}
 
 
 def test_a_check_that_fails_runs_the_library_path_once_and_stores_nothing(device, monkeypatch, caplog):

@@ -86,6 +86,12 @@ class MLPPlan:
         """Whether the one-launch kernel may run this plan: dense weights, d_model read unpadded."""
         return self.weights == "dense" and self.d_in in (None, self.d_model)
 
+    def one_launch_checked(self, dtype: torch.dtype) -> bool:
+        """Whether a first-use check may try the one-launch kernel: its weights (three d_model x d_ff matrices)
+        within the policy's one_launch_check_max_mb."""
+        megabytes = 3 * self.d_model * self.d_ff * torch.empty((), dtype=dtype).element_size() / 1e6
+        return megabytes <= current().one_launch_check_max_mb
+
 
 def select(plan: LinearPlan | MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
            tuned: bool) -> tuple[Table, list[Table]]:
@@ -117,8 +123,8 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
         return pair, others
     one_problem = plan.problem("mlp", M, dtype, device)
     fused = lookup.resolve_tuned(one_problem)
-    if fused is None and all(c.source is Source.CHECKED for c in pair.values()):
-        # The pair was decided by first-use checks: the one-launch kernel gets its check too.
+    if fused is None and all(c.source is Source.CHECKED for c in pair.values()) and plan.one_launch_checked(dtype):
+        # The pair was decided by first-use checks: the one-launch kernel gets its check too, on a small MLP.
         heuristic = Choice(heuristic_for(one_problem.replace(M=one_problem.bucket)), Source.HEURISTIC)
         fused = check.checked(one_problem, heuristic)
     if fused is None or fused.kernel is None:
@@ -138,7 +144,7 @@ def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device)
     one-launch record exists."""
     ops = ["gated_up", "down", *(["gated_pairs"] if plan.pairs else [])]
     jobs = [(problem, lookup.resolve(problem)) for problem in (plan.problem(op, M, dtype, device) for op in ops)]
-    one_launch = M <= current().one_launch_max_m and plan.one_launch
+    one_launch = M <= current().one_launch_max_m and plan.one_launch and plan.one_launch_checked(dtype)
     if one_launch and all(choice.source.unchecked for _, choice in jobs[:2]):
         problem = plan.problem("mlp", M, dtype, device)
         if lookup.resolve_tuned(problem) is None:

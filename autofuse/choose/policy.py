@@ -15,6 +15,10 @@ Each default is a measured finding (docs/design.md states them with their number
 - The MLP's one-launch kernel runs up to `one_launch_max_m` rows (beyond, its tiles' tensor-core work
   outgrows the weight traffic it saves), and the two-op pair must beat it by `one_launch_margin`: on a near
   tie one launch wins, since an un-graphed call pays each launch's host time on top.
+  A first-use check of it (where no tuned record exists) runs only for MLPs of at most `one_launch_check_max_mb`
+  of weights: at first use, with its heuristic config, it lost to the checked pair on every larger MLP measured
+  (14 held-out shapes of 18-963 MB at M = 1 and 16, H100 and H200) and won on a 10 MB one; its kernel is the
+  largest a first use compiles. Tuning still searches it at every size.
 - An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time
   overlap as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only
   where its plain call is `race_margin` faster (host times wander more than GPU times). Before that each
@@ -44,6 +48,7 @@ class DecisionPolicy:
     host_bound_ms: float = 0.1
     one_launch_max_m: int = 64
     one_launch_margin: float = 0.03
+    one_launch_check_max_mb: float = 16.0
     race_calls: int = 20
     race_rounds: int = 5
     race_margin: float = 0.05
