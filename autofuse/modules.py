@@ -24,6 +24,7 @@ from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8
+from .ops.linear_w8a8 import scaled_mm_fits
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
@@ -606,6 +607,6 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
 
 def _fitting(names, *sizes: int) -> tuple[str, ...]:
     """The library candidates `names` that can run these sizes: torch._scaled_mm's ("scaled_mm") needs multiples
-    of 16 (linear_w8a8.scaled_mm_sizes)."""
-    aligned = all(size % 16 == 0 for size in sizes)
-    return tuple(name for name in names if aligned or name != "scaled_mm")
+    of 16 (linear_w8a8.scaled_mm_fits)."""
+    fits = scaled_mm_fits(*sizes)
+    return tuple(name for name in names if fits or name != "scaled_mm")

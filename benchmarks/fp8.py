@@ -23,7 +23,7 @@ from never_slower import draw_shapes, geomean, liger_gate, measure, mlp_provider
 
 import autofuse
 from autofuse.ops.gated_act import gated_activation
-from autofuse.ops.linear_w8a8 import quantize_rows
+from autofuse.ops.linear_w8a8 import scaled_mm, scaled_mm_fits
 
 PEERS = ("eager", "torch.compile", "liger")
 
@@ -39,16 +39,16 @@ def fp8_twin(module, weights: str):
 
 def scaled_mm_mlp(w8a8):
     """The library path of a W8A8 MLP: torch._scaled_mm (fp8 tensor cores, rowwise scales) for gate, up and down,
-    each input quantized per row by PyTorch's ops, and one pointwise pass act(G) * U, on `w8a8`'s quantized
-    weights; None where _scaled_mm cannot run the sizes (d_model and d_ff must be multiples of 16)."""
-    if w8a8.d_model % 16 or w8a8.d_ff % 16:
+    each input quantized per row by PyTorch's ops (linear_w8a8.scaled_mm), and one pointwise pass act(G) * U, on
+    `w8a8`'s quantized weights; None where _scaled_mm cannot run the sizes (d_model and d_ff must be multiples of
+    16)."""
+    if not scaled_mm_fits(w8a8.d_model, w8a8.d_ff):
         return None
     projections = [(m.weight_fp8, m.weight_scale, m.bias) for m in (w8a8.gate_proj, w8a8.up_proj, w8a8.down_proj)]
 
     def project(x, w8, scale, bias):
-        x8, sx = quantize_rows(x)
-        return torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=scale[None, :], bias=bias,
-                                out_dtype=x.dtype)
+        y = scaled_mm(x, w8, scale)
+        return y if bias is None else y + bias
 
     def forward(x):
         (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = projections

@@ -17,7 +17,7 @@ from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 from .gated_up import GATED_UP
 from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
-from .linear_w8a8 import dequantized_rows, quantize_rows, scaled_mm_sizes
+from .linear_w8a8 import dequantized_rows, scaled_mm
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk"),
@@ -129,14 +129,11 @@ def _eager_w8a8(ops: dict, activation: str) -> torch.Tensor:
 def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
     """torch._scaled_mm for G and U (fp8 tensor cores, rowwise scales), then one pointwise pass act(G) * U (op
     gated_act); off CUDA, the same values through eager's ops. ValueError where the sizes are not multiples of
-    16 (scaled_mm_sizes)."""
+    16 (linear_w8a8.scaled_mm)."""
     x = ops["x"]
     if not x.is_cuda:
         return _eager_w8a8(ops, activation)
-    scaled_mm_sizes(ops["wg"])
-    x8, sx = quantize_rows(x)
-    gate, up = (torch._scaled_mm(x8, ops[w].t(), scale_a=sx[:, None], scale_b=ops[s][None, :], out_dtype=x.dtype)
-                for w, s in (("wg", "sg"), ("wu", "su")))
+    gate, up = (scaled_mm(x, ops[w], ops[s]) for w, s in (("wg", "sg"), ("wu", "su")))
     if ops.get("bg") is not None:
         gate, up = gate + ops["bg"], up + ops["bu"]
     return gated_activation(gate, up, activation)

@@ -19,16 +19,14 @@ import torch
 
 from ..configs import KernelConfig
 from .bias_act import bias_activation
-from .linear_fp8 import DOWN_FIELDS, FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, launch_linear
+from .linear_fp8 import DOWN_FIELDS, LINEAR_FP8, dequantize_fp8, launch_linear, quantize_fp8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(X8, sx): each row of x as float8_e4m3fn with a float32 scale, the row's largest magnitude mapped to e4m3's
-    largest finite value (448), computed in float32 as the kernel computes it; a row of zeros gets scale 1."""
-    xf = x.to(torch.float32)
-    amax = xf.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    largest finite value (448), computed in float32 as the kernel computes it; a row of zeros gets scale 1: the
+    weights' per-row quantization (quantize_fp8), applied to the activations' rows."""
+    return quantize_fp8(x)
 
 
 def linear_w8a8(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -54,25 +52,29 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
     return LINEAR_FP8.library["eager"]({**ops, "x": dequantized_rows(ops["x"], ops["x"].dtype)}, activation)
 
 
-def scaled_mm_sizes(w8: torch.Tensor) -> None:
-    """Raise ValueError where torch._scaled_mm cannot take a weight of this [N, K]: both must be multiples of 16
-    (its fp8 GEMMs' alignment). The check that meets it leaves the library path out (Evaluator.library_ms)."""
-    n, k = w8.shape
-    if n % 16 or k % 16:
-        raise ValueError(f"torch._scaled_mm needs N and K multiples of 16, got N={n}, K={k}")
+def scaled_mm_fits(*sizes: int) -> bool:
+    """Whether torch._scaled_mm takes these sizes (a weight's N and K): all multiples of 16, its fp8 GEMMs'
+    alignment."""
+    return all(size % 16 == 0 for size in sizes)
+
+
+def scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (w8 * scale[:, None]).T in x's dtype through torch._scaled_mm (fp8 tensor cores, rowwise scales), x's
+    rows quantized first (quantize_rows). ValueError where N or K is not a multiple of 16 (scaled_mm_fits): the
+    check that meets it leaves the library path out (Evaluator.library_ms)."""
+    if not scaled_mm_fits(*w8.shape):
+        raise ValueError(f"torch._scaled_mm needs N and K multiples of 16, got N={w8.shape[0]}, K={w8.shape[1]}")
+    x8, sx = quantize_rows(x)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
 
 
 def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:
-    """torch._scaled_mm of the quantized rows and weights (fp8 tensor cores, rowwise scales), then one pointwise
-    pass act(Y + b) [+ R] (op bias_act). Off CUDA, where _scaled_mm does not run, the same values through eager's
-    ops. ValueError where the sizes are not multiples of 16 (scaled_mm_sizes)."""
+    """scaled_mm of x and the weights, then one pointwise pass act(Y + b) [+ R] (op bias_act). Off CUDA, where
+    _scaled_mm does not run, the same values through eager's ops."""
     x = ops["x"]
     if not x.is_cuda:
         return _eager(ops, activation)
-    scaled_mm_sizes(ops["w"])
-    x8, sx = quantize_rows(x)
-    y = torch._scaled_mm(x8, ops["w"].t(), scale_a=sx[:, None], scale_b=ops["s"][None, :], out_dtype=x.dtype)
-    return bias_activation(y, ops.get("b"), ops.get("r"), activation)
+    return bias_activation(scaled_mm(x, ops["w"], ops["s"]), ops.get("b"), ops.get("r"), activation)
 
 
 def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
