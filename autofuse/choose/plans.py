@@ -89,7 +89,7 @@ class MLPPlan:
     def one_launch_checked(self, dtype: torch.dtype) -> bool:
         """Whether a first-use check may try the one-launch kernel: its weights (three d_model x d_ff matrices)
         within the policy's one_launch_check_max_mb."""
-        megabytes = 3 * self.d_model * self.d_ff * torch.empty((), dtype=dtype).element_size() / 1e6
+        megabytes = 3 * self.d_model * self.d_ff * dtype.itemsize / 1e6
         return megabytes <= current().one_launch_check_max_mb
 
 

@@ -44,8 +44,14 @@ ESTIMATE_CALLS = 2
 def host_bound(table: dict[str, Choice]) -> bool:
     """Whether a table's known GPU time is under the policy's host_bound_ms (an un-graphed call's host time is then of
     its order); False where a time is unknown (the heuristic's, a nearest key's)."""
+    gpu_ms = known_gpu_ms(table)
+    return gpu_ms is not None and current().is_host_bound(gpu_ms)
+
+
+def known_gpu_ms(table: dict[str, Choice]) -> float | None:
+    """A table's GPU time, the sum of its choices' timed ms; None where one of them was never timed."""
     times = [c.time_ms for c in table.values()]
-    return None not in times and current().is_host_bound(sum(times))
+    return None if None in times else sum(times)
 
 
 def candidates(winner: dict[str, Choice], others: list[dict[str, Choice]],
@@ -237,10 +243,9 @@ class Raced:
                 start = _now()
                 entry(*args)
                 fastest = min(fastest, (_now() - start) * 1e6)
-            times = [c.time_ms for c in table.values()]
-            gpu_us = sum(times) * 1e3 if None not in times else 0.0
+            gpu_ms = known_gpu_ms(table)
             host.append(fastest)
-            estimate.append(max(fastest, gpu_us))
+            estimate.append(fastest if gpu_ms is None else max(fastest, gpu_ms * 1e3))
         return host, estimate
 
     def _next_window(self) -> tuple[int, int, bool] | None:
