@@ -131,7 +131,7 @@ class FusedLinearFp8(FusedLinear):
         if self.weights not in FP8_WEIGHTS:
             raise AutofuseError(f"FusedLinearFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
                                 f"got {shown(self.weights)}")
-        self._op = "linear_w8a8" if self.weights == "w8a8" else "linear_fp8"
+        self._op = f"linear_{self.weights}"  # linear_fp8 or linear_w8a8, as the MLP's gated_up_<weights>
         w8, scale = quantize_fp8(self.weight)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scale)
