@@ -99,11 +99,12 @@ class Variant:
     launch_constexprs: Callable[[int], Mapping[str, int]] | None = None
     per_sm: bool = False  # its programs or constexprs read the multiprocessor count
     ops: tuple[str, ...] = ()  # ops that have this variant beside those whose OpSpec.variants names it
-    # The values a tile dimension (block_m, block_n, block_k) takes in this variant where they are not the op's
-    # search space's: searched instead of the space's (on a GPU, under the interpreter), and allowed in a stored
-    # config beside the sizes every variant allows.
-    tile_values: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    interpreter_tile_values: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # The values a config field of OWN_VALUE_FIELDS (the tile sizes block_m, block_n, block_k; num_warps,
+    # num_stages) takes in this variant where they are not the op's search space's: searched instead of the
+    # space's (on a GPU, under the interpreter); tile sizes named here are allowed in a stored config beside the
+    # sizes every variant allows.
+    own_values: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    interpreter_own_values: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # Float32 elements of one accumulator per program (what the register estimate counts); None: one per output
     # element of its tile, block_m x block_n.
     accumulator_elements: Callable[[Any], int] | None = None
@@ -121,9 +122,10 @@ class Variant:
         """The values `dimension` (block_m, block_n or block_k) may hold in a config of this variant, ascending."""
         return _block_sizes(self, dimension)
 
-    def own_tile_values(self, interpret: bool) -> Mapping[str, tuple[int, ...]]:
-        """The tile sizes this variant searches instead of the space's, on a GPU or under the interpreter."""
-        return self.interpreter_tile_values if interpret else self.tile_values
+    def own_values_searched(self, interpret: bool) -> Mapping[str, tuple[int, ...]]:
+        """The values of OWN_VALUE_FIELDS this variant searches instead of the space's, on a GPU or under the
+        interpreter."""
+        return self.interpreter_own_values if interpret else self.own_values
 
     def label(self, knobs: Mapping[str, int]) -> str:
         """How a config of this variant ends in short form: '' (tile), ' tma', ' split_k=4'."""
@@ -136,10 +138,12 @@ class Variant:
 # The tile sizes every variant allows: tl.dot needs every tile dimension >= 16, and tl.arange powers of two.
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 TILE_DIMENSIONS = ("block_m", "block_n", "block_k")
+# The config fields a variant may search with values of its own (Variant.own_values).
+OWN_VALUE_FIELDS = (*TILE_DIMENSIONS, "num_warps", "num_stages")
 
 @functools.cache  # read by every KernelConfig built and clamped
 def _block_sizes(variant: Variant, dimension: str) -> tuple[int, ...]:
-    own = set(variant.tile_values.get(dimension, ())) | set(variant.interpreter_tile_values.get(dimension, ()))
+    own = set(variant.own_values.get(dimension, ())) | set(variant.interpreter_own_values.get(dimension, ()))
     return tuple(sorted(own | set(BLOCK_SIZES)))
 
 
@@ -162,12 +166,17 @@ def register(variant: Variant) -> Variant:
     for knob in variant.knobs:
         if not knob.isidentifier() or knob in _TAKEN:
             raise ValueError(f"variant {name}: knob name {knob!r} is not an identifier free to use")
-    for values in (*variant.tile_values.values(), *variant.interpreter_tile_values.values()):
-        if not values or any(type(v) is not int or v < 1 or v & (v - 1) or v > 4096 for v in values):
-            raise ValueError(f"variant {name}: tile sizes are powers of two in 1..4096, got {values!r}")
-    unknown = (set(variant.tile_values) | set(variant.interpreter_tile_values)) - set(TILE_DIMENSIONS)
-    if unknown:
-        raise ValueError(f"variant {name}: tile_values names {', '.join(sorted(unknown))}, not a tile dimension")
+    for field in (*variant.own_values, *variant.interpreter_own_values):
+        if field not in OWN_VALUE_FIELDS:
+            raise ValueError(f"variant {name}: own_values names {field!r}, not one of {', '.join(OWN_VALUE_FIELDS)}")
+        for values in (variant.own_values.get(field, (1,)), variant.interpreter_own_values.get(field, (1,))):
+            if field == "num_stages":
+                wrong = any(type(v) is not int or not 1 <= v <= 8 for v in values)
+            else:  # tile sizes and warps: powers of two (tl.arange's sizes; warps up to 16)
+                top = 16 if field == "num_warps" else 4096
+                wrong = any(type(v) is not int or v < 1 or v & (v - 1) or v > top for v in values)
+            if not values or wrong:
+                raise ValueError(f"variant {name}: {field} values {values!r} are out of range")
     if variant.template_suffix and not variant.template_suffix.replace("_", "").isalnum():
         raise ValueError(f"variant {name}: template_suffix is letters, digits and '_', got {variant.template_suffix!r}")
     _REGISTRY[name] = variant
@@ -275,9 +284,12 @@ GEMV = Variant(
     knobs={"split_k": Knob("SPLIT_K", values=(1, 2, 4, 8), interpreter_values=(1, 2), low=1, high=64)},
     programs=lambda tiles, config, multiprocessors: tiles * config.knob("split_k"),
     workspace=True,
-    tile_values={"block_m": (1, 2, 4, 8), "block_n": (1, 2, 4, 8, 16, 32, 64),
-                 "block_k": (64, 128, 256, 512, 1024, 2048)},
-    interpreter_tile_values={"block_m": (1, 2, 4, 8), "block_n": (8, 16), "block_k": (16, 32)},
+    # Streaming the weights wants many bytes in flight per program: the fastest configs at M = 1 on an H100
+    # (bf16) read 1-4 rows of 2048-4096 elements a step on 8-16 warps, one stage (a loop with no tl.dot is not
+    # pipelined). Stored configs may still hold the tile sizes of every variant.
+    own_values={"block_m": (1, 2, 4, 8), "block_n": (1, 2, 4, 8, 16), "block_k": (256, 512, 1024, 2048, 4096),
+                "num_warps": (4, 8, 16), "num_stages": (1,)},
+    interpreter_own_values={"block_m": (1, 2, 4, 8), "block_n": (8, 16), "block_k": (16, 32)},
     # The products of a K step accumulate unreduced: block_m x block_n x block_k float32 per accumulator.
     accumulator_elements=lambda config: config.block_m * config.block_n * config.block_k,
     applies=lambda device, shape: shape.M <= GEMV_MAX_M,

@@ -28,7 +28,7 @@ def _workspaces_are_zero() -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
-@pytest.mark.parametrize("M, split", [(1, 1), (3, 2), (8, 1)])
+@pytest.mark.parametrize("M, split", [(1, 1), (1, 2), (3, 2), (8, 1)])
 def test_linear_gemv_matches_float64(device, dtype, activation, M, split):
     x = torch.randn(M, K, device=device).to(dtype)
     w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
@@ -51,7 +51,8 @@ def test_gated_up_gemv_matches_float64(device, dtype, activation, M, split):
     bg, bu = (torch.randn(N, device=device).to(dtype) for _ in range(2))
     for biases in ((None, None), (bg, bu)):
         out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-        gated_up(x, wg, wu, *biases, activation, _gemv(8, split, block_n=8, block_k=32), out=out)
+        # block_m = 1: the one-row form (two-dimensional products); 8: the rows' form
+        gated_up(x, wg, wu, *biases, activation, _gemv(1 if M == 1 else 8, split, block_n=8, block_k=32), out=out)
         args = (x, wg, wu, *biases, activation)
         assert_matches_reference(out, gated_reference(*args), eager_gated(*args))
     assert _workspaces_are_zero()
@@ -76,7 +77,7 @@ def test_its_own_tile_sizes_are_allowed_for_it_only():
 
 
 def test_clamped_to_the_problem_down_to_its_own_smallest_sizes():
-    assert clamp_to_problem(_gemv(8, 1, block_n=64, block_k=512), 1, 6, 40) == _gemv(1, 1, block_n=8, block_k=64)
+    assert clamp_to_problem(_gemv(8, 1, block_n=16, block_k=512), 1, 6, 40) == _gemv(1, 1, block_n=8, block_k=64)
     assert clamp_to_problem(KernelConfig(64, 64, 64), 1, 6, 40).block_m == 16  # tl.dot's minimum stays
 
 
@@ -103,17 +104,21 @@ H100 = variants.Device(interpret=False, shared_memory_limit=232448, multiprocess
 
 @pytest.mark.parametrize("M", [1, 2, 3])
 def test_a_first_use_check_times_the_gemv_config_beside_the_heuristic_where_it_applies(M):
-    shape = Shape(M, 896, 4864, torch.bfloat16)
-    for op in (LINEAR, DOWN):
+    small, large = Shape(M, 896, 4864, torch.bfloat16), Shape(M, 8192, 8192, torch.bfloat16)
+    # (outputs, K, warps) per program: one weight matrix, then gate and up; a matrix of 2**26 elements or more
+    # takes fewer outputs over more warps.
+    expected = {(LINEAR, small): (8, 2048, 4), (LINEAR, large): (1, 2048, 8), (DOWN, small): (8, 2048, 4),
+                (GATED_UP, small): (8, 256, 4), (GATED_UP, large): (4, 1024, 8)}
+    for (op, shape), sizes in expected.items():
         found = op.alternative_configs(shape, H100)
         if M > variants.GEMV_MAX_M:
             assert found == ()
         else:
             (config,) = found
-            assert config.variant == "gemv" and config.block_m == M and (config.block_n, config.block_k) == (2, 1024)
+            assert config.variant == "gemv" and config.block_m == M and config.knob("split_k") == 1
+            assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (*sizes, 1)
             assert op.default_config(shape, H100).variant != "gemv"  # beside the heuristic, not instead
-    assert GATED_UP.alternative_configs(shape, H100) == ()  # tensor cores won its tuning at M = 1
-    assert LINEAR.alternative_configs(shape, variants.Device(interpret=True)) == ()
+    assert LINEAR.alternative_configs(small, variants.Device(interpret=True)) == ()
 
 
 def test_the_check_times_the_alternatives_and_a_nearest_keys_kernel_once_each(monkeypatch):
@@ -127,3 +132,27 @@ def test_the_check_times_the_alternatives_and_a_nearest_keys_kernel_once_each(mo
     assert check._kernels_to_check(problem, Choice(heuristic, Source.HEURISTIC), heuristic) == [heuristic, gemv]
     nearest = KernelConfig(16, 32, 64)
     assert check._kernels_to_check(problem, Choice(nearest, Source.NEAREST), heuristic) == [nearest, heuristic, gemv]
+
+
+def test_on_a_gpu_it_searches_warps_and_stages_of_its_own():
+    device = variants.Device(interpret=False, shared_memory_limit=232448, multiprocessors=132, capability=(9, 0))
+    problem = SearchProblem(DOWN.operand_tiles, 1, 4096, 5696, torch.bfloat16,
+                            variants.applicable(DOWN, device, Shape(1, 4096, 5696, torch.bfloat16)))
+    dims = flat_dimensions(DOWN.space, problem, interpret=False)
+    assert dims["gemv.num_warps"] == (4, 8, 16) and dims["gemv.num_stages"] == (1,)
+    assert dims["num_warps"] != dims["gemv.num_warps"]  # the tensor-core variants keep the space's
+    found = [c for c in candidates(DOWN.space, problem, device.shared_memory_limit, False) if c.variant == "gemv"]
+    assert {c.num_warps for c in found} == {4, 8, 16} and {c.num_stages for c in found} == {1}
+    for config in found[:50]:
+        assert config_from(flat_point(config, dims)) == config
+
+
+@pytest.mark.parametrize("values, message", [({"num_warps": (32,)}, "num_warps values"),
+                                             ({"num_stages": (0,)}, "num_stages values"),
+                                             ({"block_k": (48,)}, "block_k values"),
+                                             ({"group_m": (1,)}, "not one of")])
+def test_a_variant_with_own_values_out_of_range_is_refused(values, message):
+    variant = variants.Variant("odd_values", "a test variant", own_values=values)
+    with pytest.raises(ValueError, match=message):
+        variants.register(variant)
+    assert "odd_values" not in [v.name for v in variants.of(DOWN)]

@@ -1,13 +1,16 @@
 """Carry shipped config files across a template change that does not change any kernel's program.
 
-    python tools/migrate_shipped.py OLD_REV cache/*.json
+    python tools/migrate_shipped.py OLD_REV cache/*.json [--drop-stale]
 
 Checks OLD_REV out into a temporary worktree and asks its own code for each op's template hash (the
 hash its records carry). For every op, renders every kernel variant from OLD_REV's templates (with that
 revision's variables) and from today's, and compares the two sources' Python ASTs (comments,
-formatting and line numbers do not enter an AST; everything Triton compiles does). Only where all of
-an op's variants are identical are its records' template hashes rewritten from OLD_REV's hash to
-today's, and each file's checksum recomputed. Anything else is left for a re-tune on the GPU.
+formatting and line numbers do not enter an AST; everything Triton compiles does). A record's template
+hash is rewritten from OLD_REV's hash to today's where all of its op's variants are identical, or where
+every variant that changed (or is new) does not apply at the record's key (variants.Variant.applies: the
+GEMV variant, say, only at decode's smallest M): there the search covered the same programs. Each file's
+checksum is recomputed; the records left behind need a re-tune on the GPU (they are dropped from the file
+with --drop-stale, and listed).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jinja2
 from autofuse import ops
 from autofuse import variants as variants_registry
 from autofuse.configfile import _checksum
+from autofuse.key import DTYPE_NAMES
 from autofuse.render import KernelSpec, entry_template, render, template_hash, template_variables
 
 _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render import template_hash\n"
@@ -56,18 +60,27 @@ def _old_revision(old_rev: str) -> tuple[Path, dict[str, str]]:
     return tree, json.loads(done.stdout)
 
 
-def main(old_rev: str, files: list[str]) -> int:
+def main(old_rev: str, files: list[str], drop_stale: bool = False) -> int:
     tree, old_hashes = _old_revision(old_rev)
     try:
-        return _migrate(tree / "templates", old_hashes, old_rev, files)
+        return _migrate(tree / "templates", old_hashes, old_rev, files, drop_stale)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=True)
 
 
-def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: list[str]) -> int:
+def _applies_at(variant: variants_registry.Variant, key: dict) -> bool:
+    """Whether `variant` applies at a record's key (on the GPU the key names)."""
+    major, minor = (int(part) for part in key["capability"].split("."))
+    device = variants_registry.Device(interpret=False, capability=(major, minor))
+    dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[key["dtype"]]
+    shape = variants_registry.Shape(int(key["m_bucket"]), int(key["n"]), int(key["k"]), dtype)
+    return variant.applies(device, shape)
+
+
+def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: list[str], drop_stale: bool) -> int:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    rehash = {}
+    changed: dict[tuple[str, str], tuple[str, list[variants_registry.Variant]]] = {}
     for spec in ops.specs():
         if spec.name not in old_hashes:
             print(f"{spec.name:<11} new since {old_rev}: no records to carry")
@@ -76,26 +89,40 @@ def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: lis
         kernels = [k for k in _variants(spec)
                    if (old_dir / entry_template(k.op, variants_registry.get(k.variant))).is_file()]
         added = sorted({v.name for v in variants_registry.of(spec)} - {k.variant for k in kernels})
-        same = sum(ast.dump(ast.parse(_old_source(env, k))) == ast.dump(ast.parse(render(k))) for k in kernels)
+        differ = sorted({k.variant for k in kernels
+                         if ast.dump(ast.parse(_old_source(env, k))) != ast.dump(ast.parse(render(k)))})
         old, new = old_hashes[spec.name], template_hash(spec)
-        note = f" (variants new since {old_rev}: {', '.join(added)})" if added else ""
-        print(f"{spec.name:<11} {same}/{len(kernels)} kernels parse to identical programs{note}; hash {old} -> {new}")
-        if same == len(kernels):
-            rehash[(spec.name, old)] = new
+        note = f"; variants new since {old_rev}: {', '.join(added)}" if added else ""
+        print(f"{spec.name:<11} variants whose programs changed: {', '.join(differ) or 'none'}{note}; "
+              f"hash {old} -> {new}")
+        changed[(spec.name, old)] = (new, [variants_registry.get(name) for name in (*differ, *added)])
     for name in files:
         doc = json.loads(Path(name).read_text())
-        moved = 0
+        moved, stale = 0, []
         for record in doc["records"]:
-            new = rehash.get((record["key"]["op"], record["key"]["template_hash"]))
-            if new is not None:
-                record["key"]["template_hash"] = new
-                moved += 1
+            key = record["key"]
+            found = changed.get((key["op"], key["template_hash"]))
+            if found is None:
+                continue
+            new, kinds = found
+            if any(_applies_at(variant, key) for variant in kinds):
+                stale.append(record)
+                continue
+            key["template_hash"] = new
+            moved += 1
+        for record in stale:
+            key = record["key"]
+            print(f"  left for a re-tune: {key['op']} n={key['n']} k={key['k']} M={key['m_bucket']} {key['dtype']}")
+        if drop_stale:
+            doc["records"] = [r for r in doc["records"] if not any(r is s for s in stale)]
         doc["template_hashes"] = {ops.get(r["key"]["op"]).template: r["key"]["template_hash"] for r in doc["records"]}
         doc["sha256"] = _checksum(doc["records"])
         Path(name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        print(f"{name}: {moved} of {len(doc['records'])} records carried to today's templates")
+        print(f"{name}: {moved} records carried to today's templates, {len(stale)} left for a re-tune"
+              f"{' (dropped)' if drop_stale else ''}, of {len(doc['records']) + (len(stale) if drop_stale else 0)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    arguments = [a for a in sys.argv[1:] if a != "--drop-stale"]
+    sys.exit(main(arguments[0], arguments[1:], drop_stale="--drop-stale" in sys.argv[1:]))

@@ -12,7 +12,7 @@ import torch
 
 from .. import variants
 from ..configs import KernelConfig, SearchSpace, Shape, clamp_to_problem, shared_memory_bytes
-from ..variants import TILE_DIMENSIONS
+from ..variants import OWN_VALUE_FIELDS
 
 # Registers: each thread holds its share of the fp32 accumulator tile(s). 255 registers per
 # thread at most; leave ~25% for addresses, loads and the epilogue.
@@ -42,10 +42,11 @@ class SearchProblem:
 
 def flat_dimensions(space: SearchSpace, problem: SearchProblem, interpret: bool) -> dict[str, tuple]:
     """The space as independent categorical dimensions: the tile knobs, the variant, every variant's knobs and
-    the tile sizes a variant sets itself ("<variant>.block_m"), read only where that variant is picked."""
+    the values a variant sets itself ("<variant>.block_m", "<variant>.num_warps"), read only where that variant
+    is picked."""
     dims: dict[str, tuple] = {**space.dimensions(), VARIANT_DIM: tuple(v.name for v in problem.kinds)}
     for variant in problem.kinds:
-        for name, values in variant.own_tile_values(interpret).items():
+        for name, values in variant.own_values_searched(interpret).items():
             dims[f"{variant.name}.{name}"] = values
         for name, knob in variant.knobs.items():
             dims[f"{variant.name}.{name}"] = knob.interpreter_values if interpret else knob.values
@@ -53,14 +54,14 @@ def flat_dimensions(space: SearchSpace, problem: SearchProblem, interpret: bool)
 
 
 def config_from(params: dict) -> KernelConfig | None:
-    """The config of a point of flat_dimensions (its variant's knobs and tile sizes read, the others' ignored),
+    """The config of a point of flat_dimensions (its variant's knobs and own values read, the others' ignored),
     or None for a point no kernel has."""
     variant = params[VARIANT_DIM]
     prefix = f"{variant}."
     own = {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
     tiles = {name: value for name, value in params.items() if name != VARIANT_DIM and "." not in name}
-    tiles.update({name: value for name, value in own.items() if name in TILE_DIMENSIONS})
-    knobs = {name: value for name, value in own.items() if name not in TILE_DIMENSIONS}
+    tiles.update({name: value for name, value in own.items() if name in OWN_VALUE_FIELDS})
+    knobs = {name: value for name, value in own.items() if name not in OWN_VALUE_FIELDS}
     try:
         return KernelConfig(**tiles, variant=variant, knobs=knobs)
     except ValueError:
@@ -73,8 +74,8 @@ def flat_point(config: KernelConfig, dims: dict[str, tuple]) -> dict | None:
     params = {name: values[0] for name, values in dims.items()}
     own = {f"{config.variant}.{name}": value for name, value in config.knobs}
     tiles = config.to_dict()
-    for name in TILE_DIMENSIONS:
-        if f"{config.variant}.{name}" in dims:  # a size the variant sets itself
+    for name in OWN_VALUE_FIELDS:
+        if f"{config.variant}.{name}" in dims:  # a value the variant sets itself
             own[f"{config.variant}.{name}"] = tiles.pop(name)
     params.update({**tiles, **own})
     for name in [name for name in params if name not in dims]:
