@@ -16,7 +16,16 @@ from pathlib import Path
 import torch
 
 from . import variants
-from .configs import INTERPRETER_SPACE, Device, KernelConfig, SearchSpace, Shape, gemm_heuristic, gemv_alternative
+from .configs import (
+    INTERPRETER_SPACE,
+    Device,
+    KernelConfig,
+    SearchSpace,
+    Shape,
+    gemm_heuristic,
+    gemv_alternative,
+    gemv_starts,
+)
 
 # A GEMM-shaped op with every variant the shared template pieces give (split-K, persistent TMA) and the
 # default search spaces: what linear and gated_up declare, and an op added outside may too.
@@ -268,6 +277,14 @@ class OpSpec:
         kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
         gemv = gemv_alternative(shape, device, kinds, self.operand_tiles)
         return () if gemv is None else (gemv,)
+
+    def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
+        """Configs a tuning run times right after the heuristic's: the first-use alternatives and, where the GEMV
+        applies, its measured starting points (configs.gemv_starts)."""
+        if self.heuristic is not None:
+            return ()
+        kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
+        return gemv_starts(shape, device, kinds, self.operand_tiles)
 
     def search_space(self, interpret: bool) -> SearchSpace | None:
         return self.interpreter_space if interpret else self.space

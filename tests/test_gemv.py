@@ -156,3 +156,33 @@ def test_a_variant_with_own_values_out_of_range_is_refused(values, message):
     with pytest.raises(ValueError, match=message):
         variants.register(variant)
     assert "odd_values" not in [v.name for v in variants.of(DOWN)]
+
+
+def test_a_tuning_run_times_the_heuristic_then_the_gemv_starts_before_its_search(monkeypatch):
+    from autofuse.key import Problem, current_environment
+    from autofuse.store import Store
+    from autofuse.tune import driver
+    from autofuse.tune.driver import Job, tune_key
+
+    starts = (_gemv(1, 1, block_n=8, block_k=32), _gemv(1, 2, block_n=16, block_k=16))
+    monkeypatch.setattr(driver, "search_starts_for", lambda problem: starts)
+    key = Problem("down", N, K, 1, torch.float32, "none").key(1, current_environment(torch.device("cpu")))
+    store = Store()
+    tune_key(Job(key, 1, "t"), store, torch.device("cpu"), policy="random", trials=3)
+    # Three trials: the heuristic's config and the two starts, none left for the search.
+    heuristic = driver.heuristic_for(Problem("down", N, K, 1, torch.float32, "none"))
+    assert {t.config for t in store.trials(key)} == {heuristic, *starts}
+    assert all(t.status == "ok" for t in store.trials(key))
+
+
+def test_the_gemv_starts_begin_with_the_first_use_config_and_fit_the_shape():
+    for op, shape in ((DOWN, Shape(1, 4096, 5696, torch.bfloat16)), (GATED_UP, Shape(2, 20032, 5696, torch.bfloat16)),
+                      (LINEAR, Shape(1, 96, 300, torch.bfloat16))):
+        starts = op.search_starts(shape, H100)
+        assert starts[0] == op.alternative_configs(shape, H100)[0] and len(set(starts)) == len(starts) >= 4
+        for config in starts:
+            assert config.variant == "gemv" and config.block_m == shape.M
+            assert config.block_k == 512 if shape.K == 300 else config.block_k <= 4096  # clamped to K
+            assert variants.GEMV.fits(config, shape)
+    assert DOWN.search_starts(Shape(3, 4096, 5696, torch.bfloat16), H100) == ()
+    assert DOWN.search_starts(Shape(1, 4096, 5696, torch.bfloat16), variants.Device(interpret=True)) == ()

@@ -31,6 +31,12 @@ def heuristic_for(problem: Problem) -> KernelConfig:
     return problem.spec.default_config(shape, device_info(problem.device))
 
 
+def search_starts_for(problem: Problem) -> tuple[KernelConfig, ...]:
+    """Configs a tuning run times right after the heuristic's (OpSpec.search_starts)."""
+    shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
+    return problem.spec.search_starts(shape, device_info(problem.device))
+
+
 def alternatives_for(problem: Problem) -> tuple[KernelConfig, ...]:
     """Configs a first-use check times beside the heuristic's for the problem (OpSpec.alternative_configs)."""
     shape = Shape(problem.M, problem.n, problem.k, problem.dtype)

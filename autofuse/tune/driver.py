@@ -19,7 +19,7 @@ import torch
 
 from .. import ops, variants
 from ..choose import lookup
-from ..choose.heuristics import device_info, heuristic_for
+from ..choose.heuristics import device_info, heuristic_for, search_starts_for
 from ..choose.policy import current as current_policy
 from ..choose.winner import Outcome, choose_winner, fastest_trial, near_fastest
 from ..configs import KernelConfig, SearchSpace, Shape
@@ -191,17 +191,23 @@ def run_trials(job: Job, store: Store, device: torch.device, options: TuneOption
             return record
 
         budget.report()
-        heuristic = heuristic_for(Problem(key.op, key.n, key.k, M, key.torch_dtype, key.activation, key.bias,
-                                          key.residual, device))
+        at_m = Problem(key.op, key.n, key.k, M, key.torch_dtype, key.activation, key.bias, key.residual, device)
+        heuristic = heuristic_for(at_m)
         shape = Shape(M, key.n, key.k, key.torch_dtype)
         interpret = interpreting()
         limit = 0 if interpret else shared_memory_limit(cuda_index(device))
         space = options.space or key.spec.search_space(interpret)
         problem = SearchProblem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
                                 space.searched(variants.applicable(key.spec, device_info(device), shape)))
-        # The search starts from the heuristic's config, where the space searches its variant.
-        if heuristic not in done and budget.left() and any(v.name == heuristic.variant for v in problem.kinds):
-            evaluate(heuristic)
+        # The search starts from the heuristic's config and the op's measured starting points (the GEMV's at
+        # decode's smallest M), where the space searches their variant.
+        starts = [c for c in (heuristic, *search_starts_for(at_m))
+                  if c not in done and any(v.name == c.variant for v in problem.kinds)]
+        if len(starts) > 1:
+            evaluator.precompile_all(starts[:budget.trials_left(len(starts))], _compile_threads())
+        for config in starts:
+            if budget.left():
+                evaluate(config)
         make_policy(options.policy, space, problem, limit, interpret, options.seed).run(
             evaluate, budget.left, done,
             lambda batch: evaluator.precompile_all(batch[:budget.trials_left(len(batch))], _compile_threads()))
