@@ -198,6 +198,10 @@ class OpSpec:
     # weight tile feeds one float32 accumulator (shared memory and register estimates).
     operand_tiles: tuple[int, int] = (1, 1)
     narrow_n: bool = False  # two accumulators, or an epilogue loading more tiles: narrower default N tiles
+    # At decode's smallest M the GEMV config (configs.gemv_alternative) is the heuristic's, not an alternative a
+    # first-use check times beside it: gated_up, whose tensor-core tile gated_pairs times beside it in the MLP's
+    # plan (one kernel less to compile at first use).
+    gemv_first: bool = False
     space: SearchSpace | None = None  # None: nothing to tune
     interpreter_space: SearchSpace | None = None
     # heuristic(shape, device, kinds) -> config, kinds the names of the variants that apply; None: gemm_heuristic
@@ -267,12 +271,15 @@ class OpSpec:
         kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
         if self.heuristic is not None:
             return self.heuristic(shape, device, kinds)
+        gemv = gemv_alternative(shape, device, kinds, self.operand_tiles) if self.gemv_first else None
+        if gemv is not None:
+            return gemv
         return gemm_heuristic(shape, device, kinds, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n)
 
     def alternative_configs(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
         """Configs a first-use check times beside the heuristic's, where one rule cannot tell which is faster (the
         GEMV config at decode's smallest M, for the GEMM-shaped ops without a heuristic of their own)."""
-        if self.heuristic is not None:
+        if self.heuristic is not None or self.gemv_first:
             return ()
         kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
         gemv = gemv_alternative(shape, device, kinds, self.operand_tiles)

@@ -113,6 +113,7 @@ GATED_UP = OpSpec(
     **GEMM_VARIANTS,
     operand_tiles=(1, 2),
     narrow_n=True,
+    gemv_first=True,
     library={"eager": _eager, "cublas_gated_act": _cublas_gated_act},
     reference=_reference,
     make_operands=_make_operands,

@@ -201,7 +201,7 @@ def run_trials(job: Job, store: Store, device: torch.device, options: TuneOption
                                 space.searched(variants.applicable(key.spec, device_info(device), shape)))
         # The search starts from the heuristic's config and the op's measured starting points (the GEMV's at
         # decode's smallest M), where the space searches their variant.
-        starts = [c for c in (heuristic, *search_starts_for(at_m))
+        starts = [c for c in dict.fromkeys((heuristic, *search_starts_for(at_m)))
                   if c not in done and any(v.name == c.variant for v in problem.kinds)]
         if len(starts) > 1:
             evaluator.precompile_all(starts[:budget.trials_left(len(starts))], _compile_threads())
