@@ -41,6 +41,7 @@ from autofuse import ops, variants
 from autofuse.configs import KernelConfig, Library, SearchSpace, Shape
 from autofuse.store import TrialRecord
 from autofuse.tune.driver import DEFAULT_TRIALS
+from autofuse.tune.policies import OPTUNA_BATCH
 from autofuse.tune.space import SearchProblem, candidates
 
 D_MODEL, D_FF, ACTIVATION = 2048, 8192, "silu"
@@ -172,9 +173,10 @@ class Replay:
         heuristic = KernelConfig.from_dict(entry["heuristic"]) if entry.get("heuristic") else None
         return cls(entry["label"], table, best, space, problem, entry["shared_memory_limit"], heuristic)
 
-    def run(self, policy_name: str, seed: int, budget: int) -> list[float]:
+    def run(self, policy_name: str, seed: int, budget: int, batch: int = OPTUNA_BATCH) -> list[float]:
         """The times `policy_name` finds, in order, within `budget` trials after the heuristic's config (which the
-        tuner times first); a config the table lacks (outside the swept space) counts as failed."""
+        tuner times first), Optuna proposing `batch` configs at a time; a config the table lacks (outside the swept
+        space) counts as failed."""
         from autofuse.tune.policies import OptunaPolicy, RandomPolicy
 
         found: list[float] = []
@@ -189,14 +191,15 @@ class Replay:
             done[self.heuristic] = evaluate(self.heuristic)
         limit = len(done) + budget
         if policy_name == "optuna":
-            policy = OptunaPolicy(self.space, self.problem, self.shared_memory_limit, False, seed=seed)
+            policy = OptunaPolicy(self.space, self.problem, self.shared_memory_limit, False, seed=seed, batch=batch)
         else:
             policy = RandomPolicy(candidates(self.space, self.problem, self.shared_memory_limit, False), seed=seed)
         policy.run(evaluate, lambda: len(done) < limit, done)
         return found
 
 
-def simulate(path: Path, seeds: int, budgets: list[int], policies: tuple[str, ...] = ("optuna", "random")) -> dict:
+def simulate(path: Path, seeds: int, budgets: list[int], policies: tuple[str, ...] = ("optuna", "random"),
+             batch: int = OPTUNA_BATCH) -> dict:
     """Per key, policy and budget: the median and worst regret over the seeds, and the trials to come within
     WITHIN of the sweep's best (median, min, max; inf where a seed never did within the largest budget)."""
     data = json.loads(path.read_text())
@@ -207,7 +210,7 @@ def simulate(path: Path, seeds: int, budgets: list[int], policies: tuple[str, ..
         target = (1 + WITHIN) * replay.best_ms
         rows = {}
         for policy_name in policies:
-            runs = [replay.run(policy_name, seed, largest) for seed in range(seeds)]
+            runs = [replay.run(policy_name, seed, largest, batch) for seed in range(seeds)]
             first = replay.heuristic_timed
             regret = {b: [min(run[:first + b], default=float("inf")) / replay.best_ms - 1 for run in runs]
                       for b in budgets}
@@ -252,6 +255,7 @@ def main() -> None:
     s.add_argument("file")
     s.add_argument("--seeds", type=int, default=20)
     s.add_argument("--budgets", default="5,10,20,40", help="trials after the heuristic's config")
+    s.add_argument("--batch", type=int, default=OPTUNA_BATCH, help="configs Optuna proposes at a time")
     args = parser.parse_args()
     if args.command == "measure":
         if not torch.cuda.is_available():
@@ -262,7 +266,7 @@ def main() -> None:
         if not path.is_file():
             parser.exit(2, f"{path}: no such file\n")
         budgets = sorted({int(b) for b in args.budgets.split(",")})
-        report = simulate(path, args.seeds, budgets)
+        report = simulate(path, args.seeds, budgets, batch=args.batch)
         _print(report, json.loads(path.read_text())["run"]["gpu"], args.seeds, budgets)
 
 

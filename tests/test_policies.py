@@ -46,6 +46,14 @@ def test_optuna_respects_budget_skips_done_and_never_repeats():
     assert len(set(log)) == len(log)
 
 
+def test_optuna_in_batches_compiles_each_batch_at_once_and_keeps_the_budget():
+    done, log, batches = {}, [], []
+    policy = OptunaPolicy(INTERPRETER_SPACE, PROBLEM, 0, True, seed=0, batch=4)
+    policy.run(_fake_evaluate(log), lambda: len(done) < 10, done, batches.append)
+    assert len(done) == 10 and len(log) == 10 and len(set(log)) == 10  # the budget ends inside the third batch
+    assert [len(b) for b in batches] == [4, 4, 4] and log == [c for b in batches for c in b][:10]
+
+
 def test_filters_drop_what_cannot_fit_before_compiling():
     space = SearchSpace()
     big = SearchProblem((1, 2), 4096, 16384, 2048, torch.bfloat16)

@@ -18,6 +18,8 @@ from .space import SearchProblem, candidates, config_from, feasible, flat_dimens
 # evaluate(config) -> the trial's record; budget() -> False once trials or time are spent; prepare(configs): the
 # configs about to be evaluated, to compile ahead (the driver compiles them at once on threads).
 Evaluate = Callable[[KernelConfig], TrialRecord]
+# Configs the Optuna policy proposes at a time, compiled at once (OptunaPolicy).
+OPTUNA_BATCH = 1
 Prepare = Callable[[list[KernelConfig]], None]
 
 
@@ -63,46 +65,61 @@ class RandomPolicy(_ListPolicy):
 class OptunaPolicy:
     """TPE over the space's dimensions (categorical: the tile knobs, the variant, each variant's knobs),
     seeded. Trials already done (a resumed run) are handed to the study first, so the sampler learns from
-    them and none is repeated."""
+    them and none is repeated. It proposes `batch` configs at a time (a constant liar stands in for the times of
+    those not yet timed), so that `prepare` compiles them at once on threads before they are timed in turn: a
+    trial's time is mostly its compile."""
 
     _MAX_SAMPLES_PER_TRIAL = 50  # infeasible or repeated samples cost nothing, but bound them
 
     def __init__(self, space: SearchSpace, problem: SearchProblem, shared_memory_limit: int, interpret: bool,
-                 seed: int = 0) -> None:
+                 seed: int = 0, batch: int = OPTUNA_BATCH) -> None:
         self.space, self.problem = space, problem
         self.shared_memory_limit, self.interpret, self.seed = shared_memory_limit, interpret, seed
+        self.batch = batch
 
     def run(self, evaluate, budget, done, prepare=None) -> None:
-        # `prepare` is not used: each proposal depends on the trials told before it.
         import optuna  # here, not at the top: only a tuning run that uses it pays its import
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         dims = flat_dimensions(self.space, self.problem, self.interpret)
         distributions = {name: optuna.distributions.CategoricalDistribution(values) for name, values in dims.items()}
-        study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=self.seed))
+        sampler = optuna.samplers.TPESampler(seed=self.seed, constant_liar=self.batch > 1)
+        study = optuna.create_study(direction="minimize", sampler=sampler)
         for config, record in done.items():
             params = flat_point(config, dims)
             if params is not None:
                 study.add_trial(self._frozen(optuna, params, distributions, record))
         samples = 0
-        limit = self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1)
-        while budget() and samples < limit:
-            samples += 1
-            trial = study.ask(distributions)
-            config = config_from(trial.params)
-            if config is not None:
-                config = feasible(config, self.problem, self.shared_memory_limit, self.interpret)
-            if config is None:  # filtered out before compiling
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                continue
-            if config not in done:
-                done[config] = evaluate(config)
-                limit = self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1)
-            record = done[config]
-            if record.status == "ok":
-                study.tell(trial, record.time_ms)
-            else:
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        while budget() and samples < self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1):
+            pending: list[tuple[object, KernelConfig]] = []  # asked, not yet told: each a config to time
+            while len(pending) < self.batch and samples < self._MAX_SAMPLES_PER_TRIAL * (len(done) + 1):
+                samples += 1
+                trial = study.ask(distributions)
+                config = config_from(trial.params)
+                if config is not None:
+                    config = feasible(config, self.problem, self.shared_memory_limit, self.interpret)
+                if config is None:  # filtered out before compiling
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                elif config in done:  # timed before: told at once
+                    self._tell(optuna, study, trial, done[config])
+                else:
+                    pending.append((trial, config))
+            if prepare is not None and len(pending) > 1:
+                prepare(list(dict.fromkeys(config for _, config in pending)))
+            for trial, config in pending:
+                if config not in done:
+                    if not budget():  # the budget ran out inside the batch: the rest is never timed
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                        continue
+                    done[config] = evaluate(config)
+                self._tell(optuna, study, trial, done[config])
+
+    @staticmethod
+    def _tell(optuna, study, trial, record: TrialRecord) -> None:
+        if record.status == "ok":
+            study.tell(trial, record.time_ms)
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
 
     @staticmethod
     def _frozen(optuna, params, distributions, record: TrialRecord):
