@@ -286,8 +286,8 @@ class OpSpec:
         return () if gemv is None else (gemv,)
 
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
-        """Configs a tuning run times right after the heuristic's: the first-use alternatives and, where the GEMV
-        applies, its measured starting points (configs.gemv_starts)."""
+        """Configs a tuning run times right after the heuristic's: where the GEMV applies, its measured starting
+        points, its first-use config first (configs.gemv_starts)."""
         if self.heuristic is not None:
             return ()
         kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
