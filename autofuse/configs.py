@@ -309,8 +309,13 @@ def gemv_alternative(shape: Shape, device: Device, kinds: Collection[str], opera
         block_n, block_k, warps = (1, 2048, 8) if large else (8, 2048, 4)
     else:
         block_n, block_k, warps = (4, 1024, 8) if large else (8, 256, 4)
+    return _gemv_config(shape, block_n, block_k, warps, 1)
+
+
+def _gemv_config(shape: Shape, block_n: int, block_k: int, warps: int, split: int) -> KernelConfig:
+    """A GEMV config covering every row of `shape` in one program row, clamped to the problem."""
     config = KernelConfig(next_power_of_2(shape.M), block_n, block_k, group_m=1, num_warps=warps, num_stages=1,
-                          variant="gemv", knobs={"split_k": 1})
+                          variant="gemv", knobs={"split_k": split})
     return clamp_to_problem(config, shape.M, shape.N, shape.K)
 
 
@@ -332,14 +337,8 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
     first = gemv_alternative(shape, device, kinds, operand_tiles)
     if first is None:
         return ()
-    found = {first: None}
-    for block_n, block_k, warps, split in _GEMV_STARTS[1 if operand_tiles[1] == 1 else 2]:
-        config = clamp_to_problem(KernelConfig(next_power_of_2(shape.M), block_n, block_k, group_m=1,
-                                               num_warps=warps, num_stages=1, variant="gemv",
-                                               knobs={"split_k": split}), shape.M, shape.N, shape.K)
-        if split <= -(-shape.K // config.block_k):
-            found.setdefault(config)
-    return tuple(found)
+    starts = (_gemv_config(shape, *sizes) for sizes in _GEMV_STARTS[1 if operand_tiles[1] == 1 else 2])
+    return tuple(dict.fromkeys([first, *(c for c in starts if variant_registry.GEMV.fits(c, shape))]))
 
 
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:

@@ -268,7 +268,7 @@ class OpSpec:
 
     def default_config(self, shape: Shape, device: Device) -> KernelConfig:
         """The built-in heuristic's config: the op's own, or the GEMM heuristic fed with its numbers."""
-        kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
+        kinds = self._kinds(shape, device)
         if self.heuristic is not None:
             return self.heuristic(shape, device, kinds)
         gemv = gemv_alternative(shape, device, kinds, self.operand_tiles) if self.gemv_first else None
@@ -281,8 +281,7 @@ class OpSpec:
         GEMV config at decode's smallest M, for the GEMM-shaped ops without a heuristic of their own)."""
         if self.heuristic is not None or self.gemv_first:
             return ()
-        kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
-        gemv = gemv_alternative(shape, device, kinds, self.operand_tiles)
+        gemv = gemv_alternative(shape, device, self._kinds(shape, device), self.operand_tiles)
         return () if gemv is None else (gemv,)
 
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
@@ -290,8 +289,11 @@ class OpSpec:
         points, its first-use config first (configs.gemv_starts)."""
         if self.heuristic is not None:
             return ()
-        kinds = frozenset(v.name for v in variants.applicable(self, device, shape))
-        return gemv_starts(shape, device, kinds, self.operand_tiles)
+        return gemv_starts(shape, device, self._kinds(shape, device), self.operand_tiles)
+
+    def _kinds(self, shape: Shape, device: Device) -> frozenset[str]:
+        """The names of this op's variants that apply to `shape` on `device` (variants.applicable)."""
+        return frozenset(v.name for v in variants.applicable(self, device, shape))
 
     def search_space(self, interpret: bool) -> SearchSpace | None:
         return self.interpreter_space if interpret else self.space

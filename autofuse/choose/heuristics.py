@@ -25,19 +25,20 @@ def _gpu(index: int) -> Device:
                   tuple(torch.cuda.get_device_capability(index)))
 
 
+def _shape(problem: Problem) -> Shape:
+    return Shape(problem.M, problem.n, problem.k, problem.dtype)
+
+
 def heuristic_for(problem: Problem) -> KernelConfig:
     """The op's default config for the problem's shape, on its device."""
-    shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
-    return problem.spec.default_config(shape, device_info(problem.device))
+    return problem.spec.default_config(_shape(problem), device_info(problem.device))
 
 
 def search_starts_for(problem: Problem) -> tuple[KernelConfig, ...]:
     """Configs a tuning run times right after the heuristic's (OpSpec.search_starts)."""
-    shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
-    return problem.spec.search_starts(shape, device_info(problem.device))
+    return problem.spec.search_starts(_shape(problem), device_info(problem.device))
 
 
 def alternatives_for(problem: Problem) -> tuple[KernelConfig, ...]:
     """Configs a first-use check times beside the heuristic's for the problem (OpSpec.alternative_configs)."""
-    shape = Shape(problem.M, problem.n, problem.k, problem.dtype)
-    return problem.spec.alternative_configs(shape, device_info(problem.device))
+    return problem.spec.alternative_configs(_shape(problem), device_info(problem.device))

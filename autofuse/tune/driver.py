@@ -201,16 +201,18 @@ def run_trials(job: Job, store: Store, device: torch.device, options: TuneOption
                                 space.searched(variants.applicable(key.spec, device_info(device), shape)))
         # The search starts from the heuristic's config and the op's measured starting points (the GEMV's at
         # decode's smallest M), where the space searches their variant.
+        def prepare(configs: list[KernelConfig]) -> None:  # compile the trials about to run, at once
+            evaluator.precompile_all(configs[:budget.trials_left(len(configs))], _compile_threads())
+
         starts = [c for c in dict.fromkeys((heuristic, *search_starts_for(at_m)))
                   if c not in done and any(v.name == c.variant for v in problem.kinds)]
         if len(starts) > 1:
-            evaluator.precompile_all(starts[:budget.trials_left(len(starts))], _compile_threads())
+            prepare(starts)
         for config in starts:
             if budget.left():
                 evaluate(config)
-        make_policy(options.policy, space, problem, limit, interpret, options.seed).run(
-            evaluate, budget.left, done,
-            lambda batch: evaluator.precompile_all(batch[:budget.trials_left(len(batch))], _compile_threads()))
+        make_policy(options.policy, space, problem, limit, interpret, options.seed).run(evaluate, budget.left, done,
+                                                                                       prepare)
         budget.report(final=True)  # budget left over means the space ran out of untried configs
         confirmed = fastest_trial(done)
         if confirmed is not None and not interpret:
