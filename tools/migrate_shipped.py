@@ -29,7 +29,7 @@ import jinja2
 from autofuse import ops
 from autofuse import variants as variants_registry
 from autofuse.configfile import _checksum
-from autofuse.key import DTYPE_NAMES
+from autofuse.key import TuningKey
 from autofuse.render import KernelSpec, entry_template, render, template_hash, template_variables
 
 _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render import template_hash\n"
@@ -68,13 +68,12 @@ def main(old_rev: str, files: list[str], drop_stale: bool = False) -> int:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=True)
 
 
-def _applies_at(variant: variants_registry.Variant, key: dict) -> bool:
+def _applies_at(variant: variants_registry.Variant, record_key: dict) -> bool:
     """Whether `variant` applies at a record's key (on the GPU the key names)."""
-    major, minor = (int(part) for part in key["capability"].split("."))
+    key = TuningKey.from_dict(record_key)
+    major, minor = (int(part) for part in key.capability.split("."))
     device = variants_registry.Device(interpret=False, capability=(major, minor))
-    dtype = {name: dtype for dtype, name in DTYPE_NAMES.items()}[key["dtype"]]
-    shape = variants_registry.Shape(int(key["m_bucket"]), int(key["n"]), int(key["k"]), dtype)
-    return variant.applies(device, shape)
+    return variant.applies(device, variants_registry.Shape(key.m_bucket, key.n, key.k, key.torch_dtype))
 
 
 def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: list[str], drop_stale: bool) -> int:
@@ -98,28 +97,29 @@ def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: lis
         changed[(spec.name, old)] = (new, [variants_registry.get(name) for name in (*differ, *added)])
     for name in files:
         doc = json.loads(Path(name).read_text())
-        moved, stale = 0, []
+        moved, kept, stale = 0, [], []
         for record in doc["records"]:
             key = record["key"]
             found = changed.get((key["op"], key["template_hash"]))
-            if found is None:
-                continue
-            new, kinds = found
-            if any(_applies_at(variant, key) for variant in kinds):
-                stale.append(record)
-                continue
-            key["template_hash"] = new
-            moved += 1
+            if found is not None:
+                new, kinds = found
+                if any(_applies_at(variant, key) for variant in kinds):
+                    stale.append(record)
+                    if drop_stale:
+                        continue
+                else:
+                    key["template_hash"] = new
+                    moved += 1
+            kept.append(record)
         for record in stale:
             key = record["key"]
             print(f"  left for a re-tune: {key['op']} n={key['n']} k={key['k']} M={key['m_bucket']} {key['dtype']}")
-        if drop_stale:
-            doc["records"] = [r for r in doc["records"] if not any(r is s for s in stale)]
-        doc["template_hashes"] = {ops.get(r["key"]["op"]).template: r["key"]["template_hash"] for r in doc["records"]}
-        doc["sha256"] = _checksum(doc["records"])
+        total, doc["records"] = len(doc["records"]), kept
+        doc["template_hashes"] = {ops.get(r["key"]["op"]).template: r["key"]["template_hash"] for r in kept}
+        doc["sha256"] = _checksum(kept)
         Path(name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"{name}: {moved} records carried to today's templates, {len(stale)} left for a re-tune"
-              f"{' (dropped)' if drop_stale else ''}, of {len(doc['records']) + (len(stale) if drop_stale else 0)}")
+              f"{' (dropped)' if drop_stale else ''}, of {total}")
     return 0
 
 
