@@ -238,7 +238,7 @@ class MLPFunction(torch.autograd.Function):
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         save_hidden = step.save_hidden
         pre, h, y = _training_forward(x, tuple(params), step, separate=save_hidden)
-        ctx.padding = padding
+        ctx.padding, ctx.launches = padding, step.launches
         ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
@@ -293,7 +293,13 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
     dw_down = dy.t() @ h if need[5] else None
     del h  # dH below takes its place
     dh = dy @ w_down
-    dg, du = gated_gradient_kept(dh, g, u, ctx.activation, out=(g, u))
+    launches, activation = ctx.launches, ctx.activation
+    if launches is not None and launches.M == dh.shape[0]:  # bound like the forward's passes
+        launches.run("gated_dgu", {"dh": dh, "g": g, "u": u, "dg": g, "du": u}, [],
+                     lambda: gated_gradient_kept(dh, g, u, activation, out=(g, u)))
+        dg, du = g, u
+    else:
+        dg, du = gated_gradient_kept(dh, g, u, activation, out=(g, u))
     del dh, g, u  # dg and du are now the only references to those two buffers
     dx = None
     if need[0]:

@@ -6,12 +6,14 @@ import torch.nn.functional as F
 from _helpers import DTYPES, relative_error
 
 import autofuse
+from autofuse import launch
 from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, TORCH_ACTIVATIONS
 from autofuse.configs import KernelConfig, Library
 from autofuse.ops import gated_bwd
+from autofuse.ops.bias_act import BIAS_ACT
 from autofuse.ops.gated_act import gated_activation
 from autofuse.ops.gated_bwd import gated_backward, gated_backward_cublas, gated_backward_eager
-from autofuse.ops.gated_grad import gated_from_dh, gated_gradient_kept
+from autofuse.ops.gated_grad import GATED_DGU, gated_from_dh, gated_gradient_kept
 
 # Norm-relative error allowed for a gradient against float64. A gradient passes through several
 # roundings in the dtype (the upstream gradient, dH, dG/dU, the GEMM outputs), each up to one unit
@@ -274,6 +276,32 @@ def test_gated_gradient_kept_pass(dtype, activation, layout, device):
         for got, eager, ref in zip(dg_du, (dg_eager, du_eager), (dg_ref, du_ref)):
             # One rounding of each float32 result; eager rounds its intermediate products too.
             assert relative_error(got, ref) <= 1.25 * relative_error(eager, ref) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+def test_passes_over_contiguous_rows_not_a_multiple_of_16_run_as_wider_rows(dtype, activation, device):
+    # The training path's G, U, H and dH are contiguous [M, F]: at F = 72 (not a multiple of 16) the passes
+    # run over the same elements as rows of 32 (36 * 72 = 81 * 32), and still give the reference's values.
+    M, F_ = 36, 72
+    g, u, dh = (torch.randn(M, F_, dtype=dtype, device=device) for _ in range(3))
+    tensors = {"dh": dh, "g": g, "u": u, "dg": g, "du": u}
+    rows, width, flat = launch.flat_rows(GATED_DGU, M, F_, tensors)
+    assert (rows, width) == (81, 32) and all(t.shape == (81, 32) and t.data_ptr() == tensors[n].data_ptr()
+                                             for n, t in flat.items())
+    # Not where an operand is strided (the halves of one [M, 2F] buffer) or a vector (a bias), nor at F = 64.
+    assert launch.flat_rows(GATED_DGU, M, F_, {**tensors, "g": torch.empty(M, 2 * F_)[:, :F_]})[:2] == (M, F_)
+    assert launch.flat_rows(BIAS_ACT, M, F_, {"y": g, "b": torch.empty(F_)})[:2] == (M, F_)
+    assert launch.flat_rows(GATED_DGU, M, 64, {"g": torch.empty(M, 64)})[:2] == (M, 64)
+    h = gated_activation(g, u, activation)
+    h_ref = TORCH_ACTIVATIONS[activation](g.double()) * u.double()
+    assert relative_error(h, h_ref) <= relative_error(TORCH_ACTIVATIONS[activation](g) * u, h_ref) + 1e-7
+    dg_ref, du_ref, _ = gated_from_dh(dh.double(), g.double(), u.double(), activation)
+    dg_eager, du_eager, _ = gated_from_dh(dh, g, u, activation)
+    dg, du = gated_gradient_kept(dh, g.clone(), u.clone(), activation)
+    for got, eager, ref in ((dg, dg_eager, dg_ref), (du, du_eager, du_ref)):
+        # One rounding of each float32 result; eager rounds its intermediate products too.
+        assert relative_error(got, ref) <= 1.25 * relative_error(eager, ref) + 1e-6
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

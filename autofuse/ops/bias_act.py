@@ -22,12 +22,12 @@ OPERANDS = (
 def bias_activation(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                     activation: str) -> torch.Tensor:
     """Y = act(Y + bias) + residual over y ([M, N], any strides) in place; returns y."""
-    L.require(y.dim() == 2, f"bias_act: y must be [M, N], got {tuple(y.shape)}")
+    L.require(y.dim() == 2, lambda: f"bias_act: y must be [M, N], got {tuple(y.shape)}")
     M, N = y.shape
     L.require(bias is None or (bias.dim() == 1 and bias.shape[0] == N and bias.dtype == y.dtype),
-              f"bias_act: the bias must be [{N}] in {y.dtype}")
+              lambda: f"bias_act: the bias must be [{N}] in {y.dtype}")
     L.require(residual is None or (tuple(residual.shape) == (M, N) and residual.dtype == y.dtype),
-              f"bias_act: the residual must be [{M}, {N}] in {y.dtype}")
+              lambda: f"bias_act: the residual must be [{M}, {N}] in {y.dtype}")
     if M and N and (bias is not None or residual is not None or activation != "none"):
         tensors = {"y": y, "b": None if bias is None else bias.contiguous(), "r": residual}
         L.pointwise_launch(BIAS_ACT, activation, y.dtype, M, N, tensors, has_bias=bias is not None,

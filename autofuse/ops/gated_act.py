@@ -30,7 +30,8 @@ def gated_activation(g: torch.Tensor, u: torch.Tensor, activation: str,
     """H = act(G) * U from g and u ([M, F] each, any strides: two buffers or the halves of one [M, 2F]);
     written into `out` ([M, F]) when given."""
     L.require(g.dim() == 2 and g.shape == u.shape and g.dtype == u.dtype and g.device == u.device,
-              f"gated_act: g and u must be [M, F] alike, got {tuple(g.shape)} {g.dtype} and {tuple(u.shape)} {u.dtype}")
+              lambda: f"gated_act: g and u must be [M, F] alike, got {tuple(g.shape)} {g.dtype} and {tuple(u.shape)} "
+                      f"{u.dtype}")
     M, F = g.shape
     h = L.output(out, (M, F), g)
     if M and F:
@@ -61,7 +62,7 @@ GATED_ACT = OpSpec(
 def pairs_activation(gu: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """H = act(G) * U from gu with G_j in column 2j and U_j in 2j + 1 ([M, 2F]); written into `out`
     ([M, F]) when given."""
-    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, f"pairs_act: gu must be [M, 2F], got {tuple(gu.shape)}")
+    L.require(gu.dim() == 2 and gu.shape[1] % 2 == 0, lambda: f"pairs_act: gu must be [M, 2F], got {tuple(gu.shape)}")
     M, F = gu.shape[0], gu.shape[1] // 2
     h = L.output(out, (M, F), gu)
     if M and F:

@@ -38,7 +38,7 @@ def gated_backward(dy: torch.Tensor, gu: torch.Tensor, w_down: torch.Tensor, act
     F = w_down.shape[1]
     L.require(tuple(gu.shape) == (M, 2 * F) and tuple(w_down.shape) == (D, F),
               "gated_backward: gu must be [M, 2F] and w_down [D, F]")
-    L.require(not GATED_BWD.refuse_config(config), f"gated_backward: {GATED_BWD.refuse_config(config)}")
+    L.require(not GATED_BWD.refuse_config(config), lambda: f"gated_backward: {GATED_BWD.refuse_config(config)}")
     dgu_out, h_out = out if out is not None else (None, None)
     dgu, h = L.output(dgu_out, (M, 2 * F), dy), L.output(h_out, (M, F), dy)
     if M == 0:

@@ -28,7 +28,7 @@ OPERANDS = (*DGU_OPERANDS, Operand("h", "[M, N]", "mn"))
 def _sizes(caller: str, dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[int, int]:
     """(M, F) of the two passes' operands: dH, G and U, [M, F] each."""
     L.require(dh.dim() == 2 and g.shape == dh.shape and u.shape == dh.shape,
-              f"{caller}: g and u must be [M, F] like dH, got {tuple(g.shape)}, {tuple(u.shape)} and dH "
+              lambda: f"{caller}: g and u must be [M, F] like dH, got {tuple(g.shape)}, {tuple(u.shape)} and dH "
               f"{tuple(dh.shape)}")
     return dh.shape
 

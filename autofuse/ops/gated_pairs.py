@@ -60,7 +60,8 @@ def gated_pairs(x: torch.Tensor, w_pairs: torch.Tensor, b_pairs: torch.Tensor | 
     M, K = x.shape
     N = w_pairs.shape[0]
     L.require(w_pairs.shape[1] == K and N % 2 == 0 and (b_pairs is None or tuple(b_pairs.shape) == (N,)),
-              f"gated_pairs: x {tuple(x.shape)} and the interleaved weight {tuple(w_pairs.shape)} / bias do not fit")
+              lambda: f"gated_pairs: x {tuple(x.shape)} and the interleaved weight {tuple(w_pairs.shape)} / bias do "
+                      "not fit")
     h = L.output(out, (M, N // 2), x)
     if M == 0:
         return h

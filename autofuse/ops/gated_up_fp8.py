@@ -54,7 +54,7 @@ def _launch(spec, x: torch.Tensor, weights: tuple, biases: tuple, activation: st
     N = wg.shape[0]
     for w, s in weights:
         check_weights(spec.name, x, w, s, N)
-    L.require((b_gate is None) == (b_up is None), f"{spec.name}: gate and up biases come together")
+    L.require((b_gate is None) == (b_up is None), lambda: f"{spec.name}: gate and up biases come together")
     h = L.output(out, (M, N), x)
     if M == 0:
         return h

@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     M, K = x.shape
     N = weight.shape[0]
     L.require(weight.shape[1] == K and (residual is None or tuple(residual.shape) == (M, N)),
-              f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual do not fit")
+              lambda: f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and residual do not fit")
     y = L.output(out, (M, N), x)
     if M == 0:
         return y

@@ -79,7 +79,8 @@ def launch_linear(spec, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tenso
     N = w8.shape[0]
     check_weights(spec.name, x, w8, scale, N)
     L.require(residual is None or tuple(residual.shape) == (M, N),
-              f"{spec.name}: residual {tuple(residual.shape) if residual is not None else ()} does not fit {(M, N)}")
+              lambda: f"{spec.name}: residual {tuple(residual.shape) if residual is not None else ()} does not fit "
+                      f"{(M, N)}")
     y = L.output(out, (M, N), x)
     if M == 0:
         return y
@@ -93,10 +94,10 @@ def launch_linear(spec, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tenso
 def check_weights(op: str, x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, N: int) -> None:
     """LaunchError (one line) unless w8 is [N, K] float8_e4m3fn and scale [N] float32, both on x's device."""
     L.require(w8.dtype == FP8 and scale.dtype == torch.float32 and w8.device == x.device == scale.device,
-              f"{op}: weights must be float8_e4m3fn with float32 scales on {x.device}, got {w8.dtype} and "
+              lambda: f"{op}: weights must be float8_e4m3fn with float32 scales on {x.device}, got {w8.dtype} and "
               f"{scale.dtype}")
     L.require(w8.dim() == 2 and tuple(w8.shape) == (N, x.shape[1]) and tuple(scale.shape) == (N,),
-              f"{op}: x {tuple(x.shape)}, weight {tuple(w8.shape)} and scale {tuple(scale.shape)} do not fit")
+              lambda: f"{op}: x {tuple(x.shape)}, weight {tuple(w8.shape)} and scale {tuple(scale.shape)} do not fit")
 
 
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,7 +45,7 @@ def mlp_decode(x: torch.Tensor, params: tuple, activation: str, config: KernelCo
     L.require(tuple(w_gate.shape) == tuple(w_up.shape) == (F, D) and tuple(w_down.shape) == (D, F),
               "mlp_decode: weights must be [F, D], [F, D] and [D, F]")
     L.require((b_gate is None) == (b_up is None) == (b_down is None), "mlp_decode: the three biases come together")
-    L.require(not MLP.refuse_config(config), f"mlp_decode: {MLP.refuse_config(config)}")
+    L.require(not MLP.refuse_config(config), lambda: f"mlp_decode: {MLP.refuse_config(config)}")
     y = L.output(out, (M, D), x)
     if M == 0:
         return y

@@ -48,10 +48,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str, out: 
     ([M, N]) when given."""
     L.require(x.dim() == 2 and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
               and weight.device == x.device and weight.is_contiguous(),
-              f"rms_norm: x must be [M, N] and the weight [N] alike, got {tuple(x.shape)} {x.dtype} and "
+              lambda: f"rms_norm: x must be [M, N] and the weight [N] alike, got {tuple(x.shape)} {x.dtype} and "
               f"{tuple(weight.shape)} {weight.dtype}")
     M, N = x.shape
-    L.require(N <= MAX_N, f"rms_norm: rows of {N} exceed the kernel's {MAX_N}")
+    L.require(N <= MAX_N, lambda: f"rms_norm: rows of {N} exceed the kernel's {MAX_N}")
     y = L.output(out, (M, N), x)
     if M and N:
         kernel = load_kernel(KernelSpec(RMS_NORM, form, upcast_operands=interpreting()))
