@@ -3,6 +3,7 @@
   measure (a CUDA GPU):  python benchmarks/search_quality.py measure [--keys decode,prefill,backward]
                              [--trials 30] [--tuned-cache DIR] [--work DIR] [--sweep-budget-ms 20] [--out DIR]
   simulate (anywhere):   python benchmarks/search_quality.py simulate FILE [--seeds 20] [--budgets 5,10,20,40]
+                             [--patience P]
 
 measure samples the keys of a Llama-3.2-1B-shaped MLP (d_model 2048, d_ff 8192, SwiGLU, bf16): decode (M = 1:
 gated_pairs and the one-launch mlp, each over its whole search space), prefill (M = 1024: gated_up and down) and
@@ -198,10 +199,26 @@ class Replay:
         return found
 
 
+def early_stop(run: list[float], patience: int | None, gain: float = 0.01) -> list[float]:
+    """The part of a run a search stopped early would have timed: up to and including the trial that made
+    `patience` trials in a row without improving the best by more than `gain` (all of it where patience is
+    None)."""
+    if patience is None:
+        return run
+    best, since = float("inf"), 0
+    for i, ms in enumerate(run):
+        since = 0 if ms < best * (1 - gain) else since + 1
+        best = min(best, ms)
+        if since >= patience:
+            return run[:i + 1]
+    return run
+
+
 def simulate(path: Path, seeds: int, budgets: list[int], policies: tuple[str, ...] = ("optuna", "random"),
-             batch: int = OPTUNA_BATCH) -> dict:
+             batch: int = OPTUNA_BATCH, patience: int | None = None) -> dict:
     """Per key, policy and budget: the median and worst regret over the seeds, and the trials to come within
-    WITHIN of the sweep's best (median, min, max; inf where a seed never did within the largest budget)."""
+    WITHIN of the sweep's best (median, min, max; inf where a seed never did within the largest budget). With
+    `patience`, each budget's run stops early (early_stop) and the mean number of trials it timed is reported."""
     data = json.loads(path.read_text())
     largest = max(budgets)
     report = {}
@@ -212,20 +229,22 @@ def simulate(path: Path, seeds: int, budgets: list[int], policies: tuple[str, ..
         for policy_name in policies:
             runs = [replay.run(policy_name, seed, largest, batch) for seed in range(seeds)]
             first = replay.heuristic_timed
-            regret = {b: [min(run[:first + b], default=float("inf")) / replay.best_ms - 1 for run in runs]
+            stopped = {b: [early_stop(run[:first + b], patience) for run in runs] for b in budgets}
+            regret = {b: [min(run, default=float("inf")) / replay.best_ms - 1 for run in stopped[b]]
                       for b in budgets}
             # Trials until one within WITHIN, the heuristic's config counted: 1 where it is within already.
             reach = [next((i + 1 for i, ms in enumerate(run) if ms <= target), float("inf")) for run in runs]
             rows[policy_name] = {
                 "regret": {b: (statistics.median(r), max(r)) for b, r in regret.items()},
                 "trials_to_within": (statistics.median(reach), min(reach), max(reach)),
+                "trials_timed": {b: statistics.mean(len(run) for run in stopped[b]) for b in budgets},
             }
         report[entry["label"]] = {"configs": len(replay.table), "best_ms": replay.best_ms, "policies": rows,
                                   "tuned_speed_of_sweep_best": entry.get("tuned_speed_of_sweep_best")}
     return report
 
 
-def _print(report: dict, gpu: str, seeds: int, budgets: list[int]) -> None:
+def _print(report: dict, gpu: str, seeds: int, budgets: list[int], patience: int | None = None) -> None:
     print(f"{gpu}: regret (best found / sweep's best - 1), median and worst over {seeds} seeds, after the heuristic's "
           f"config and B trials; trials to come within {WITHIN:.0%}, the heuristic's counted (median, min-max)\n")
     head = " | ".join(f"B={b}" for b in budgets)
@@ -233,7 +252,9 @@ def _print(report: dict, gpu: str, seeds: int, budgets: list[int]) -> None:
     print("|---|---:|---|" + "---:|" * len(budgets) + "---|---:|")
     for label, row in report.items():
         for policy_name, numbers in row["policies"].items():
-            cells = " | ".join(f"{100 * med:.1f}% ({100 * worst:.1f}%)" for med, worst in numbers["regret"].values())
+            cells = " | ".join(f"{100 * med:.1f}% ({100 * worst:.1f}%)" + (
+                f", {numbers['trials_timed'][b]:.0f} timed" if patience is not None else "")
+                for b, (med, worst) in numbers["regret"].items())
             med, low, high = numbers["trials_to_within"]
             speed = row["tuned_speed_of_sweep_best"] if policy_name == "optuna" else None
             print(f"| {label} | {row['configs']} | {policy_name} | {cells} | {med:.0f} ({low:.0f}-{high:.0f}) | "
@@ -256,6 +277,8 @@ def main() -> None:
     s.add_argument("--seeds", type=int, default=20)
     s.add_argument("--budgets", default="5,10,20,40", help="trials after the heuristic's config")
     s.add_argument("--batch", type=int, default=OPTUNA_BATCH, help="configs Optuna proposes at a time")
+    s.add_argument("--patience", type=int, default=None,
+                   help="stop a run after this many trials in a row without a 1%% gain (the trials it timed reported)")
     args = parser.parse_args()
     if args.command == "measure":
         if not torch.cuda.is_available():
@@ -266,8 +289,8 @@ def main() -> None:
         if not path.is_file():
             parser.exit(2, f"{path}: no such file\n")
         budgets = sorted({int(b) for b in args.budgets.split(",")})
-        report = simulate(path, args.seeds, budgets, batch=args.batch)
-        _print(report, json.loads(path.read_text())["run"]["gpu"], args.seeds, budgets)
+        report = simulate(path, args.seeds, budgets, batch=args.batch, patience=args.patience)
+        _print(report, json.loads(path.read_text())["run"]["gpu"], args.seeds, budgets, args.patience)
 
 
 if __name__ == "__main__":

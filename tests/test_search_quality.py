@@ -73,3 +73,11 @@ def test_simulate_prints_a_table_and_measure_refuses_a_cpu(tmp_path):
         out = subprocess.run([sys.executable, str(BENCHMARKS / "search_quality.py"), "measure"], capture_output=True,
                              text=True)
         assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_early_stop_ends_at_the_trial_that_completes_the_patience():
+    run = [10.0, 9.0, 8.95, 8.99, 9.5, 7.0, 7.2]
+    # 8.95 is within 1% of 9.0: no gain; with 8.99 and 9.5, three trials in a row without one.
+    assert search_quality.early_stop(run, 3) == [10.0, 9.0, 8.95, 8.99, 9.5]
+    assert search_quality.early_stop(run, 4) == run
+    assert search_quality.early_stop(run, None) == run
