@@ -283,6 +283,17 @@ class MLPFunction(torch.autograd.Function):
         return (*grads, db_down, None)
 
 
+def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torch.Tensor, g: torch.Tensor,
+                    u: torch.Tensor) -> None:
+    """dG and dU written over g and u by op gated_dgu: a bound launch like the forward's passes where the entry
+    has launches at this M."""
+    if launches is None or launches.M != dh.shape[0]:
+        gated_gradient_kept(dh, g, u, activation, out=(g, u))
+        return
+    launches.run("gated_dgu", {"dh": dh, "g": g, "u": u, "dg": g, "du": u}, [],
+                 lambda: gated_gradient_kept(dh, g, u, activation, out=(g, u)))
+
+
 def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
     """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from the forward's G, U, H (`kept`: emptied here,
     so that each buffer is freed once spent). dWd first, then H freed; cuBLAS dH and one pass writing dG, dU
@@ -293,13 +304,8 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
     dw_down = dy.t() @ h if need[5] else None
     del h  # dH below takes its place
     dh = dy @ w_down
-    launches, activation = ctx.launches, ctx.activation
-    if launches is not None and launches.M == dh.shape[0]:  # bound like the forward's passes
-        launches.run("gated_dgu", {"dh": dh, "g": g, "u": u, "dg": g, "du": u}, [],
-                     lambda: gated_gradient_kept(dh, g, u, activation, out=(g, u)))
-        dg, du = g, u
-    else:
-        dg, du = gated_gradient_kept(dh, g, u, activation, out=(g, u))
+    _gradients_over(ctx.launches, ctx.activation, dh, g, u)
+    dg, du = g, u
     del dh, g, u  # dg and du are now the only references to those two buffers
     dx = None
     if need[0]:

@@ -504,3 +504,12 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
     eager = _grads(params, x, _mlp_fn("gelu_tanh"), dy)
     _check_grads(got, ref, eager, dtype)
     assert module.down_proj.weight.grad.is_contiguous()
+
+
+def test_a_guard_formats_its_message_only_when_it_fails():
+    # The launchers' guards run on every call: a message is built only for a guard that fails.
+    built = []
+    launch.require(True, lambda: built.append("formatted") or "never")
+    assert built == []
+    with pytest.raises(launch.LaunchError, match="out buffer is"):
+        launch.output(torch.empty(3, 4), (4, 4), torch.empty(1))
