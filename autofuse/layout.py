@@ -11,8 +11,8 @@ a d_ff that no BLOCK_K divides masks every K step, and cuBLAS slows down on such
 then become views of storage padded with zeros along d_ff to run_width(d_ff), and inference runs the MLP at
 that width on as_strided views of it. That is exact: the padded gate and up rows and biases are 0, so H's
 padded columns are act(0) * 0 = 0, and the down projection adds 0 * 0 for each of them. A d_model that is
-not a multiple of 8 (the up-projection's K: rows of x and of the gate and up weights) pads the same way: the
-gate and up weights get zero columns up to row_width(d_model), and inference pads x's rows with zeros to
+not a multiple of 16 (the up-projection's K: rows of x and of the gate and up weights) pads the same way: the
+gate and up weights get zero columns up to input_width(d_model), and inference pads x's rows with zeros to
 match (one small copy per call), so every GEMM of the up-projection reads aligned rows; x's padded columns
 meet zero weights. The down projection's output keeps d_model columns.
 
@@ -56,12 +56,20 @@ def run_width(d_ff: int) -> int:
 
 
 def row_width(d: int) -> int:
-    """d, padded only where rows of d 16-bit elements are not 16-byte aligned: the d_model inference runs at
-    (x's rows, the gate and up rows: a padded d_model costs a copy of x per call and takes the one-launch MLP out
-    of the plan), and the d_model and d_ff a training step runs at (training.Padding: its padded space copies the
-    weights every step, and padded to multiples of 16 as well, d_model 2368 -> d_ff 4872 stepped in 1.012 ms at
-    M = 2048 against 0.850 unpadded, 2.998 against 3.111 at M = 8192; H200, benchmarks/training.py)."""
+    """d, padded only where rows of d 16-bit elements are not 16-byte aligned: the d_model and d_ff a training
+    step runs at (training.Padding: its padded space copies the weights every step, and padded to multiples of 16
+    as well, d_model 2368 -> d_ff 4872 stepped in 1.012 ms at M = 2048 against 0.850 unpadded, 2.998 against 3.111
+    at M = 8192; H200, benchmarks/training.py)."""
     return _padded(d, ROW_ALIGNED)
+
+
+def input_width(d_model: int) -> int:
+    """The d_model inference runs the up projection at (its K: x's rows, the gate and up rows): d_model where it
+    is a multiple of ALIGNED, else padded to PAD_TO. A K that is a multiple of 8 but not of 16 masks every K step
+    element by element: the gated up projection's GEMV at M = 1 over d_model 6536 (d_ff 13984) ran 143.9 us, 85%
+    of the read ceiling, against 128.5 us (96%) at 6544 (H100). A padded d_model costs a copy of x per call and
+    takes the one-launch MLP out of the plan."""
+    return _padded(d_model, ALIGNED)
 
 
 class MLPLayout:
@@ -71,7 +79,7 @@ class MLPLayout:
 
     def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
         self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
-        self.d_in = row_width(d_model)  # the up-projection's K: x's and the gate/up rows' padded width
+        self.d_in = input_width(d_model)  # the up-projection's K: x's and the gate/up rows' padded width
         self.storages = self._storages(params)
         self._memo: tuple | None = None  # (weights' addresses, widened parameters or None)
 
@@ -133,7 +141,7 @@ def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool =
     """Re-lays a gated MLP's parameters into the storage described in the module docstring; None where
     nothing needs it (d_ff and d_model multiples of ALIGNED and not interleaved) or can have it (the meta device)."""
     d_ff, d_model = gate.weight.shape
-    width, d_in = run_width(d_ff), row_width(d_model)
+    width, d_in = run_width(d_ff), input_width(d_model)
     if (width == d_ff and d_in == d_model and not interleaved) or gate.weight.device.type == "meta":
         return None
     # Made outside inference mode: an inference tensor could not stay a parameter's data.

@@ -220,6 +220,8 @@ class OpSpec:
     make_operands: Callable | None = None
     output_width: Callable[[int, int], int] | None = None
     serves: str = ""  # "mlp" or "linear": shapes-file entries that get a key of this op; "" none
+    # keyed_for(entry) -> whether a module of that shapes-file entry runs this op (None: every entry it serves)
+    keyed_for: Callable | None = None
     dims: Dims | None = None
     max_m: int | None = None  # keyed and run only up to this M
     training: bool = False  # keyed only when tuning for training (--train)

@@ -447,13 +447,13 @@ def test_training_stacks_gate_and_up_into_one_buffer_and_both_layouts_give_the_g
     from autofuse.ops.gated_up import stacked
 
     dtype = torch.float32
-    module = autofuse.get_mlp(40, 80, activation="silu", bias=True, dtype=dtype, device=device,
+    module = autofuse.get_mlp(48, 80, activation="silu", bias=True, dtype=dtype, device=device,
                               interleaved=interleaved)
     params = _mlp_params(module)
     before = {k: v.detach().clone() for k, v in params.items()}
     objects = [module.gate_proj.weight, module.up_proj.weight]
-    x = torch.randn(13, 40, dtype=dtype, device=device)
-    dy = torch.randn(13, 40, dtype=dtype, device=device)
+    x = torch.randn(13, 48, dtype=dtype, device=device)
+    dy = torch.randn(13, 48, dtype=dtype, device=device)
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     got = _module_grads(module, x, dy, names)
     assert [module.gate_proj.weight, module.up_proj.weight] == objects

@@ -24,7 +24,7 @@ from autofuse.key import Problem
 from autofuse.reference import eager_mlp
 from autofuse.store import Store, TrialRecord
 
-D, F_, M = 40, 80, 5
+D, F_, M = 48, 80, 5
 
 
 @pytest.fixture(autouse=True)

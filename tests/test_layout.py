@@ -13,7 +13,7 @@ import autofuse
 from autofuse import evaluator, ops
 from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
-from autofuse.layout import PAD_TO, row_width, run_width
+from autofuse.layout import PAD_TO, input_width, row_width, run_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
 from autofuse.store import TrialRecord
@@ -28,8 +28,9 @@ def test_run_width():
     assert run_width(80) == 80 and run_width(16384) == 16384  # multiples of 16: unchanged
     # A multiple of 8 (16-byte aligned rows) but not of 16: Triton's stride specialisation sees no alignment.
     assert run_width(72) == 128 and run_width(20024) == 20032
-    # d_model (x's rows) and training pad only rows that are not 16-byte aligned.
+    # Training pads only rows that are not 16-byte aligned; inference pads d_model (the up projection's K) as d_ff.
     assert row_width(72) == 72 and row_width(75) == 128
+    assert input_width(72) == 128 and input_width(6536) == 6592 and input_width(4096) == 4096
     assert run_width(75) == 128 and run_width(10485) == 10496 and run_width(68) == 128
     assert all(run_width(f) % PAD_TO == 0 for f in (1, 7, 63, 65, 4097))
 
@@ -49,13 +50,13 @@ def test_odd_d_ff_runs_padded_and_correct(dtype, bias, M, device):
 
 
 def test_aligned_d_ff_keeps_plain_parameters_when_not_interleaved(device):
-    module = autofuse.get_mlp(40, 80, dtype=torch.float16, device=device, interleaved=False)
+    module = autofuse.get_mlp(48, 80, dtype=torch.float16, device=device, interleaved=False)
     assert module.d_ff_run == 80 and all(p.is_contiguous() for p in module.parameters()) and not module.runs_pairs
     assert "interleaved=False" in repr(module)
 
 
 def test_gate_and_up_are_interleaved_by_default(device):
-    module = autofuse.get_mlp(40, 80, dtype=torch.float16, device=device)
+    module = autofuse.get_mlp(48, 80, dtype=torch.float16, device=device)
     assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == 80
     assert module.down_proj.weight.is_contiguous()  # aligned d_ff: the down projection stays as it was
 
@@ -118,24 +119,26 @@ def test_tuning_keys_use_the_width_that_runs():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "plain"])
 @pytest.mark.parametrize("d_ff", [48, 45])
-def test_odd_d_model_runs_on_padded_rows_and_correct(dtype, interleaved, d_ff, device):
-    """A d_model that is not a multiple of 8: the gate and up weights get zero columns up to run_width(d_model)
-    and x's rows are padded to match per call; the output keeps d_model columns."""
-    module = autofuse.get_mlp(37, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
+@pytest.mark.parametrize("d_model", [37, 40])
+def test_odd_d_model_runs_on_padded_rows_and_correct(dtype, interleaved, d_ff, d_model, device):
+    """A d_model that is not a multiple of 16 (37: rows not 16-byte aligned; 40: aligned, but not what Triton
+    specialises a stride on): the gate and up weights get zero columns up to input_width(d_model) and x's rows are
+    padded to match per call; the output keeps d_model columns."""
+    module = autofuse.get_mlp(d_model, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
                               interleaved=interleaved)
     assert module.d_in_run == 64 and module.d_ff_run == run_width(d_ff)
     wg = module.gate_proj.weight
-    assert wg.shape == (d_ff, 37) and wg.stride() == ((2 if interleaved else 1) * 64, 1)
-    x = torch.randn(3, 7, 37, dtype=dtype, device=device)
+    assert wg.shape == (d_ff, d_model) and wg.stride() == ((2 if interleaved else 1) * 64, 1)
+    x = torch.randn(3, 7, d_model, dtype=dtype, device=device)
     check_mlp(module, x)
     check_mlp(module, x[0, :1])
     rows = wg.as_strided((d_ff, 64), wg.stride())
-    assert rows[:, 37:].abs().max() == 0  # the padded columns stay zero
+    assert rows[:, d_model:].abs().max() == 0  # the padded columns stay zero
     with torch.no_grad():
         module.up_proj.weight.mul_(-1)  # an edit of the view is seen
     check_mlp(module, x)
     state = module.state_dict()
-    assert all(t.is_contiguous() for t in state.values()) and state["up_proj.weight"].shape == (d_ff, 37)
+    assert all(t.is_contiguous() for t in state.values()) and state["up_proj.weight"].shape == (d_ff, d_model)
     module = module.to(torch.float32)
     assert module.d_in_run == 64
     check_mlp(module, x.float())
@@ -166,14 +169,14 @@ def _is_interleaved(module) -> bool:
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("d_ff", [72, 75])
 def test_interleaved_layout_is_one_buffer_and_correct(dtype, bias, d_ff, device):
-    module = autofuse.get_mlp(40, d_ff, activation="gelu", bias=bias, dtype=dtype, device=device, interleaved=True)
+    module = autofuse.get_mlp(48, d_ff, activation="gelu", bias=bias, dtype=dtype, device=device, interleaved=True)
     assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == run_width(d_ff)
     if bias:
         bg, bu = module.gate_proj.bias, module.up_proj.bias
         assert bg.stride() == (2,) and bu.storage_offset() == 1
-    check_mlp(module, torch.randn(13, 40, dtype=dtype, device=device))
+    check_mlp(module, torch.randn(13, 48, dtype=dtype, device=device))
     state = module.state_dict()
-    assert all(t.is_contiguous() for t in state.values()) and state["gate_proj.weight"].shape == (d_ff, 40)
+    assert all(t.is_contiguous() for t in state.values()) and state["gate_proj.weight"].shape == (d_ff, 48)
 
 
 def test_interleaved_layout_survives_to_and_sees_edits(device):

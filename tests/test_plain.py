@@ -350,15 +350,15 @@ def test_an_un_graphed_mlp_races_the_two_up_projection_ops(monkeypatch):
     # The interleaved module compares gated_pairs (here its library path, faster by GPU time) with gated_up.
     common = dict(bucket=4, activation="silu", bias=False)
     pairs_config = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
-    Store().put_winner(Winner(_key("gated_pairs", 80, 40, **common), Library("cublas_pairs"), FAST, FAST))
-    Store().put_winner(Winner(_key("gated_up", 80, 40, **common), KERNEL, 2 * FAST, 3 * FAST))
-    Store().put_winner(Winner(_key("down", 40, 80, bucket=4, activation="none", bias=False), pairs_config, FAST,
+    Store().put_winner(Winner(_key("gated_pairs", 80, 48, **common), Library("cublas_pairs"), FAST, FAST))
+    Store().put_winner(Winner(_key("gated_up", 80, 48, **common), KERNEL, 2 * FAST, 3 * FAST))
+    Store().put_winner(Winner(_key("down", 48, 80, bucket=4, activation="none", bias=False), pairs_config, FAST,
                               2 * FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
-    mlp = autofuse.get_mlp(40, 80, activation="silu", dtype=torch.float32, device="cpu")
+    mlp = autofuse.get_mlp(48, 80, activation="silu", dtype=torch.float32, device="cpu")
     assert mlp.config_for(4) == {"gated_pairs": Library("cublas_pairs"), "down": pairs_config}
-    x = torch.randn(4, 40)
+    x = torch.randn(4, 48)
     with torch.no_grad(), use_policy(TINY_RACE):
         out = _race_through(lambda: mlp(x), 8)
     assert [list(t) for t in raced[0]][:2] == [["gated_pairs", "down"], ["gated_up", "down"]]

@@ -21,7 +21,7 @@ from autofuse.store import Store
 from autofuse.tune import worklist
 
 SHAPES = {"dtype": "float32", "tokens": [5, 37],
-          "mlps": [{"name": "m", "d_model": 24, "d_ff": 40, "activation": "silu"}],
+          "mlps": [{"name": "m", "d_model": 32, "d_ff": 40, "activation": "silu"}],
           "linears": [{"name": "l", "in_features": 24, "out_features": 40}]}
 KEYS = 10  # per M: gated_up, gated_pairs, down, mlp (M <= 64), linear; M = 5 and 37
 

@@ -19,10 +19,11 @@ from autofuse.choose.policy import current as current_policy
 from autofuse.cli import main
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import Problem, TuningKey, current_environment
+from autofuse.layout import input_width
 from autofuse.store import Store, Winner
 
 TINY = {"dtype": "bfloat16", "tokens": [3, 37],
-        "mlps": [{"name": "tiny", "d_model": 40, "d_ff": 72, "activation": "silu"}],
+        "mlps": [{"name": "tiny", "d_model": 48, "d_ff": 72, "activation": "silu"}],
         "linears": [{"name": "lin", "in_features": 40, "out_features": 56, "activation": "gelu"}]}
 
 
@@ -51,7 +52,7 @@ def test_tune_end_to_end_and_modules_use_the_winners(tmp_path):
     assert set(winners) == {(op, m) for op in ("gated_up", "gated_pairs", "down", "mlp", "linear") for m in (3, 37)}
     assert all(w.trials == 3 and w.config is not None for w in winners.values())
 
-    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
+    mlp = autofuse.get_mlp(48, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
     # The module takes whichever tuning timed faster: gated_pairs or gated_up for H, then the pair
     # against the one-launch kernel, which the pair must beat by one_launch_margin (choose/plans.py).
     up_op = "gated_pairs" if winners["gated_pairs", 37].time_ms < winners["gated_up", 37].time_ms else "gated_up"
@@ -74,15 +75,15 @@ def test_mlp_takes_the_one_launch_kernel_only_where_it_was_timed_faster(fused_fa
     store = Store()
     pair = KernelConfig(16, 16, 16, num_stages=1)
     fused = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
-    store.put_winner(Winner(Problem("gated_up", 80, 40, 4, torch.float32, "silu").key(4, env), pair, 1.0, 2.0))
-    store.put_winner(Winner(Problem("down", 40, 80, 4, torch.float32, "none").key(4, env), pair, 1.0, 2.0))
-    store.put_winner(Winner(Problem("mlp", 80, 40, 4, torch.float32, "silu").key(4, env), fused,
+    store.put_winner(Winner(Problem("gated_up", 80, 48, 4, torch.float32, "silu").key(4, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(Problem("down", 48, 80, 4, torch.float32, "none").key(4, env), pair, 1.0, 2.0))
+    store.put_winner(Winner(Problem("mlp", 80, 48, 4, torch.float32, "silu").key(4, env), fused,
                             1.5 if fused_faster else 2.5, 4.0))
-    mlp = autofuse.get_mlp(40, 80, activation="silu", dtype=torch.float32, device="cpu")
+    mlp = autofuse.get_mlp(48, 80, activation="silu", dtype=torch.float32, device="cpu")
     expected = {"mlp": fused} if fused_faster else {"gated_up": pair, "down": pair}
     assert mlp.config_for(4) == expected
     assert mlp.config_for(128) != {"mlp": fused}  # above MLP_MAX_M the one-launch kernel never runs
-    x = torch.randn(4, 40)
+    x = torch.randn(4, 48)
     with torch.no_grad():
         out = mlp(x)
     args = (x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
@@ -114,11 +115,11 @@ def test_export_import_round_trip_into_a_fresh_cache(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["cache", "import", str(exported)])
     assert result.exit_code == 0 and "imported 5 configs" in result.output
     assert {w.key.id(): w for w in Store().winners()} == tuned
-    mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
+    mlp = autofuse.get_mlp(48, 72, activation="silu", dtype=torch.bfloat16, device="cpu")
     assert set(mlp.config_sources(37).values()) == {"user-cache"}
     chosen = mlp.config_for(37)  # the one-launch kernel or the pair, whichever was timed faster
     assert chosen == {op: next(w.config for w in tuned.values() if w.key.op == op) for op in chosen}
-    x = torch.randn(37, 40, dtype=torch.bfloat16)
+    x = torch.randn(37, 48, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.isfinite(mlp(x)).all()
 
@@ -237,8 +238,10 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     winners = list(Store(cache).winners())
-    expected = {("gated_up", 48, 16 + 8 * i) for i in range(4)} | {("down", 16 + 8 * i, 48) for i in range(4)}
-    expected |= {(op, 48, 16 + 8 * i) for op in ("mlp", "gated_pairs") for i in range(4)}
+    # d_model 24 and 40 run padded to 64 (layout.input_width): their up projections share one key, and the
+    # one-launch kernel, which their modules never plan, gets none.
+    expected = {(op, 48, input_width(16 + 8 * i)) for op in ("gated_up", "gated_pairs") for i in range(4)}
+    expected |= {("down", 16 + 8 * i, 48) for i in range(4)} | {("mlp", 48, 16), ("mlp", 48, 32)}
     expected |= {("linear", 40, 24)}
     assert {(w.key.op, w.key.n, w.key.k) for w in winners} == expected
     assert all(len(Store(cache).trials(w.key)) >= 3 for w in winners)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, Shape, gemm_heuristic
-from ..layout import row_width, run_width
+from ..layout import input_width, run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
 from .gated_act import pairs_activation
@@ -126,5 +126,5 @@ GATED_PAIRS = OpSpec(
     output_width=lambda n, k: n,
     serves="mlp",
     # What an interleaved FusedMLP runs (layout.py).
-    dims=lambda s: (run_width(s.d_ff), row_width(s.d_model), s.activation),
+    dims=lambda s: (run_width(s.d_ff), input_width(s.d_model), s.activation),
 )

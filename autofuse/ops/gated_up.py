@@ -9,7 +9,7 @@ import torch
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import row_width, run_width
+from ..layout import input_width, run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
@@ -119,5 +119,5 @@ GATED_UP = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), row_width(s.d_model), s.activation),  # what FusedMLP runs (layout.py)
+    dims=lambda s: (run_width(s.d_ff), input_width(s.d_model), s.activation),  # what FusedMLP runs (layout.py)
 )

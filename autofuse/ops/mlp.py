@@ -13,7 +13,7 @@ from .. import launch as L
 from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, Rule, SearchSpace, Shape, fit_shared_memory, from_rules
-from ..layout import run_width
+from ..layout import input_width, run_width
 from ..opspec import Operand, OpSpec
 from ..reference import eager_mlp, mlp_reference_rounded
 
@@ -124,5 +124,7 @@ MLP = OpSpec(
     output_width=lambda n, k: k,
     serves="mlp",
     dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (layout.py)
+    # It reads one unpadded d_model for both projections: a module that pads d_model never plans it.
+    keyed_for=lambda s: input_width(s.d_model) == s.d_model,
     max_m=MAX_M,
 )

@@ -48,8 +48,8 @@ class Job:
 def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
                     only: set[str] | None = None) -> list[Job]:
     """One job per key the shapes need: each registered op that serves an MLP or a Linear in the shapes' weight
-    format (OpSpec.weights: dense, fp8 or w8a8) gets a key per entry and M (within the op's max_m; training ops
-    only with `train`); `only` keeps those ops."""
+    format (OpSpec.weights: dense, fp8 or w8a8) gets a key per entry whose module runs it (OpSpec.keyed_for) and M
+    (within the op's max_m; training ops only with `train`); `only` keeps those ops."""
     env = current_environment(device)
     entries = {"mlp": shapes.mlps, "linear": shapes.linears}
     jobs = []
@@ -60,6 +60,8 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
             if spec.weights != shapes.weights:
                 continue
             for entry in entries[spec.serves]:
+                if spec.keyed_for is not None and not spec.keyed_for(entry):
+                    continue
                 n, k, activation = spec.dims(entry)
                 key = Problem(spec.name, n, k, M, shapes.dtype, activation, entry.bias).key(M, env)
                 jobs.append(Job(key, M, f"{entry.name} {spec.name}"))
