@@ -166,17 +166,16 @@ def register(variant: Variant) -> Variant:
     for knob in variant.knobs:
         if not knob.isidentifier() or knob in _TAKEN:
             raise ValueError(f"variant {name}: knob name {knob!r} is not an identifier free to use")
-    for field in (*variant.own_values, *variant.interpreter_own_values):
+    for field, values in (*variant.own_values.items(), *variant.interpreter_own_values.items()):
         if field not in OWN_VALUE_FIELDS:
             raise ValueError(f"variant {name}: own_values names {field!r}, not one of {', '.join(OWN_VALUE_FIELDS)}")
-        for values in (variant.own_values.get(field, (1,)), variant.interpreter_own_values.get(field, (1,))):
-            if field == "num_stages":
-                wrong = any(type(v) is not int or not 1 <= v <= 8 for v in values)
-            else:  # tile sizes and warps: powers of two (tl.arange's sizes; warps up to 16)
-                top = 16 if field == "num_warps" else 4096
-                wrong = any(type(v) is not int or v < 1 or v & (v - 1) or v > top for v in values)
-            if not values or wrong:
-                raise ValueError(f"variant {name}: {field} values {values!r} are out of range")
+        if field == "num_stages":
+            wrong = any(type(v) is not int or not 1 <= v <= 8 for v in values)
+        else:  # tile sizes and warps: powers of two (tl.arange's sizes; warps up to 16)
+            top = 16 if field == "num_warps" else 4096
+            wrong = any(type(v) is not int or v < 1 or v & (v - 1) or v > top for v in values)
+        if not values or wrong:
+            raise ValueError(f"variant {name}: {field} values {values!r} are out of range")
     if variant.template_suffix and not variant.template_suffix.replace("_", "").isalnum():
         raise ValueError(f"variant {name}: template_suffix is letters, digits and '_', got {variant.template_suffix!r}")
     _REGISTRY[name] = variant
