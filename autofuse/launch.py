@@ -84,12 +84,18 @@ def fixed_addresses(op: OpSpec, tensors: dict) -> tuple[int, ...]:
 _FLAT_WIDTHS = (512, 256, 128, 64, 32, 16)
 
 
+@cache
+def _rows_only(op: OpSpec) -> bool:
+    """Whether every operand of `op` is an [M, N] tensor (no vector, such as a bias): fixed per op, read per pass."""
+    return all(operand.axes == "mn" for operand in op.operands)
+
+
 def flat_rows(op: OpSpec, M: int, N: int, tensors: dict) -> tuple[int, int, dict]:
     """(rows, width, tensors) a pass runs over: where N is not a multiple of 16 and every operand is a contiguous
     [M, N] tensor, the same elements as rows of the widest of _FLAT_WIDTHS that divides M * N, so that Triton
     sees rows and strides that are multiples of 16 and loads 16 bytes at a time (at N = 4872 the unflattened
     gated_dgu pass ran 81 us at M = 2048 against Inductor's flattened 24, H200); else M, N and the tensors."""
-    if N % 16 == 0 or any(operand.axes != "mn" for operand in op.operands):
+    if N % 16 == 0 or not _rows_only(op):
         return M, N, tensors
     if any(t is not None and (tuple(t.shape) != (M, N) or not t.is_contiguous()) for t in tensors.values()):
         return M, N, tensors
