@@ -61,6 +61,17 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t as [rows, width]: t itself where it is two-dimensional already. A reshape that changes nothing still
+    makes a view, and under autograd a ViewBackward node, whose engine visit costs host time every step."""
+    return t if t.dim() == 2 else t.reshape(-1, width)
+
+
+def as_shape(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """t ([rows, width]) in the caller's shape: t itself where that is two-dimensional (see as_rows)."""
+    return t if len(shape) == 2 else t.reshape(shape)
+
+
 class FusedModule(nn.Module):
     """Input checks and the per-M-bucket config table shared by the fused modules."""
 

@@ -19,7 +19,7 @@ from .choose import LinearPlan, MLPPlan, pending, resolve_checked
 from .device import capturing
 from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
-from .fused_module import FusedModule, allocated, check_dtype, check_size, needs_grad, parse_device
+from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
@@ -81,14 +81,14 @@ class FusedLinear(FusedModule):
             return _LINEAR_OP(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
                               self.tuned).reshape(out_shape)
         if needs_grad(x, weight, bias, residual):
-            r2d = None if residual is None else residual.reshape(-1, self.out_features)
+            r2d = None if residual is None else as_rows(residual, self.out_features)
             config = self._config_table(M, r2d is not None)["linear"].kernel
             recorder = traffic.recorder
+            x2d = as_rows(x, self.in_features)
             if recorder is not None and recorder.due(self, M, True):
-                return recorder.timed(self, M, True, x.device, lambda: LinearFunction.apply(
-                    x.reshape(-1, self.in_features), weight, bias, r2d, activation, config).reshape(out_shape))
-            return LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
-                                        config).reshape(out_shape)
+                return recorder.timed(self, M, True, x.device, lambda: as_shape(LinearFunction.apply(
+                    x2d, weight, bias, r2d, activation, config), out_shape))
+            return as_shape(LinearFunction.apply(x2d, weight, bias, r2d, activation, config), out_shape)
         weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
         entry = self._entry(M, weights, weight, residual is not None)
         recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
@@ -248,7 +248,7 @@ class FusedMLP(FusedModule):
         # Plain nn.Linear modules hold the parameters under Hugging Face's names; their forward
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
-        self._training_table: dict[tuple, tuple] = {}  # table key -> (down, gated_bwd configs, launches)
+        self._training_table: dict[tuple, TrainingStep] = {}  # table key -> what its training forward runs
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
@@ -328,14 +328,13 @@ class FusedMLP(FusedModule):
             if self._layout is not None and not capturing(wg.device):
                 params = self._lay_out_plain()
                 wg = params[0]
-            save_hidden = bool(self.save_hidden)
-            down_config, backward_config, launches = self._training_configs(M, wg, save_hidden)
-            step = TrainingStep(activation, down_config, backward_config, launches, save_hidden)
+            step = self._training_step(M, wg, bool(self.save_hidden))
+            x2d = as_rows(x, self.d_model)
             recorder = traffic.recorder
             if recorder is not None and recorder.due(self, M, True):
-                return recorder.timed(self, M, True, x.device, lambda: MLPFunction.apply(
-                    x.reshape(-1, self.d_model), *params, step).reshape(out_shape))
-            return MLPFunction.apply(x.reshape(-1, self.d_model), *params, step).reshape(out_shape)
+                return recorder.timed(self, M, True, x.device,
+                                      lambda: as_shape(MLPFunction.apply(x2d, *params, step), out_shape))
+            return as_shape(MLPFunction.apply(x2d, *params, step), out_shape)
         if self._plain_for_training and not capturing(wg.device):
             self._plain_for_training = False
             self._lay_out()
@@ -393,27 +392,29 @@ class FusedMLP(FusedModule):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
 
-    def _training_configs(self, M: int, weight: torch.Tensor, save_hidden: bool = False) -> tuple:
-        """For a forward that builds a graph (see training.MLPFunction): the down projection's config and
-        the gated backward's (tuned with `autofuse tune --train`: a KernelConfig, or the Library path that
-        tuning or a check chose; None where the forward saves H, whose backward is cuBLAS and one pass),
-        and the entry's bound launches (training.TrainingLaunches, None while a choice waits for its check).
-        Resolved once per table key, like the forward's."""
+    def _training_step(self, M: int, weight: torch.Tensor, save_hidden: bool = False) -> TrainingStep:
+        """What a forward that builds a graph runs (training.MLPFunction): the down projection's config and the
+        gated backward's (tuned with `autofuse tune --train`: a KernelConfig, or the Library path that tuning or a
+        check chose; None where the forward saves H, whose backward is cuBLAS and one pass), and the entry's bound
+        launches (training.TrainingLaunches, None while a choice waits for its check). Resolved once per table
+        key, like the forward's, and kept whole: the step is the same object call after call."""
         self._drop_stale()
         key = (*self._table_key(M, weight), save_hidden)
-        if key not in self._training_table:
-            plan = MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None)
-            down = resolve_checked(plan.problem("down", M, weight.dtype, weight.device), self.tuned)
-            backward = None if save_hidden else resolve_checked(plan.problem("gated_bwd", M, weight.dtype,
-                                                                             weight.device), self.tuned)
-            # The down projection's kernel (None: its library path); the backward's kernel or library path.
-            configs = (down.kernel, None if backward is None else backward.config)
-            if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
-                return (*configs, None)
-            self._seen_generation()  # kept under the generation its checks moved to, as _config_table keeps
-            key = (*self._table_key(M, weight), save_hidden)
-            self._training_table[key] = (*configs, TrainingLaunches(max(M, 1)))
-        return self._training_table[key]
+        step = self._training_table.get(key)
+        if step is not None:
+            return step
+        plan = MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None)
+        down = resolve_checked(plan.problem("down", M, weight.dtype, weight.device), self.tuned)
+        backward = None if save_hidden else resolve_checked(plan.problem("gated_bwd", M, weight.dtype,
+                                                                         weight.device), self.tuned)
+        # The down projection's kernel (None: its library path); the backward's kernel or library path.
+        configs = (self.activation, down.kernel, None if backward is None else backward.config)
+        if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
+            return TrainingStep(*configs, None, save_hidden)
+        self._seen_generation()  # kept under the generation its checks moved to, as _config_table keeps
+        key = (*self._table_key(M, weight), save_hidden)
+        step = self._training_table[key] = TrainingStep(*configs, TrainingLaunches(max(M, 1)), save_hidden)
+        return step
 
     def clear_config_table(self) -> None:
         super().clear_config_table()

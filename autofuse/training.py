@@ -83,8 +83,8 @@ class LinearFunction(torch.autograd.Function):
         x, weight, *z = ctx.saved_tensors
         dz = activation_backward(ctx.activation, dy, z[0]) if z else dy
         need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config)
-        dx = dz @ weight if need[0] else None
-        dw = dz.t() @ x if need[1] else None
+        dx = torch.mm(dz, weight) if need[0] else None
+        dw = torch.mm(dz.t(), x) if need[1] else None
         db = sum_rows(dz) if ctx.has_bias and need[2] else None
         dr = dy if ctx.has_residual and need[3] else None
         return dx, dw, db, dr, None, None
@@ -301,21 +301,21 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
     last GEMM holds dU alone, not [dG | dU]."""
     g, u, h = kept
     kept.clear()
-    dw_down = dy.t() @ h if need[5] else None
+    dw_down = torch.mm(dy.t(), h) if need[5] else None
     del h  # dH below takes its place
-    dh = dy @ w_down
+    dh = torch.mm(dy, w_down)
     _gradients_over(ctx.launches, ctx.activation, dh, g, u)
     dg, du = g, u
     del dh, g, u  # dg and du are now the only references to those two buffers
     dx = None
     if need[0]:
-        dx = dg @ w_gate
+        dx = torch.mm(dg, w_gate)
         dx.addmm_(du, w_up)
     db_gate = sum_rows(dg) if ctx.has_bias and need[2] else None
     db_up = sum_rows(du) if ctx.has_bias and need[4] else None
-    dw_gate = dg.t() @ x if need[1] else None
+    dw_gate = torch.mm(dg.t(), x) if need[1] else None
     del dg
-    dw_up = du.t() @ x if need[3] else None
+    dw_up = torch.mm(du.t(), x) if need[3] else None
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
@@ -330,20 +330,20 @@ def _backward_recomputing_h(ctx, dy, x, gu, w_gate, w_up, w_down, need) -> tuple
     else:  # a library path (None: eager), where tuning or a check chose one for this shape
         library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
         dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-    dw_down = dy.t() @ h if need[5] else None
+    dw_down = torch.mm(dy.t(), h) if need[5] else None
     del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
     dg, du = dgu[:, :F_], dgu[:, F_:]
     dx = None
     if need[0]:
         w_gu = stacked(w_gate, w_up)
         if w_gu is not None:  # the training layout: one GEMM over d_ff twice
-            dx = dgu @ w_gu
+            dx = torch.mm(dgu, w_gu)
         else:
-            dx = dg @ w_gate
+            dx = torch.mm(dg, w_gate)
             dx.addmm_(du, w_up)
     dw_gate = dw_up = None
     if need[1] or need[3]:
-        dw = dgu.t() @ x  # one GEMM: [dW_gate; dW_up]
+        dw = torch.mm(dgu.t(), x)  # one GEMM: [dW_gate; dW_up]
         dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
     db_gate = db_up = None
     if ctx.has_bias and (need[2] or need[4]):

@@ -216,9 +216,9 @@ def main() -> None:
                 row.update(_peak(fn, params, x, dy))
                 timed[provider] = fn
                 if provider.startswith("autofuse"):
-                    down, backward, _ = module._training_configs(M, module.gate_proj.weight, module.save_hidden)
+                    step = module._training_step(M, module.gate_proj.weight, module.save_hidden)
                     row["configs"] = {op: c.short() if c is not None else "eager"
-                                      for op, c in (("down", down), ("gated_bwd", backward))}
+                                      for op, c in (("down", step.down_config), ("gated_bwd", step.backward_config))}
                 row["status"] = "ok"
             except Exception as e:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
                 row.update(status=f"{type(e).__name__}: {e}"[:300])

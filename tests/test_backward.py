@@ -1,5 +1,7 @@
 """Backward through the fused modules: gradients of inputs, weights and biases against float64."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,7 +193,8 @@ def test_a_short_training_run_follows_eager(d_ff, device):
     for f, e in losses:
         assert abs(f - e) <= 1e-4 * e, losses
     (entry,) = fused._training_table.values()
-    assert {"gated_act", "gated_dgu"} <= set(entry[-1].launches)  # both passes bound, replayed after the first step
+    # both passes bound, replayed after the first step
+    assert {"gated_act", "gated_dgu"} <= set(entry.launches.launches)
 
 
 BACKWARD_CONFIGS = [
@@ -341,12 +344,11 @@ def test_mlp_gradients_through_each_library_backward(library, dtype, device, mon
     # Where tuning or a check chose a library path for the backward, training.MLPFunction runs that one.
     module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
                               save_hidden=False)
-    real = module._training_configs
+    real = module._training_step
 
     def with_library(M, weight, save_hidden):
-        down, _, launches = real(M, weight, save_hidden)
-        return down, Library(library), launches
-    monkeypatch.setattr(module, "_training_configs", with_library)
+        return dataclasses.replace(real(M, weight, save_hidden), backward_config=Library(library))
+    monkeypatch.setattr(module, "_training_step", with_library)
     ran = []
     monkeypatch.setitem(gated_bwd.LIBRARY_BACKWARDS, library,
                         lambda *a, _run=gated_bwd.LIBRARY_BACKWARDS[library], **k: ran.append(1) or _run(*a, **k))

@@ -3,6 +3,8 @@ bit-identical to the JIT path for every kernel family and variant, and declining
 another specialization. Under the interpreter a bound launch replays its bound arguments through
 the JIT function; on a GPU it calls the compiled kernel directly (tests/test_gpu.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 from _helpers import DTYPES
@@ -273,12 +275,12 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
         _assert_same(a, b, atomic=True)
     # A new down projection weight: bound again, not replayed with the old address.
     mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 2)
-    from autofuse.training import TrainingStep, _training_forward
+    from autofuse.training import _training_forward
 
     params = (mlp.gate_proj.weight, mlp.gate_proj.bias, mlp.up_proj.weight, mlp.up_proj.bias, mlp.down_proj.weight,
               mlp.down_proj.bias)
     with torch.no_grad():  # the same training forward through the JIT, unbound
-        step = TrainingStep("gelu_tanh", mlp._training_configs(5, params[0])[0], None)
+        step = dataclasses.replace(mlp._training_step(5, params[0]), launches=None)
         _, _, expected = _training_forward(x, params, step, separate=mlp.save_hidden)
     _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
 

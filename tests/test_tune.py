@@ -320,7 +320,7 @@ def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
     winner = next(w for w in Store().winners() if w.key.op == "gated_bwd")
     assert winner.config is not None and winner.trials == 2  # under the interpreter any correct config wins
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
-    assert mlp._training_configs(37, mlp.gate_proj.weight)[1] == winner.config
+    assert mlp._training_step(37, mlp.gate_proj.weight).backward_config == winner.config
     x = torch.randn(37, 40, requires_grad=True)
     mlp(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
@@ -331,7 +331,7 @@ def test_backward_falls_back_to_pytorch_where_tuning_found_it_faster():
     key = Problem("gated_bwd", 72, 40, 8, torch.float32, "silu").key(8, env)
     Store().put_winner(Winner(key, Library("eager"), 1.0, 1.0))  # the library path won
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
-    assert mlp._training_configs(8, mlp.gate_proj.weight)[1] == Library("eager")
+    assert mlp._training_step(8, mlp.gate_proj.weight).backward_config == Library("eager")
     x = torch.randn(8, 40, requires_grad=True)
     mlp(x).sum().backward()
     ref = x.detach().clone().requires_grad_()
