@@ -1,13 +1,16 @@
 """Tuning from recorded traffic, end to end: a Llama-3.2-1B-shaped model (random weights, bf16, fuse(model)) runs
 a short greedy generate (batch 1, a 100-token prompt, 32 new tokens) and one training step (batch 4 x 256 tokens)
-with traffic recording on; then `autofuse tune --traffic` tunes from that trace into an empty user cache.
+with traffic recording on; then `autofuse tune --traffic` tunes from that trace into an empty user cache (and an
+empty Triton cache).
 
-  python benchmarks/traffic_tune.py [--out DIR] [--trials 30] [--keep-cache DIR]
+  python benchmarks/traffic_tune.py [--out DIR] [--trials 30] [--time-budget S] [--keep-cache DIR]
 
 Reports the trace (calls and recorded ms per shape and M), the tuning run's wall time (the command, process start
-included), its keys and trials, and its expected-saving table. --keep-cache DIR tunes into DIR (which must be
-empty or absent) and keeps it, e.g. for `python benchmarks/search_quality.py measure --tuned-cache DIR`, which
-sweeps the same model's keys and compares these records with the sweep's best.
+included), its keys and trials, and its expected-saving table. --time-budget S passes `--time-budget S` too: S
+seconds a key, times the keys, spread by time share like the trials, whichever of the two ends a key first.
+--keep-cache DIR tunes into DIR (which must be empty or absent) and keeps it, e.g. for `python
+benchmarks/search_quality.py measure --tuned-cache DIR`, which sweeps the same model's keys and compares these
+records with the sweep's best.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def record(folder: Path) -> dict:
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS)
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S", help="seconds a key (autofuse tune)")
     parser.add_argument("--keep-cache", default=None, help="tune into this (empty) folder and keep it")
     args = parser.parse_args()
     if args.keep_cache and Path(args.keep_cache).exists() and any(Path(args.keep_cache).iterdir()):
@@ -64,19 +68,25 @@ def main() -> None:
     out = harness.out_dir(args.out)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        env = dict(os.environ, AUTOFUSE_CACHE_DIR=args.keep_cache or str(work / "cache"))
+        # An empty autofuse cache and an empty Triton cache: the tuning run compiles every kernel it times, as a
+        # first tune on a machine does (a Triton cache left by an earlier run would make its compiles free).
+        env = dict(os.environ, AUTOFUSE_CACHE_DIR=args.keep_cache or str(work / "cache"),
+                   TRITON_CACHE_DIR=str(work / "triton"))
         os.environ["AUTOFUSE_CACHE_DIR"] = env["AUTOFUSE_CACHE_DIR"]
+        os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]
         trace = record(work)
         print(trace, flush=True)
         start = time.perf_counter()
+        budget = [] if args.time_budget is None else ["--time-budget", str(args.time_budget)]
         done = subprocess.run([sys.executable, "-m", "autofuse", "tune", "--traffic", str(work / "trace.json"),
-                               "--trials", str(args.trials)], env=env, capture_output=True, text=True)
+                               "--trials", str(args.trials), *budget], env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
     print(done.stdout[-6000:], flush=True)
     if done.returncode:
         print(done.stderr[-3000:], flush=True)
     harness.write(out, "traffic_tune.json", dict(trace=trace, tune_seconds=seconds, trials=args.trials,
-                                                 returncode=done.returncode, output=done.stdout[-20000:]))
+                                                 time_budget_s=args.time_budget, returncode=done.returncode,
+                                                 output=done.stdout[-20000:]))
 
 
 if __name__ == "__main__":
