@@ -519,3 +519,30 @@ def test_a_guard_formats_its_message_only_when_it_fails():
     assert built == []
     with pytest.raises(launch.LaunchError, match="out buffer is"):
         launch.output(torch.empty(3, 4), (4, 4), torch.empty(1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_a_2d_input_adds_no_view_node_and_a_3d_input_keeps_its_shape_and_gradients(kind, device):
+    """A 2-D input runs the training Function on itself: a reshape that changes nothing would still add a view node
+    that the engine visits every step. A [batch, tokens, features] input is reshaped both ways and its gradients
+    are the float64 reference's."""
+    if kind == "mlp":
+        module = autofuse.get_mlp(48, 72, activation="silu", bias=True, dtype=torch.float32, device=device)
+        fn, names, width, out_width = _mlp_fn("silu"), ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"], 48, 48
+        params = _mlp_params(module)
+    else:
+        module = autofuse.get_linear(48, 24, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
+        fn, names, width, out_width = _linear_fn("gelu_tanh"), ["w", "b"], 48, 24
+        params = {"w": module.weight, "b": module.bias}
+    x2 = torch.randn(13, width, device=device, requires_grad=True)
+    node = type(module(x2).grad_fn).__name__
+    assert "View" not in node and "Function" in node, node
+    x3 = torch.randn(2, 7, width, device=device)
+    dy3 = torch.randn(2, 7, out_width, device=device)
+    got = _module_grads(module, x3, dy3, names)
+    assert got["x"].shape == x3.shape
+    flat = {k: v.reshape(-1, v.shape[-1]) if k == "x" else v for k, v in got.items()}
+    ref = _grads({k: v.double() for k, v in params.items()}, x3.reshape(-1, width).double(), fn,
+                 dy3.reshape(-1, out_width).double())
+    eager = _grads(params, x3.reshape(-1, width), fn, dy3.reshape(-1, out_width))
+    _check_grads(flat, ref, eager, torch.float32)
