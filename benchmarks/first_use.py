@@ -94,9 +94,9 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
             ours.append(_window_us(lambda: mlp(x)))
             theirs.append(_window_us(eager))
     entry = mlp._bound.get(mlp._key(x.shape[0], wg, False))
-    decided_after = None
+    decided_after = None  # no race: the entry has one table, which runs from the first call
     if entry is not None and hasattr(entry, "race_calls"):
-        decided_after = "undecided" if entry.plain is None else "raced"
+        decided_after = "undecided" if entry.plain is None else entry.decided_after  # the call that settled it
     # Against eager's median window too: a window's host can stall for milliseconds (both providers' windows
     # showed such spikes, 3-8x their neighbours), and the window beside it is then no measure of eager's call.
     eager_us = statistics.median(theirs)
@@ -151,10 +151,16 @@ def main() -> None:
                   + (f"; plain windows: worst {row['plain']['worst_ratio']:.2f}x eager beside it "
                      f"({row['plain']['worst_over_eager_median']:.2f}x eager's median; windows over 1.25x: "
                      f"{row['plain']['windows_over_1_25']}, {row['plain']['windows_over_1_25_eager_median']}), steady "
-                     f"{row['plain']['steady_ratio']:.2f}x ({row['plain']['race']})" if "plain" in row else ""),
+                     f"{row['plain']['steady_ratio']:.2f}x ({_race(row['plain']['race'])})" if "plain" in row else ""),
                   flush=True)
         harness.write(out, "first_use.json", dict(rows=rows, summary=_summary(rows, tokens)))
     print(_summary(rows, tokens))
+
+
+def _race(decided_after) -> str:
+    if decided_after is None:
+        return "nothing to race"
+    return "race undecided" if decided_after == "undecided" else f"race settled at call {decided_after}"
 
 
 def _summary(rows: list[dict], tokens: list[int]) -> dict:
@@ -171,7 +177,9 @@ def _summary(rows: list[dict], tokens: list[int]) -> dict:
                     worst_window_over_eager_median=max(p["worst_over_eager_median"] for p in plain),
                     windows_over_1_25=sum(p["windows_over_1_25"] for p in plain),
                     windows_over_1_25_eager_median=sum(p["windows_over_1_25_eager_median"] for p in plain),
-                    windows=sum(len(p["autofuse_us"]) for p in plain))
+                    windows=sum(len(p["autofuse_us"]) for p in plain),
+                    race_settled_by_call=max((p["race"] for p in plain if isinstance(p["race"], int)), default=None),
+                    races_undecided=sum(p["race"] == "undecided" for p in plain))
     return summary
 
 

@@ -180,11 +180,16 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     if not dropped and not unprobed:  # the race took every call planned, and its first call ran every entry
         assert sum(e.calls for e in entries) == racing + len(costs) * (1 + estimate) - 1
     assert [raced("x") for _ in range(3)] == [expected] * 3
+    # The call after the race's last window settled it: racing + 1 where the race took every call planned, sooner
+    # where tables were dropped; calls after it do not go through the race.
+    assert raced.calls == raced.decided_after
+    assert raced.decided_after == racing + 1 if not dropped and not unprobed else raced.decided_after <= racing
     assert raced.plain_table == next(e.table for e in entries if e.name == expected)
     assert raced.table is entries[0].table  # what config_for reports: the GPU-time winner's
     # Another module of the same kind, shape and tables reuses the decision without racing.
     again, others = _raced(monkeypatch, costs, fresh=False)
     assert again("x") == expected and sum(e.calls for e in others) == 1
+    assert again.decided_after == 1
 
 
 def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monkeypatch):

@@ -145,8 +145,8 @@ class Raced:
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
-    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "_plan", "_samples",
-                 "_probes", "_alive", "_rounds", "_window", "_reference", "_start")
+    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
+                 "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -155,6 +155,8 @@ class Raced:
         self.M, self.key = M, key
         self.plain = None  # the entry un-graphed calls run, once raced
         self.plain_table: dict[str, Choice] | None = None  # its table
+        self.calls = 0  # un-graphed calls that went through the race
+        self.decided_after: int | None = None  # of them, the call that settled on `plain`
         self._plan: list[tuple[int | None, int, bool]] | None = None  # windows to run: (entry, calls, probe)
         self._samples: list[list[float]] = []  # µs per call of each entry's windows
         self._probes: list[float | None] = []  # µs per call of each entry's last probe
@@ -175,6 +177,7 @@ class Raced:
             return self.graphed(*args)
         if plain is not None:
             return plain(*args)
+        self.calls += 1
         decided = _decided.get(self.key)
         if decided is not None:
             return self._settle(decided)(*args)
@@ -316,6 +319,8 @@ class Raced:
     def _settle(self, best: int):
         """Run entry `best` from now on; the others are dropped."""
         self.plain, self.plain_table = self.entries[best], self.tables[best]
+        if self.decided_after is None:
+            self.decided_after = self.calls
         self.entries, self.tables, self._samples, self._probes = [], [], [], []
         return self.plain
 
