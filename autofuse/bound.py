@@ -68,23 +68,27 @@ def _without_per_call(args: list, slots: list) -> list:
 class BoundLaunch:
     """One kernel launch with everything bound but the per-call tensors (Kernel.per_call, by operand
     name). Calling it launches and returns True, or declines (returns False; the caller takes the JIT
-    path) where the JIT might choose another compiled variant: a per-call tensor that is not
-    contiguous, of another dtype or not 16-byte aligned; a split-K launch on another stream than its
-    workspace's. It launches on the caller's current stream. Rows are bound: callers
+    path) where the JIT might choose another compiled variant or the bound strides would not fit: a per-call
+    tensor of another dtype or not 16-byte aligned, or not contiguous where the bound one was, or (where the
+    bound one was a strided view, e.g. a half of one [M, 2F] buffer) not of its strides; a split-K launch on
+    another stream than its workspace's. It launches on the caller's current stream. Rows are bound: callers
     replay only at the M that was bound. Under the interpreter the bound arguments go through fn[grid]."""
 
-    __slots__ = ("fn", "grid", "options", "positional", "args", "slots", "dtypes", "device", "stream",
+    __slots__ = ("fn", "grid", "options", "positional", "args", "slots", "layouts", "device", "stream",
                  "compiled", "keep", "raw", "descriptors", "knobs", "workspace_slots", "other_streams")
 
     @classmethod
     def bind(cls, kernel: Kernel, grid_: tuple, args: list, options: dict, tensors: dict, compiled,
              workspace: bool = False):
         per_call = {name: tensors[name] for name in kernel.per_call if tensors.get(name) is not None}
-        if any(not t.is_contiguous() or t.data_ptr() % 16 for t in per_call.values()):
-            return None  # compiled for other strides or unaligned rows: leave such inputs to the JIT
+        if any(t.data_ptr() % 16 for t in per_call.values()):
+            return None  # compiled for unaligned rows: leave such inputs to the JIT
         self = cls()
         self.fn, self.grid, self.options, self.positional = kernel.fn, grid_, options, len(args)
-        self.dtypes = {name: t.dtype for name, t in per_call.items()}
+        # Each per-call tensor's dtype and, where it was not contiguous, its strides: the launch's stride
+        # arguments are bound with it, so a later tensor must have the same (any contiguous one of the bound
+        # shape has them where the bound one was contiguous).
+        self.layouts = {name: (t.dtype, None if t.is_contiguous() else t.stride()) for name, t in per_call.items()}
         # The compiled launcher takes every parameter, constexprs included, in signature order.
         full = list(args) + [options[name] for name in kernel.constexprs]
         # (position, operand, whether a TMA descriptor) for each per-call tensor.
@@ -132,7 +136,7 @@ class BoundLaunch:
         for i, address in workspace or ():
             args[i] = address
         for i, name, is_descriptor in self.slots:
-            address = _address_of(tensors[name], self.dtypes[name])
+            address = _address_of(tensors[name], self.layouts[name])
             if address is None:
                 return False
             args[i] = self._descriptor(i, address) if is_descriptor else address
@@ -168,7 +172,7 @@ class BoundLaunch:
         args = self.args.copy()
         for i, name, is_descriptor in self.slots:
             t = tensors[name]
-            if _address_of(t, self.dtypes[name]) is None:
+            if _address_of(t, self.layouts[name]) is None:
                 return False
             bound = self.args[i]
             shape = bound.shape
@@ -195,10 +199,12 @@ def _pointer(arg):
     return arg
 
 
-def _address_of(t: torch.Tensor, dtype: torch.dtype) -> int | None:
-    """A per-call tensor's address, or None where the bound kernel cannot take it (see BoundLaunch)."""
+def _address_of(t: torch.Tensor, layout: tuple) -> int | None:
+    """A per-call tensor's address, or None where the bound kernel cannot take it (see BoundLaunch); `layout`:
+    the bound tensor's (dtype, strides or None where it was contiguous)."""
     address = t.data_ptr()
-    if address % 16 or t.dtype != dtype or not t.is_contiguous():
+    dtype, strides = layout
+    if address % 16 or t.dtype != dtype or not (t.is_contiguous() if strides is None else t.stride() == strides):
         return None
     return address
 
@@ -260,7 +266,7 @@ class _RawLaunch:
         for i, address in workspace or ():
             flat[slots[i][0]] = address
         for i, name, is_descriptor in bound.slots:
-            address = _address_of(tensors[name], bound.dtypes[name])
+            address = _address_of(tensors[name], bound.layouts[name])
             if address is None:
                 return False
             start, length = slots[i]

@@ -104,6 +104,27 @@ def test_a_bound_launch_declines_what_needs_another_specialization(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_launch_bound_over_the_halves_of_one_buffer_replays_at_those_strides_only(dtype, device):
+    """A per-call tensor bound as a strided view (G and U, the halves of one [M, 2F] buffer) binds with its strides:
+    the launch replays bit-identically over the halves of another such buffer, and declines a contiguous tensor of
+    the same shape and halves of a wider buffer, whose strides the bound launch does not take."""
+    from autofuse.ops.gated_act import gated_activation
+
+    F_ = 72
+    gu = torch.randn(M, 2 * F_, dtype=dtype, device=device)
+    h, bound = _bound(lambda: gated_activation(gu[:, :F_], gu[:, F_:], "silu"))
+    _assert_same(h, gated_activation(gu[:, :F_], gu[:, F_:], "silu"), atomic=False)
+    other = torch.randn(M, 2 * F_, dtype=dtype, device=device)
+    out = torch.full((M, F_), float("nan"), dtype=dtype, device=device)
+    assert bound({"g": other[:, :F_], "u": other[:, F_:], "h": out})
+    _assert_same(out, gated_activation(other[:, :F_], other[:, F_:], "silu"), atomic=False)
+    g, u = other[:, :F_].contiguous(), other[:, F_:].contiguous()
+    assert not bound({"g": g, "u": u, "h": out})  # contiguous: other strides than the bound halves'
+    wider = torch.randn(M, 2 * F_ + 16, dtype=dtype, device=device)
+    assert not bound({"g": wider[:, :F_], "u": wider[:, F_ + 16:], "h": out})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_modules_replay_bound_launches_after_the_first_call(device, dtype, monkeypatch):
     replays = []
     real = launch.BoundLaunch.__call__
@@ -270,7 +291,7 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
         y = mlp(xi)
         y.float().square().sum().backward()
         results.append((y.detach(), xi.grad, mlp.down_proj.weight.grad.clone(), mlp.gate_proj.weight.grad.clone()))
-    assert replays and all(replays)  # the second step's launches replayed
+    assert replays == [True] * 3  # the second step's three launches replayed: H, the down projection, dG and dU
     for a, b in zip(*results):
         _assert_same(a, b, atomic=True)
     # A new down projection weight: bound again, not replayed with the old address.

@@ -65,7 +65,7 @@ def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor 
     w_gu = stacked(w_gate, w_up)
     if w_gu is not None:
         if b_gate is None and b_up is None:
-            return x @ w_gu.t()
+            return torch.mm(x, w_gu.t())
         b_gu = None if b_gate is None or b_up is None else stacked(b_gate, b_up)
         if b_gu is not None:
             return torch.addmm(b_gu, x, w_gu.t())
