@@ -225,3 +225,27 @@ def test_a_forged_heartbeat_cannot_hold_a_key(tmp_path, heartbeat):
     work_list, _ = _poisoned(tmp_path, done=False, heartbeat=heartbeat, worker="evil\n[1/1] spoof")
     claim = work_list.claims()[0]
     assert claim.attrs["heartbeat"] == 0 and claim.attrs["worker"] == "?"  # stale: another worker takes it over
+
+
+def test_a_claim_whose_first_heartbeat_is_not_written_yet_is_not_taken_over_at_once(tmp_path, monkeypatch):
+    """A worker creates its claim and then writes its first heartbeat: another worker reading the claim in between
+    must not take it over (the key would be tuned twice), yet a claim left without a heartbeat (its worker died
+    in between) is taken over once this worker has seen it so for stale_after_s."""
+    from optuna.study import StudyDirection
+
+    from autofuse.tune.driver import jobs_for_shapes
+
+    jobs = jobs_for_shapes(load_shapes(write_json(tmp_path / "s.json", SHAPES)), torch.device("cpu"))[:1]
+    opened = worklist.open_storage(str(tmp_path / "shared.log"))
+    opened.create_new_study([StudyDirection.MINIMIZE], "autofuse/run/00000/0")  # claimed, no heartbeat yet
+    work_list = worklist.WorkList(opened, "run", jobs)
+    now = [time.time()]
+    monkeypatch.setattr(worklist, "time", type("Clock", (), {"time": staticmethod(lambda: now[0])}))
+    unbeaten: dict = {}
+    assert worklist._pick(work_list, work_list.claims(), "w2", 120.0, unbeaten) is None
+    now[0] += 100.0
+    assert worklist._pick(work_list, work_list.claims(), "w2", 120.0, unbeaten) is None
+    now[0] += 30.0
+    index, _, takeover = worklist._pick(work_list, work_list.claims(), "w2", 120.0, unbeaten)
+    assert index == 0 and takeover
+    assert work_list.claims()[0].generation == 1 and work_list.claims()[0].attrs["worker"] == "w2"

@@ -127,9 +127,9 @@ class WorkList:
             self._skip(name, "its key index is not one of this run's keys")
             return None
         index = int(parts[2])
-        heartbeat = attrs.get("heartbeat", 0)
-        if (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float)) or not math.isfinite(heartbeat)
-                or heartbeat > time.time() + MAX_CLOCK_SKEW_S):
+        heartbeat = attrs.get("heartbeat")  # None: claimed, its first heartbeat not written yet (see _pick)
+        if heartbeat is not None and (isinstance(heartbeat, bool) or not isinstance(heartbeat, (int, float))
+                                      or not math.isfinite(heartbeat) or heartbeat > time.time() + MAX_CLOCK_SKEW_S):
             self._skip(name, f"its heartbeat {shown(heartbeat, 24)} is not a time: taken as stale")
             attrs["heartbeat"] = 0
         worker = attrs.get("worker")
@@ -194,11 +194,12 @@ def work(work_list: WorkList, store: Store, device, worker: str, options: TuneOp
     indices this worker finished."""
     jobs = work_list.jobs
     finished = []
+    unbeaten: dict[tuple[int, int], float] = {}  # (job, generation) of claims seen without a heartbeat -> when
     while True:
         claims = work_list.claims()
         if len(claims) == len(jobs) and all(c.attrs.get("done") for c in claims.values()):
             return finished
-        picked = _pick(work_list, claims, worker, stale_after_s)
+        picked = _pick(work_list, claims, worker, stale_after_s, unbeaten)
         if picked is None:
             time.sleep(poll_s)  # everything left is being tuned by live workers
             continue
@@ -216,10 +217,14 @@ def work(work_list: WorkList, store: Store, device, worker: str, options: TuneOp
         finished.append(index)
 
 
-def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_after_s: float):
+def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_after_s: float,
+          unbeaten: dict[tuple[int, int], float] | None = None):
     """(job index, claim study id, whether it is a takeover) of a job this worker now owns, or None.
     Largest M first: the longest keys start early, so the run does not end on one worker finishing
-    a big key while the others idle."""
+    a big key while the others idle. A claim is stale once its heartbeat is stale_after_s old; one without a
+    heartbeat (its worker creates the claim, then writes the first beat) once this worker has seen it without one
+    for stale_after_s (`unbeaten`, kept across calls): read as 0, a claim made a moment ago would look stale at
+    once, and its key would be tuned twice."""
     jobs = work_list.jobs
     for index in sorted(range(len(jobs)), key=lambda i: (-jobs[i].M, i)):
         if index not in claims:
@@ -227,8 +232,14 @@ def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_afte
             if study_id is not None:
                 return index, study_id, False
     now = time.time()
+    unbeaten = {} if unbeaten is None else unbeaten
     for index, claim in sorted(claims.items()):
-        if not claim.attrs.get("done") and now - claim.attrs.get("heartbeat", 0) > stale_after_s:
+        if claim.attrs.get("done"):
+            continue
+        heartbeat = claim.attrs.get("heartbeat")
+        if heartbeat is None:
+            heartbeat = unbeaten.setdefault((index, claim.generation), now)
+        if now - heartbeat > stale_after_s:
             study_id = work_list.try_claim(index, claim.generation + 1, worker)
             if study_id is not None:
                 return index, study_id, True
