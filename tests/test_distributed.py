@@ -249,3 +249,24 @@ def test_a_claim_whose_first_heartbeat_is_not_written_yet_is_not_taken_over_at_o
     index, _, takeover = worklist._pick(work_list, work_list.claims(), "w2", 120.0, unbeaten)
     assert index == 0 and takeover
     assert work_list.claims()[0].generation == 1 and work_list.claims()[0].attrs["worker"] == "w2"
+
+
+def test_a_finished_key_writes_its_winner_before_it_says_done(tmp_path, monkeypatch):
+    """A claim's attributes are written one at a time: `done` comes last, so that a worker reading the claim in
+    between never finds a done key without its winner (which it would take as broken and tune again)."""
+    from types import SimpleNamespace
+
+    from autofuse.configs import Library
+    from autofuse.store import Winner
+    from autofuse.tune.driver import TuneOptions, jobs_for_shapes
+
+    jobs = jobs_for_shapes(load_shapes(write_json(tmp_path / "s.json", SHAPES)), torch.device("cpu"))[:1]
+    work_list = worklist.WorkList(worklist.open_storage(str(tmp_path / "shared.log")), "run", jobs)
+    writes = []
+    real = work_list.set
+    monkeypatch.setattr(work_list, "set", lambda study, **attrs: writes.append(list(attrs)) or real(study, **attrs))
+    winner = Winner(jobs[0].key, Library("eager"), 1.0, 1.0, trials=2)
+    monkeypatch.setattr(worklist, "tune_key", lambda *a, **k: SimpleNamespace(not_stored=None, winner=winner))
+    assert worklist.work(work_list, Store(), torch.device("cpu"), "w", TuneOptions()) == [0]
+    assert writes[-1][-1] == "done" and "winner" in writes[-1]
+    assert work_list.winners() == [winner]

@@ -160,7 +160,7 @@ class WorkList:
             study_id = self.storage.create_new_study([StudyDirection.MINIMIZE], self._name(index, generation))
         except DuplicatedStudyError:
             return None
-        self.set(study_id, worker=worker, heartbeat=time.time(), done=False)
+        self.set(study_id, heartbeat=time.time(), worker=worker, done=False)
         return study_id
 
     @storage_errors
@@ -212,8 +212,9 @@ def work(work_list: WorkList, store: Store, device, worker: str, options: TuneOp
 
         result = tune_key(job, store, device, options, progress=beat, resume=takeover or options.resume)
         found = result.not_stored or result.winner  # this run's winner: each machine's cache ranks it itself
-        work_list.set(study_id, done=True, heartbeat=time.time(), winner=found.to_record(),
-                      trials_done=result.winner.trials)
+        # Attributes are written one at a time: `done` last, so that no reader sees a done claim without its winner.
+        work_list.set(study_id, heartbeat=time.time(), winner=found.to_record(), trials_done=result.winner.trials,
+                      done=True)
         finished.append(index)
 
 
