@@ -306,6 +306,21 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
     _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
 
 
+def test_a_training_forward_over_one_pre_activation_buffer_replays_its_pass_bound(device, monkeypatch):
+    """save_hidden=False keeps [G | U] as one buffer: the forward's pass reads its two halves, strided views, and
+    replays bound on the next step like the two-buffer forward's (the JIT ran it on every step before)."""
+    replays = []
+    real = launch.BoundLaunch.__call__
+    monkeypatch.setattr(launch.BoundLaunch, "__call__",
+                        lambda self, t: replays.append((sorted(t), real(self, t))) or replays[-1][1])
+    mlp = autofuse.get_mlp(48, 72, activation="silu", dtype=torch.float32, device=device, save_hidden=False,
+                           tuned=False)
+    x = torch.randn(5, 48, device=device)
+    for _ in range(2):
+        mlp(x.clone().requires_grad_()).sum().backward()
+    assert (["g", "h", "u"], True) in replays and all(ok for _, ok in replays)
+
+
 def test_memos_of_an_older_generation_are_dropped(device):
     """After a tune, an import or a first-use check (resolve.generation() moves) the memos keyed on the
     old generation would never be used again; they are dropped rather than keep H buffers and bound
