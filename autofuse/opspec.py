@@ -254,6 +254,10 @@ class OpSpec:
         run = self.library.get(name)
         return run if run is not None else _REGISTERED_LIBRARY.get(self.name, {})[name]
 
+    def runs_for(self, entry) -> bool:
+        """Whether a module of this shapes-file entry (or traffic shape) runs this op (keyed_for; None: every one)."""
+        return self.keyed_for is None or self.keyed_for(entry)
+
     def library_for(self, activation: str, bias: bool, residual: bool) -> dict[str, Callable]:
         """The library candidates that compute this op for a key with these flags (eager always does)."""
         return {name: run for name, run in self.candidates.items()

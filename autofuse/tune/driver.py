@@ -60,7 +60,7 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
             if spec.weights != shapes.weights:
                 continue
             for entry in entries[spec.serves]:
-                if spec.keyed_for is not None and not spec.keyed_for(entry):
+                if not spec.runs_for(entry):
                     continue
                 n, k, activation = spec.dims(entry)
                 key = Problem(spec.name, n, k, M, shapes.dtype, activation, entry.bias).key(M, env)

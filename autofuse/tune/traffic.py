@@ -120,7 +120,7 @@ def jobs(points: list[Point], device: torch.device, only: set[str] | None = None
                 continue
             if only is not None and spec.name not in only:
                 continue
-            if spec.keyed_for is not None and not spec.keyed_for(item):  # its module never runs the op
+            if not spec.runs_for(item):  # its module never runs the op
                 continue
             n, k, activation = spec.dims(item)
             key = Problem(spec.name, n, k, point.run_m, DTYPES[shape.dtype], activation, shape.bias).key(

@@ -219,7 +219,7 @@ def work(work_list: WorkList, store: Store, device, worker: str, options: TuneOp
 
 
 def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_after_s: float,
-          unbeaten: dict[tuple[int, int], float] | None = None):
+          unbeaten: dict[tuple[int, int], float]):
     """(job index, claim study id, whether it is a takeover) of a job this worker now owns, or None.
     Largest M first: the longest keys start early, so the run does not end on one worker finishing
     a big key while the others idle. A claim is stale once its heartbeat is stale_after_s old; one without a
@@ -233,7 +233,6 @@ def _pick(work_list: WorkList, claims: dict[int, Claim], worker: str, stale_afte
             if study_id is not None:
                 return index, study_id, False
     now = time.time()
-    unbeaten = {} if unbeaten is None else unbeaten
     for index, claim in sorted(claims.items()):
         if claim.attrs.get("done"):
             continue
