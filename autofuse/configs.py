@@ -297,18 +297,18 @@ def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, oper
 def gemv_alternative(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
                      ) -> KernelConfig | None:
     """The GEMV config a first-use check times beside the heuristic's on a GPU where the gemv variant applies
-    (decode's smallest M), or None. Swept on an H100 (bf16, M = 1, graph-replayed; six MLPs, d_model 896-6096,
-    d_ff 4864-26336, 101-213 GEMV configs per op): one weight matrix (a Linear, a down projection) takes 1 x 2048
-    on 8 warps where it holds at least 2**26 elements, else 8 x 2048 on 4; the gate and up matrices take 4 x 1024
-    on 8 warps, else 8 x 256 on 4 (outputs x K per program). These ran within 1.13x (down) and 1.09x (gated up)
-    of each shape's fastest GEMV config, and within 1.02x on the three MLPs of over 2**26 elements a matrix."""
+    (decode's smallest M), or None. Swept on an H100 (bf16, M = 1, graph-replayed, the kernel compiled for its K;
+    eight MLPs, d_model 896-7237, d_ff 4864-16384, 36-165 GEMV configs per op): the gate and up matrices take
+    1 x 1024 on 4 warps (within 1.044x of each shape's fastest GEMV config on the six MLPs of at least 2**25
+    elements a matrix, 1.075x on the two smaller); one weight matrix (a Linear, a down projection) takes 1 x 512
+    on 8 warps where it holds at least 2**25 elements (within 1.064x), else 4 x 8192 on 8 (1.032x; outputs x K
+    per program, K clamped to the problem's)."""
     if device.interpret or "gemv" not in kinds:
         return None
-    large = shape.N * shape.K >= 1 << 26
     if operand_tiles[1] == 1:
-        block_n, block_k, warps = (1, 2048, 8) if large else (8, 2048, 4)
+        block_n, block_k, warps = (1, 512, 8) if shape.N * shape.K >= 1 << 25 else (4, 8192, 8)
     else:
-        block_n, block_k, warps = (4, 1024, 8) if large else (8, 256, 4)
+        block_n, block_k, warps = 1, 1024, 4
     return _gemv_config(shape, block_n, block_k, warps, 1)
 
 
@@ -319,13 +319,14 @@ def _gemv_config(shape: Shape, block_n: int, block_k: int, warps: int, split: in
     return clamp_to_problem(config, shape.M, shape.N, shape.K)
 
 
-# Where a tuning run's GEMV search starts, after the first-use config (gemv_alternative): the configs that won
-# the M = 1 sweeps of six MLPs and the tuning runs of six others on an H100 (bf16), as (outputs, K, warps,
-# split_k) per program; one weight matrix, then the gate and up matrices.
-_GEMV_STARTS = {1: ((1, 2048, 8, 1), (8, 2048, 4, 1), (4, 2048, 4, 1), (1, 1024, 4, 1), (4, 512, 4, 4),
-                    (4, 4096, 8, 1)),
-                2: ((4, 1024, 8, 1), (8, 256, 4, 1), (2, 2048, 8, 1), (1, 512, 8, 1), (4, 512, 4, 1),
-                    (16, 256, 8, 4))}
+# Where a tuning run's GEMV search starts, after the first-use config (gemv_alternative), from the eight MLPs'
+# sweeps of its docstring (H100, bf16): the configs of the lowest geometric mean of time over each shape's fastest
+# on the MLPs of at least 2**25 elements a matrix (1.01-1.07x), and for one matrix the two best on the smaller
+# MLPs; as (outputs, K, warps, split_k) per program, one weight matrix, then the gate and up matrices.
+_GEMV_STARTS = {1: ((1, 512, 8, 1), (1, 8192, 16, 1), (1, 8192, 4, 1), (4, 2048, 4, 4), (1, 4096, 4, 1),
+                    (8, 1024, 8, 1), (4, 8192, 8, 1)),
+                2: ((1, 1024, 4, 1), (1, 1024, 8, 1), (1, 512, 4, 1), (1, 2048, 8, 1), (2, 512, 4, 1),
+                    (4, 512, 4, 1))}
 
 
 def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]

@@ -41,8 +41,9 @@ def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: 
                has_residual: bool = False) -> Kernel:
     precision = fp32_input_precision() if dtype == torch.float32 else None
     # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
+    static_k = K if variants.get(config.variant).static_k else None
     return load_kernel(KernelSpec(op, activation, has_bias, has_residual, K % config.block_k == 0, precision,
-                                  interpreting(), config.variant))
+                                  interpreting(), config.variant, static_k))
 
 
 # The pointwise passes (ops gated_act, gated_grad, bias_act) take only BLOCK_M and BLOCK_N: any config selects their

@@ -38,6 +38,8 @@ class KernelSpec:
     input_precision: str | None = None  # for float32 operands: "ieee" or "tf32"; None for 16-bit
     upcast_operands: bool = False  # under the interpreter, bf16 arithmetic is wrong: dot in float32
     variant: str = "tile"  # a registered kernel variant of the op (autofuse/variants.py)
+    static_k: int | None = None  # the K a variant compiled for one K (Variant.static_k) holds as a constant
+
 
     def __post_init__(self) -> None:
         if self.activation not in self.op.activations:
@@ -46,6 +48,8 @@ class KernelSpec:
         refused = self.op.variants_allowed(self.has_residual, self.variant)
         if refused:
             raise ValueError(refused)
+        if self.static_k is not None and (type(self.static_k) is not int or not 1 <= self.static_k < 2**31):
+            raise ValueError(f"static_k must be an int in 1..2**31-1 or None, not {self.static_k!r}")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 

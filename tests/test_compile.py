@@ -11,9 +11,10 @@ import pytest
 _HERE = Path(__file__).parent
 
 
-def _spec(op, activation, bias=False, residual=False, even_k=True, variant="tile", input_precision=None):
+def _spec(op, activation, bias=False, residual=False, even_k=True, variant="tile", input_precision=None,
+          static_k=None):
     return dict(op=op, activation=activation, has_bias=bias, has_residual=residual, even_k=even_k,
-                variant=variant, input_precision=input_precision)
+                variant=variant, input_precision=input_precision, static_k=static_k)
 
 
 # One case per structural switch of each template (activation, bias, residual, ragged K, split-K,
@@ -63,6 +64,11 @@ CASES = [
          block=(8, 8, 128), split_k=4, num_warps=4, num_stages=2),
     dict(spec=_spec("gated_up", "silu", bias=True, variant="gemv"), dtype="bfloat16", capability=90,
          block=(4, 16, 256), split_k=2, num_warps=4, num_stages=3),
+    # The GEMV compiled for one K (as the launchers build it): one K step past a ragged K, and a split loop.
+    dict(spec=_spec("gated_up", "silu", even_k=False, variant="gemv", static_k=5568), dtype="bfloat16",
+         capability=90, block=(1, 1, 8192), split_k=1, num_warps=16, num_stages=1),
+    dict(spec=_spec("linear", "none", even_k=False, variant="gemv", static_k=14496), dtype="bfloat16",
+         capability=90, block=(1, 4, 2048), split_k=4, num_warps=8, num_stages=1),
     # fp8 weights widened in the K loop, their scales in the epilogue (e4m3 needs sm_89 or newer).
     dict(spec=_spec("linear_fp8", "gelu_tanh", bias=True, residual=True), dtype="bfloat16", capability=90,
          block=(128, 128, 64), split_k=1, num_warps=8, num_stages=4),
@@ -111,7 +117,7 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
 
 def test_gemv_kernels_reduce_on_cuda_cores(compiled):
     gemv = [c for c in compiled if c["kernel"].endswith("_gemv")]
-    assert len(gemv) == 5 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
+    assert len(gemv) == 7 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
 
 
 def test_split_k_kernels_are_named_for_profilers(compiled):

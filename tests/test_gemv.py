@@ -105,10 +105,10 @@ H100 = variants.Device(interpret=False, shared_memory_limit=232448, multiprocess
 @pytest.mark.parametrize("M", [1, 2, 3])
 def test_a_first_use_check_times_the_gemv_config_beside_the_heuristic_where_it_applies(M):
     small, large = Shape(M, 896, 4864, torch.bfloat16), Shape(M, 8192, 8192, torch.bfloat16)
-    # (outputs, K, warps) per program: one weight matrix, then gate and up; a matrix of 2**26 elements or more
-    # takes fewer outputs over more warps.
-    expected = {(LINEAR, small): (8, 2048, 4), (LINEAR, large): (1, 2048, 8), (DOWN, small): (8, 2048, 4),
-                (GATED_UP, small): (8, 256, 4), (GATED_UP, large): (4, 1024, 8)}
+    # (outputs, K, warps) per program: one weight matrix, then gate and up; one matrix of 2**25 elements or more
+    # takes one output and a short K step, a smaller one four outputs over all of its K (8192, past 4864).
+    expected = {(LINEAR, small): (4, 8192, 8), (LINEAR, large): (1, 512, 8), (DOWN, small): (4, 8192, 8),
+                (GATED_UP, small): (1, 1024, 4), (GATED_UP, large): (1, 1024, 4)}
     for (op, shape), sizes in expected.items():
         # The gated up projection runs its GEMV as its heuristic (gated_pairs times the tensor-core tile
         # beside it); the others time it beside theirs.
@@ -188,7 +188,7 @@ def test_the_gemv_starts_begin_with_the_first_use_config_and_fit_the_shape():
         assert starts[0] == first and len(set(starts)) == len(starts) >= 4
         for config in starts:
             assert config.variant == "gemv" and config.block_m == shape.M
-            assert config.block_k == 512 if shape.K == 300 else config.block_k <= 4096  # clamped to K
+            assert config.block_k <= max(512, 1 << (shape.K - 1).bit_length())  # clamped to K
             assert variants.GEMV.fits(config, shape)
     assert DOWN.search_starts(Shape(3, 4096, 5696, torch.bfloat16), H100) == ()
     assert DOWN.search_starts(Shape(1, 4096, 5696, torch.bfloat16), variants.Device(interpret=True)) == ()

@@ -152,3 +152,33 @@ def test_interpreted_kernel_matches_torch_for_float32():
     x = torch.randn(3, 16, device=device)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_variant_compiled_for_one_k_holds_that_k_in_its_source():
+    from autofuse import launch
+    from autofuse.configs import KernelConfig
+
+    gemv = KernelConfig(1, 4, 512, group_m=1, num_warps=4, num_stages=1, variant="gemv", knobs={"split_k": 1})
+    for op in (LINEAR, GATED_UP, ops.get("down")):
+        activation = "silu" if op is GATED_UP else "none"
+        built = launch.kernel_for(op, activation, 5568, torch.bfloat16, gemv, False)
+        source = render.render(KernelSpec(op, activation, variant="gemv", static_k=5568))
+        body = ast.parse(source).body
+        kernel = next(node for node in body if isinstance(node, ast.FunctionDef) and node.name.startswith("autofuse_"))
+        first = kernel.body[0]  # K the constant, before any statement reads it
+        assert isinstance(first, ast.Assign) and first.targets[0].id == "K" and first.value.value == 5568
+        assert built.fn is render.load_kernel(KernelSpec(op, activation, variant="gemv", static_k=5568,
+                                                         upcast_operands=os.environ.get("TRITON_INTERPRET") == "1")).fn
+        other = launch.kernel_for(op, activation, 4096, torch.bfloat16, gemv, False)
+        assert other.fn is not built.fn  # another K, another kernel
+    # The tensor-core variants take K at run time: one kernel for every K.
+    tile = KernelConfig(16, 64, 64)
+    assert launch.kernel_for(LINEAR, "none", 5568, torch.bfloat16, tile, False).fn is launch.kernel_for(
+        LINEAR, "none", 4992, torch.bfloat16, tile, False).fn
+    assert "K = " not in render.render(KernelSpec(LINEAR, "none"))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2**31, 5568.0, "5568", True, "1; import os"])
+def test_only_a_positive_int_k_reaches_the_source(bad):
+    with pytest.raises(ValueError, match="static_k"):
+        KernelSpec(LINEAR, "none", variant="gemv", static_k=bad)
