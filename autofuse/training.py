@@ -163,23 +163,12 @@ class Padding:
         return padded
 
     def grads(self, grads: tuple) -> tuple:
-        """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) of the live region of the padded ones; the weights'
-        gradients are live already (weight_grad)."""
+        """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) of the live region of the padded ones."""
         dx, dw_gate, db_gate, dw_up, db_up, dw_down = grads
         d, f = self.d, self.f
-        return (None if dx is None else dx[:, :d], dw_gate, None if db_gate is None else db_gate[:f], dw_up,
-                None if db_up is None else db_up[:f], dw_down)
-
-    @staticmethod
-    def weight_grad(padding: Padding | None, dw: torch.Tensor | None, down: bool = False) -> torch.Tensor | None:
-        """A weight's gradient in the weight's own layout, taken from the padded one (`dw`, of a gate or up
-        weight, or of the down weight where `down`) right after its GEMM: its live rows as they are where every
-        column is live, else a copy, so that the padded buffer is freed at once. A strided view into the padded
-        buffer is not kept by autograd's gradient accumulation (its layout is not the weight's): it was copied
-        there anyway, at the end of the backward, with every padded buffer still alive."""
-        if padding is None or dw is None:
-            return dw
-        return (dw[:padding.d, :padding.f] if down else dw[:padding.f, :padding.d]).contiguous()
+        return (None if dx is None else dx[:, :d], None if dw_gate is None else dw_gate[:f, :d],
+                None if db_gate is None else db_gate[:f], None if dw_up is None else dw_up[:f, :d],
+                None if db_up is None else db_up[:f], None if dw_down is None else dw_down[:d, :f])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +301,7 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
     last GEMM holds dU alone, not [dG | dU]."""
     g, u, h = kept
     kept.clear()
-    dw_down = Padding.weight_grad(ctx.padding, torch.mm(dy.t(), h), down=True) if need[5] else None
+    dw_down = torch.mm(dy.t(), h) if need[5] else None
     del h  # dH below takes its place
     dh = torch.mm(dy, w_down)
     _gradients_over(ctx.launches, ctx.activation, dh, g, u)
@@ -324,9 +313,9 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
         dx.addmm_(du, w_up)
     db_gate = sum_rows(dg) if ctx.has_bias and need[2] else None
     db_up = sum_rows(du) if ctx.has_bias and need[4] else None
-    dw_gate = Padding.weight_grad(ctx.padding, torch.mm(dg.t(), x)) if need[1] else None
+    dw_gate = torch.mm(dg.t(), x) if need[1] else None
     del dg
-    dw_up = Padding.weight_grad(ctx.padding, torch.mm(du.t(), x)) if need[3] else None
+    dw_up = torch.mm(du.t(), x) if need[3] else None
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
@@ -341,7 +330,7 @@ def _backward_recomputing_h(ctx, dy, x, gu, w_gate, w_up, w_down, need) -> tuple
     else:  # a library path (None: eager), where tuning or a check chose one for this shape
         library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
         dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-    dw_down = Padding.weight_grad(ctx.padding, torch.mm(dy.t(), h), down=True) if need[5] else None
+    dw_down = torch.mm(dy.t(), h) if need[5] else None
     del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
     dg, du = dgu[:, :F_], dgu[:, F_:]
     dx = None
@@ -355,9 +344,7 @@ def _backward_recomputing_h(ctx, dy, x, gu, w_gate, w_up, w_down, need) -> tuple
     dw_gate = dw_up = None
     if need[1] or need[3]:
         dw = torch.mm(dgu.t(), x)  # one GEMM: [dW_gate; dW_up]
-        dw_gate = Padding.weight_grad(ctx.padding, dw[:F_]) if need[1] else None
-        dw_up = Padding.weight_grad(ctx.padding, dw[F_:]) if need[3] else None
-        del dw
+        dw_gate, dw_up = (dw[:F_] if need[1] else None), (dw[F_:] if need[3] else None)
     db_gate = db_up = None
     if ctx.has_bias and (need[2] or need[4]):
         db = sum_rows(dgu)
