@@ -206,6 +206,9 @@ class OpSpec:
     interpreter_space: SearchSpace | None = None
     # heuristic(shape, device, kinds) -> config, kinds the names of the variants that apply; None: gemm_heuristic
     heuristic: Callable[[Shape, Device, frozenset[str]], KernelConfig] | None = None
+    # starts(shape, device, kinds) -> the measured configs a tuning run times right after the heuristic's, for an
+    # op with a heuristic of its own (the others start from the GEMV's, configs.gemv_starts)
+    starts: Callable[[Shape, Device, frozenset[str]], tuple[KernelConfig, ...]] | None = None
     # Library candidates: name -> fn(operands: dict, activation) -> output (or a LibraryPath, for
     # candidates that serve some keys only), what the op runs without a kernel. "eager" (what a
     # PyTorch model runs) comes first and is every op's fallback.
@@ -291,10 +294,10 @@ class OpSpec:
         return () if gemv is None else (gemv,)
 
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
-        """Configs a tuning run times right after the heuristic's: where the GEMV applies, its measured starting
-        points, its first-use config first (configs.gemv_starts)."""
+        """Configs a tuning run times right after the heuristic's: the op's own measured starting points (`starts`),
+        or where the GEMV applies, its own, its first-use config first (configs.gemv_starts)."""
         if self.heuristic is not None:
-            return ()
+            return () if self.starts is None else self.starts(shape, device, self._kinds(shape, device))
         return gemv_starts(shape, device, self._kinds(shape, device), self.operand_tiles)
 
     def _kinds(self, shape: Shape, device: Device) -> frozenset[str]:

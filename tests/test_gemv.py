@@ -192,3 +192,4 @@ def test_the_gemv_starts_begin_with_the_first_use_config_and_fit_the_shape():
             assert variants.GEMV.fits(config, shape)
     assert DOWN.search_starts(Shape(3, 4096, 5696, torch.bfloat16), H100) == ()
     assert DOWN.search_starts(Shape(1, 4096, 5696, torch.bfloat16), variants.Device(interpret=True)) == ()
+

@@ -93,3 +93,23 @@ def test_config_for_names_both_kernels(device):
     assert set(configs) == {"gated_up", "down"}
     assert all(isinstance(c, KernelConfig) for c in configs.values())
 
+
+
+def test_the_one_launch_mlp_starts_its_search_from_measured_configs_at_small_m():
+    from autofuse import ops, variants
+    from autofuse.configs import Shape
+    from autofuse.tune.space import SearchProblem, flat_dimensions, flat_point
+
+    H100 = variants.Device(interpret=False, shared_memory_limit=232448, multiprocessors=132, capability=(9, 0))
+    mlp = ops.get("mlp")
+    shape = Shape(1, 8192, 2048, torch.bfloat16)
+    starts = mlp.search_starts(shape, H100)
+    assert [(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages) for c in starts] == [
+        (16, 64, 256, 4, 3), (16, 64, 256, 8, 3)]
+    assert mlp.default_config(shape, H100) not in starts  # beside the heuristic's, not instead of it
+    problem = SearchProblem(mlp.operand_tiles, 1, 8192, 2048, torch.bfloat16,
+                            variants.applicable(mlp, H100, shape))
+    dims = flat_dimensions(mlp.space, problem, interpret=False)
+    assert all(flat_point(c, dims) is not None for c in starts)  # points of the space the search covers
+    assert mlp.search_starts(Shape(64, 8192, 2048, torch.bfloat16), H100) == ()
+    assert mlp.search_starts(shape, variants.Device(interpret=True)) == ()

@@ -12,7 +12,7 @@ import torch
 from .. import launch as L
 from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
-from ..configs import Device, KernelConfig, Rule, SearchSpace, Shape, fit_shared_memory, from_rules
+from ..configs import Device, KernelConfig, Rule, SearchSpace, Shape, clamp_to_problem, fit_shared_memory, from_rules
 from ..layout import input_width, run_width
 from ..opspec import Operand, OpSpec
 from ..reference import eager_mlp, mlp_reference_rounded
@@ -75,6 +75,21 @@ def heuristic(shape: Shape, device: Device, kinds: frozenset[str]) -> KernelConf
                              device.shared_memory_limit)
 
 
+# Where a tuning run's search starts after the heuristic's config at M <= 16: the two fastest configs of three
+# exhaustive sweeps of a Llama-3.2-1B-shaped MLP (2048 -> 8192) at M = 1, two on an H100 and one on an H200, each
+# within 1.008x of every sweep's best, where the heuristic's 16 x 64 x 128 on 4 warps, 4 stages ran 1.018-1.075x
+# (benchmarks/search_quality.py); TPE alone left the tuned record at 0.924-0.967 of the sweep's best.
+_STARTS_M16 = tuple(KernelConfig(16, 64, 256, group_m=1, num_warps=warps, num_stages=3) for warps in (4, 8))
+
+
+def starts(shape: Shape, device: Device, kinds: frozenset[str]) -> tuple[KernelConfig, ...]:
+    if device.interpret or shape.M > 16 or "tile" not in kinds:
+        return ()
+    fitted = (fit_shared_memory(clamp_to_problem(c, shape.M, shape.N, shape.K), MLP.operand_tiles, shape.dtype,
+                                device.shared_memory_limit) for c in _STARTS_M16)
+    return tuple(dict.fromkeys(fitted))
+
+
 def _run(ops: dict, activation: str, config: KernelConfig, out: torch.Tensor | None = None) -> torch.Tensor:
     params = (ops["wg"], ops.get("bg"), ops["wu"], ops.get("bu"), ops["wd"], ops.get("bd"))
     return mlp_decode(ops["x"], params, activation, config, out=out)
@@ -118,6 +133,7 @@ MLP = OpSpec(
     interpreter_space=SearchSpace(block_m=(16, 32), block_n=(16, 32, 64), block_k=(32, 64), group_m=(1,),
                                   num_warps=(4,), num_stages=(1, 2)),
     heuristic=heuristic,
+    starts=starts,
     library={"eager": _eager},
     reference=_reference,
     make_operands=_make_operands,
