@@ -40,7 +40,6 @@ class KernelSpec:
     variant: str = "tile"  # a registered kernel variant of the op (autofuse/variants.py)
     static_k: int | None = None  # the K a variant compiled for one K (Variant.static_k) holds as a constant
 
-
     def __post_init__(self) -> None:
         if self.activation not in self.op.activations:
             raise ValueError(f"op {self.op.name!r} has no activation {self.activation!r}; "
