@@ -32,7 +32,7 @@ import torch  # noqa: E402 - after TRITON_CACHE_DIR: Triton reads it when first 
 import autofuse  # noqa: E402
 from autofuse import evaluator  # noqa: E402
 from autofuse.choose import check  # noqa: E402
-from autofuse.choose.race import race_length  # noqa: E402
+from autofuse.choose.race import Raced, race_length  # noqa: E402
 
 
 def draw(seed: int, count: int) -> list[tuple[int, int, str]]:
@@ -95,7 +95,7 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
             theirs.append(_window_us(eager))
     entry = mlp._bound.get(mlp._key(x.shape[0], wg, False))
     decided_after = None  # no race: the entry has one table, which runs from the first call
-    if entry is not None and hasattr(entry, "race_calls"):
+    if isinstance(entry, Raced):
         decided_after = "undecided" if entry.plain is None else entry.decided_after  # the call that settled it
     # Against eager's median window too: a window's host can stall for milliseconds (both providers' windows
     # showed such spikes, 3-8x their neighbours), and the window beside it is then no measure of eager's call.
