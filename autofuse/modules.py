@@ -23,7 +23,7 @@ from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype
 from .launch import addresses
 from .layout import MLPLayout, contiguous_state, lay_out
 from .ops.gated_up import stacked
-from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8
+from .ops.linear_fp8 import Fp8Weight, aligned_rows, check_fp8_device, quantize_fp8, quantize_weight
 from .ops.linear_w8a8 import scaled_mm_fits
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
@@ -132,7 +132,7 @@ class FusedLinearFp8(FusedLinear):
             raise AutofuseError(f"FusedLinearFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
                                 f"got {shown(self.weights)}")
         self._op = f"linear_{self.weights}"  # linear_fp8 or linear_w8a8, as the MLP's gated_up_<weights>
-        w8, scale = quantize_fp8(self.weight)
+        w8, scale = quantize_weight(self.weight)  # rows 16-byte aligned apart (ops/linear_fp8.py, aligned_rows)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scale)
         # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
@@ -144,6 +144,7 @@ class FusedLinearFp8(FusedLinear):
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self._register_load_state_dict_pre_hook(_quantize_dense_state, with_module=True)
+        self._register_state_dict_hook(contiguous_state)  # weight_fp8 saved without its rows' padding
 
     def requantize(self) -> None:
         """weight_fp8 and weight_scale from `weight` again (kept with keep_original=True), after it was changed."""
@@ -163,7 +164,8 @@ class FusedLinearFp8(FusedLinear):
         w8, scale = self._buffers["weight_fp8"], self._buffers["weight_scale"]
         module = super()._apply(fn, recurse)
         device = self._buffers["_activations"].device
-        self._buffers["weight_fp8"], self._buffers["weight_scale"] = w8.to(device), scale.to(device)
+        # A copy to another device comes back contiguous: its rows are aligned again.
+        self._buffers["weight_fp8"], self._buffers["weight_scale"] = aligned_rows(w8.to(device)), scale.to(device)
         return module
 
     def _plan(self, residual):
@@ -431,8 +433,8 @@ class FusedMLPFp8(FusedModule):
     `bias`), run as the gated up-projection (op gated_up_fp8, or gated_up_w8a8 with weights="w8a8", which quantizes
     x too) and the down projection (down_fp8, or down_w8a8, which quantizes H), each checked, tuned and raced as any
     op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
-    it loads. Neither the interleaved gate/up layout nor padding applies: sizes whose fp8 rows are not 16-byte
-    aligned (d_model or d_ff not a multiple of 16) run, at a speed nobody has measured."""
+    it loads. The interleaved gate/up layout does not apply; each projection's fp8 rows start 16 bytes apart
+    (ops/linear_fp8.py, aligned_rows), whatever d_model and d_ff are."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,
                  device: torch.device, **options: bool) -> None:

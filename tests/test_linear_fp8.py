@@ -11,7 +11,7 @@ from autofuse import launch, ops, variants
 from autofuse.activations import LINEAR_ACTIVATIONS
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import Problem, current_environment
-from autofuse.ops.linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, linear_fp8, quantize_fp8
+from autofuse.ops.linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, aligned_rows, dequantize_fp8, linear_fp8, quantize_fp8
 from autofuse.reference import linear_reference
 from autofuse.render import KernelSpec, render
 from autofuse.store import Store
@@ -54,6 +54,24 @@ def test_fp8_linear_matches_the_dequantized_float64_product(device, dtype, activ
         ref = linear_reference(x, w8.double() * scale.double()[:, None], b, r, activation)
         peer = ops.get("linear_fp8").library["eager"]({"x": x, "w": w8, "s": scale, "b": b, "r": r}, activation)
         assert_matches_reference(out, ref, peer)
+
+
+@pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
+def test_every_e4m3_value_is_read_exactly(device, config):
+    # Row n holds byte n at column n % 16 and zeros elsewhere: x = ones reads each byte back alone, so a float32
+    # output is its value exactly (subnormals, zeros and signs included). The two NaN bytes, which quantize_fp8
+    # never stores, are left out.
+    k = 16
+    byte = torch.arange(256, dtype=torch.int32)
+    byte[(byte == 0x7F) | (byte == 0xFF)] = 0
+    bits = torch.zeros(256, k, dtype=torch.uint8)
+    bits[torch.arange(256), torch.arange(256) % k] = byte.to(torch.uint8)
+    w8 = bits.view(FP8).to(device)
+    x = torch.ones(2, k, device=device)
+    y = linear_fp8(x, w8, torch.ones(256, device=device), None, None, "none", config)
+    expected = w8.float().sum(dim=1)
+    assert expected[0x08] == 2**-6 and expected[0x01] == 2**-9 and expected[0xFE] == -448  # normal, subnormal, largest
+    torch.testing.assert_close(y, expected.expand(2, 256), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
@@ -180,3 +198,24 @@ def test_an_fp8_linear_refuses_training_and_bad_options_in_one_line(device):
         kept.weight.mul_(2)
     kept.requantize()
     assert torch.allclose(kept.weight_scale, quantize_fp8(kept.weight)[1])
+
+
+def test_fp8_rows_start_16_bytes_apart_and_save_without_their_padding(device):
+    module = _module(device)  # K = 40 fp8 bytes a row: 8-byte aligned
+    w8 = module.weight_fp8
+    assert tuple(w8.shape) == (N, K) and w8.stride() == (48, 1) and w8.data_ptr() % 16 == 0
+    state = module.state_dict()
+    assert state["weight_fp8"].is_contiguous() and state["weight_fp8"].untyped_storage().nbytes() == N * K
+    restored = _module(device)
+    restored.load_state_dict(state)
+    assert restored.weight_fp8.stride() == (48, 1)
+    assert torch.equal(restored.weight_fp8.view(torch.uint8), w8.view(torch.uint8))
+    moved = module.to("cpu").to(device)
+    assert moved.weight_fp8.stride() == (48, 1)
+    x = torch.randn(M, K, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        out = restored(x)
+    ref = linear_reference(x, w8.double() * module.weight_scale.double()[:, None], module.bias, None, "gelu")
+    torch.testing.assert_close(out.double(), ref, rtol=2 * 2**-11, atol=2e-3)  # fp16 output: 2 ulps, small values
+    aligned = torch.randn(N, 32, device=device).to(FP8)
+    assert aligned_rows(aligned) is aligned  # rows of a multiple of 16 bytes stay as they are

@@ -16,7 +16,7 @@ from ..opspec import Operand
 from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 from .gated_up import GATED_UP
-from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
+from .linear_fp8 import check_weights, dequantize_fp8, quantize_weight
 from .linear_w8a8 import dequantized_rows, scaled_mm
 
 OPERANDS = (
@@ -90,7 +90,7 @@ def _original_reference(ops: dict, activation: str) -> torch.Tensor:
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
     wg_original, wu_original = rand(n, k) * k**-0.5, rand(n, k) * k**-0.5
-    (wg, sg), (wu, su) = quantize_fp8(wg_original), quantize_fp8(wu_original)
+    (wg, sg), (wu, su) = quantize_weight(wg_original), quantize_weight(wu_original)
     return {"x": rand(M, k), "wg": wg, "wu": wu, "sg": sg, "su": su, "bg": rand(n) if bias else None,
             "bu": rand(n) if bias else None, "wg_original": wg_original, "wu_original": wu_original}
 
