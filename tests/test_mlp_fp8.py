@@ -78,6 +78,24 @@ def test_an_fp8_mlp_runs_the_fp8_ops_and_matches_the_dequantized_reference(devic
     assert set(mlp.config_for(2 * M)) == {"gated_up", "down"}  # no gated_pairs, no one-launch kernel
 
 
+def test_the_down_projection_reads_h_rows_16_elements_apart(device, monkeypatch):
+    # d_ff = 24: H's rows are kept 32 elements apart (Triton vectorises loads along rows whose stride it sees
+    # divisible by 16), in the first call, the bound replays and the un-bound path alike.
+    from autofuse import dispatch
+    strides = []
+    run_down = dispatch.run_down
+    monkeypatch.setattr(dispatch, "run_down", lambda h, *rest: strides.append(h.stride(0)) or run_down(h, *rest))
+    mlp = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        first = mlp(x)
+        again = mlp(x)
+        other = mlp(torch.cat([x, x]))  # another M: its own entry
+    assert strides and set(strides) == {32}
+    assert torch.equal(first, again)
+    torch.testing.assert_close(other[:M], first, rtol=1e-5, atol=1e-5)  # float32, other tiles: reordered sums
+
+
 def test_a_hugging_face_mlp_state_loads_quantized_and_its_error_is_the_quantizations(device):
     dense = autofuse.get_mlp(D, F_, activation="silu", bias=True, dtype=torch.float32, device=device,
                              interleaved=False)

@@ -175,9 +175,20 @@ LINEAR_FP8 = dataclasses.replace(
     make_operands=_make_operands,
 )
 
+def _make_down_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
+    """_make_operands with x laid out as the MLP holds H: rows 16 elements apart (dispatch.new_hidden)."""
+    operands = _make_operands(n, k, M, bias, residual, rand)
+    x = operands["x"]
+    wide = x.new_zeros((M, -(-k // 16) * 16))[:, :k]
+    wide.copy_(x)
+    operands["x"] = wide
+    return operands
+
+
 # What makes a gated MLP's down projection of an fp8 linear op: no activation, no residual, keyed for the shapes
-# file's MLPs at the sizes FusedMLPFp8 runs (no padding).
-DOWN_FIELDS = dict(activations=("none",), residual=False, serves="mlp", dims=lambda s: (s.d_model, s.d_ff, "none"))
+# file's MLPs at the sizes FusedMLPFp8 runs (d_ff unpadded), timed on H as the MLP lays it out.
+DOWN_FIELDS = dict(activations=("none",), residual=False, serves="mlp", dims=lambda s: (s.d_model, s.d_ff, "none"),
+                   make_operands=_make_down_operands)
 
 DOWN_FP8 = dataclasses.replace(
     LINEAR_FP8,
