@@ -193,3 +193,22 @@ def test_the_gemv_starts_begin_with_the_first_use_config_and_fit_the_shape():
     assert DOWN.search_starts(Shape(3, 4096, 5696, torch.bfloat16), H100) == ()
     assert DOWN.search_starts(Shape(1, 4096, 5696, torch.bfloat16), variants.Device(interpret=True)) == ()
 
+
+
+def test_a_nearest_keys_gemv_config_covers_this_ms_rows_or_gives_way(device):
+    # A GEMV config tuned at M = 1 (one row a program) resolved for M = 2 covers both rows in one program (else
+    # each row's programs stream the weights again); above GEMV_MAX_M, where the variant does not apply, the
+    # heuristic stands instead.
+    from autofuse.choose import Source, lookup
+    from autofuse.key import Problem, current_environment
+    from autofuse.store import Store, Winner
+
+    device = torch.device(device)
+    at_one = Problem("down", N, K, 1, torch.float32, "none", device=device)
+    Store().put_winner(Winner(at_one.key(1, current_environment(device)), _gemv(1, 1), 1.0, 1.0, trials=4,
+                              policy="optuna"))
+    lookup.invalidate()
+    two = lookup.resolve(at_one.replace(M=2))
+    assert two.source == Source.NEAREST and two.config == _gemv(2, 1)
+    sixteen = lookup.resolve(at_one.replace(M=16))
+    assert sixteen.source == Source.HEURISTIC and sixteen.config.variant != "gemv"

@@ -19,14 +19,14 @@ from functools import cache
 from pathlib import Path
 
 from ..configfile import read_export
-from ..configs import KernelConfig, clamp_to_problem
+from ..configs import KernelConfig
 from ..errors import AutofuseError
 from ..key import Problem
 from ..resources import shipped_cache_dir, user_cache_dir
 from ..store import CHECKED, read_winners
 from ..store import exists as store_exists
 from .choice import Choice, Source
-from .heuristics import heuristic_for
+from .heuristics import fitted, heuristic_for
 
 logger = logging.getLogger("autofuse")
 
@@ -166,8 +166,10 @@ def resolve(problem: Problem, tuned: bool = True) -> Choice:
         nearest = min(neighbours, key=distance)
         config = nearest.config
         if isinstance(config, KernelConfig):
-            config = clamp_to_problem(config, M, N, K)
-        return Choice(config, Source.NEAREST, detail=nearest.key.id())
+            config = fitted(config, problem)
+        if config is not None:
+            return Choice(config, Source.NEAREST, detail=nearest.key.id())
+        return Choice(heuristic_for(bucketed), Source.HEURISTIC)
     _warn_once_if_tuned_elsewhere(index, key)
     return Choice(heuristic_for(bucketed), Source.HEURISTIC)
 
