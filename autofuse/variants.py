@@ -15,7 +15,7 @@ A variant is
 
 Registered here: `tile` (one output tile per program), `split_k` (programs share an output tile through
 a float32 workspace), `tma` (persistent, over TMA tensor descriptors) and `gemv` (decode's CUDA-core
-reduction for M <= 2, with tile sizes of its own). An op names the variants its
+reduction for M = 1, with tile sizes of its own). An op names the variants its
 templates implement (OpSpec.variants); a variant registered from outside names the ops it adds itself to
 (`ops`). KernelConfig stores a variant by name with its knobs.
 """
@@ -268,9 +268,11 @@ TMA = Variant(
 )
 # The GEMV variant serves decode's smallest M, where a tensor-core tile of 16 rows computes mostly padding and a
 # CUDA-core reduction streams the weights without a trip through shared memory. On an H100 (bf16) it ran down
-# projections at M = 1 up to 20% faster than the best tensor-core config and cuBLAS; at M = 4 every op ran
-# 1.6-2.0x slower (M products per weight element in registers outweigh the weight stream): searched at M <= 2.
-GEMV_MAX_M = 2
+# projections at M = 1 up to 20% faster than the best tensor-core config and cuBLAS; at M = 2 every GEMV config
+# timed ran slower than the tensor-core tile (6480 -> 27640, H100: gated up projection 368 against 270 us in bf16
+# and 266 against 208 with fp8 weights, fp8 down projection 118 against 104), at M = 4 every op 1.6-2.0x slower
+# (M products per weight element in registers outweigh the weight stream): searched at M = 1 only.
+GEMV_MAX_M = 1
 
 
 def _gemv_fits(config, shape: Shape) -> bool:
@@ -280,7 +282,7 @@ def _gemv_fits(config, shape: Shape) -> bool:
 
 
 GEMV = Variant(
-    "gemv", "decode's CUDA-core reduction: M <= 2 rows into BLOCK_N outputs per program, float32 products "
+    "gemv", "decode's CUDA-core reduction: BLOCK_M rows (M = 1) into BLOCK_N outputs per program, float32 products "
             "summed over K after the loop, optionally split over K through the workspace",
     template_suffix="_gemv",
     knobs={"split_k": Knob("SPLIT_K", values=(1, 2, 4, 8), interpreter_values=(1, 2), low=1, high=64)},

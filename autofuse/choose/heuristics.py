@@ -3,13 +3,12 @@ compares with the library paths). The tuner starts its search from it too."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import cache
 
 import torch
 
 from .. import variants
-from ..configs import Device, KernelConfig, Shape, clamp_to_problem, next_power_of_2
+from ..configs import Device, KernelConfig, Shape, clamp_to_problem
 from ..device import cuda_index, interpreting, multiprocessor_count, shared_memory_limit
 from ..key import Problem
 
@@ -47,18 +46,13 @@ def alternatives_for(problem: Problem) -> tuple[KernelConfig, ...]:
 
 
 def fitted(config: KernelConfig, problem: Problem) -> KernelConfig | None:
-    """A config recorded for another key (a nearest neighbour's) made to suit `problem`: clamped to its sizes, and
-    where its variant's rows per program no longer cover M (a GEMV config of M = 1 at M = 2) with BLOCK_M raised to
-    cover them; None where its variant does not apply at this M or the config still does not fit. A GEMV config of
-    M = 1 run at M = 2 streamed the weights once per row: 420 us against 294 for the tile config at M = 4 (fp8
-    6480 -> 27640 MLP, H100)."""
-    shape, device = _shape(problem), device_info(problem.device)
+    """A config recorded for another key (a nearest neighbour's) clamped to `problem`'s sizes, or None where its
+    variant does not apply at this M or the config does not fit the shape. A GEMV config of M = 1 offered at M = 2
+    would run one program row per token and stream the weights once per row: the fp8 6480 -> 27640 MLP took 420
+    us at M = 2 so, against 294 at M = 4 on tiles (H100)."""
+    shape = _shape(problem)
     variant = variants.get(config.variant)
-    if not variant.applies(device, shape):
+    if not variant.applies(device_info(problem.device), shape):
         return None
     config = clamp_to_problem(config, problem.M, problem.n, problem.k)
-    if variant.fits is None or variant.fits(config, shape):
-        return config
-    covering = clamp_to_problem(dataclasses.replace(config, block_m=max(config.block_m, next_power_of_2(problem.M))),
-                                problem.M, problem.n, problem.k)
-    return covering if variant.fits(covering, shape) else None
+    return config if variant.fits is None or variant.fits(config, shape) else None

@@ -22,7 +22,7 @@ from .common import DTYPE_NAMES, main
 @click.option("--variant", default="tile", show_default=True,
               help="The kernel variant: tile (one output tile per program), split_k (programs share a tile through "
                    "a workspace), tma (persistent over TMA descriptors, Hopper), gemv (decode's CUDA-core "
-                   "reduction, M <= 2), or one registered from outside.")
+                   "reduction, M = 1), or one registered from outside.")
 @click.option("--split-k", "variant", flag_value="split_k", help="Same as --variant split_k.")
 @click.option("--tma", "variant", flag_value="tma", help="Same as --variant tma.")
 def show_kernel_command(op, **options):
