@@ -16,7 +16,6 @@ from .ops.linear import linear
 from .ops.linear_fp8 import Fp8Weight, linear_fp8
 from .ops.linear_w8a8 import linear_w8a8
 from .ops.mlp import mlp_decode
-from .ops.mlp_fp8 import mlp_decode_fp8
 
 
 def _traced(name: str, activation: str, table: dict[str, Choice]):
@@ -75,7 +74,7 @@ def run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]) -> to
 
 def _run_mlp(x2d, params: tuple, activation: str, table: dict[str, Choice]):
     if "mlp" in table:
-        return one_launch(params)(x2d, params, activation, table["mlp"].kernel)
+        return mlp_decode(x2d, params, activation, table["mlp"].kernel)
     h = run_up(x2d, params, activation, table, out=new_hidden(x2d, x2d.shape[0], params))
     return run_down(h, params, table["down"])
 
@@ -161,7 +160,7 @@ class BoundMLP:
         act, table = self.activation, self.table
         if "mlp" in table:
             with launch.binding() as recorded:
-                y = one_launch(params)(x2d, params, act, table["mlp"].kernel)
+                y = mlp_decode(x2d, params, act, table["mlp"].kernel)
             return y, {"mlp": launch.only_launch(recorded)}
         up, down = table[up_op_of(table)], table["down"]
         with launch.binding() as up_launches:
@@ -178,7 +177,7 @@ class BoundMLP:
             y = x.new_empty(out_shape)
             bound = launches["mlp"]
             if bound is None or not bound({"x": x, "y": y}):
-                one_launch(params)(_rows(x), params, act, table["mlp"].kernel, out=_rows(y))
+                mlp_decode(_rows(x), params, act, table["mlp"].kernel, out=_rows(y))
             return y
         # H is reused on the stream it was made on; a call on another stream (which might run at the
         # same time) gets its own.
@@ -197,11 +196,6 @@ class BoundMLP:
         if not bound({"x": h, "y": y}):
             run_linear_kernel(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
         return y
-
-
-def one_launch(params: tuple):
-    """The one-launch MLP's launcher for these params: mlp_decode, or mlp_decode_fp8 where the weights are fp8."""
-    return mlp_decode_fp8 if isinstance(params[0], Fp8Weight) else mlp_decode
 
 
 def up_op_of(table: dict[str, Choice]) -> str:

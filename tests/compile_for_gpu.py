@@ -19,8 +19,7 @@ from autofuse.render import KernelSpec, load_kernel  # noqa: E402
 
 _TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # The operands of an op with fp8 weights that are not in the activations' dtype: the weights and their scales.
-_FP8_WEIGHTS = {"w": "*fp8e4nv", "wg": "*fp8e4nv", "wu": "*fp8e4nv", "wd": "*fp8e4nv", "s": "*fp32", "sg": "*fp32",
-                "su": "*fp32", "sd": "*fp32"}
+_FP8_WEIGHTS = {"w": "*fp8e4nv", "wg": "*fp8e4nv", "wu": "*fp8e4nv", "s": "*fp32", "sg": "*fp32", "su": "*fp32"}
 
 
 def _constexprs(spec: KernelSpec, block: tuple[int, int, int], split_k: int) -> dict:

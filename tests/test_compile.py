@@ -82,8 +82,6 @@ CASES = [
          block=(1, 8, 1024), split_k=2, num_warps=4, num_stages=1),
     dict(spec=_spec("down_fp8", "none", even_k=False, variant="split_k"), dtype="bfloat16", capability=90,
          block=(16, 64, 128), split_k=4, num_warps=4, num_stages=4),
-    dict(spec=_spec("mlp_fp8", "silu", bias=True, even_k=False), dtype="bfloat16", capability=90,
-         block=(16, 64, 128), split_k=1, num_warps=4, num_stages=4),
     # W8A8: the activations quantized in the kernel, an fp8 x fp8 dot.
     dict(spec=_spec("linear_w8a8", "gelu_tanh", bias=True, residual=True), dtype="bfloat16", capability=90,
          block=(128, 128, 128), split_k=1, num_warps=8, num_stages=3),
@@ -124,7 +122,7 @@ def test_gemv_kernels_reduce_on_cuda_cores(compiled):
 
 def test_split_k_kernels_are_named_for_profilers(compiled):
     assert {c["kernel"] for c in compiled if "mlp_" in c["kernel"]} == {
-        "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias", "autofuse_mlp_decode_fp8w_silu_bias"}
+        "autofuse_mlp_decode_gelu_tanh", "autofuse_mlp_decode_silu_bias"}
     assert {c["kernel"] for c in compiled if "split_k" in c["kernel"]} == {
         "autofuse_linear_none_split_k", "autofuse_gated_up_silu_bias_split_k", "autofuse_gated_up_gelu_split_k",
         "autofuse_gated_pairs_silu_bias_split_k", "autofuse_linear_fp8w_none_split_k",  # down_fp8: the same kernel

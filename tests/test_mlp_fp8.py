@@ -3,8 +3,6 @@ against the float64 product of the dequantized weights in every dtype, activatio
 biases; get_mlp(weights="fp8") (FusedMLPFp8) running them through the same plan, checks and bound launches as the
 dense MLP, loading a Hugging Face MLP's state_dict quantized."""
 
-import dataclasses
-
 import pytest
 import torch
 from _helpers import DTYPES, assert_matches_reference
@@ -77,7 +75,7 @@ def test_an_fp8_mlp_runs_the_fp8_ops_and_matches_the_dequantized_reference(devic
                         u.bias, d.bias, activation="silu").reshape(2, M, D)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(out, again)
-    assert set(mlp.config_for(2 * M)) in ({"gated_up", "down"}, {"mlp"})  # no gated_pairs
+    assert set(mlp.config_for(2 * M)) == {"gated_up", "down"}  # no gated_pairs, no one-launch kernel
 
 
 def test_the_down_projection_reads_h_rows_16_elements_apart(device, monkeypatch):
@@ -139,8 +137,7 @@ def test_a_first_use_check_verifies_the_fp8_ops_before_they_run(device, monkeypa
     with torch.no_grad():
         mlp(torch.randn(M, D, device=device))
         lin(torch.randn(M, D, device=device))
-    # The pair or the one-launch kernel (op mlp_fp8), whichever its check timed faster, checked before it ran.
-    assert mlp.config_sources(M) in ({"gated_up": "checked", "down": "checked"}, {"mlp": "checked"})
+    assert mlp.config_sources(M) == {"gated_up": "checked", "down": "checked"}
     assert lin.config_sources(M) == {"linear": "checked"}
 
 
@@ -158,7 +155,7 @@ def test_tune_weights_fp8_tunes_the_fp8_ops_that_the_modules_then_run(tmp_path, 
     result = CliRunner().invoke(main, ["tune", "--shapes", str(shapes), "--weights", "fp8", "--trials", "2"])
     assert result.exit_code == 0, result.output
     rows = [line.split()[:2] for line in result.output.splitlines() if line.startswith(("m ", "l "))]
-    assert sorted(op for _, op in rows) == ["down_fp8", "gated_up_fp8", "linear_fp8", "mlp_fp8"]
+    assert sorted(op for _, op in rows) == ["down_fp8", "gated_up_fp8", "linear_fp8"]
     mlp = autofuse.get_mlp(D, F_, activation="silu", dtype=torch.float32, device=device, weights="fp8")
     lin = autofuse.get_linear(D, F_, dtype=torch.float32, device=device, weights="fp8")
     assert set(mlp.config_sources(M).values()) == {"user-cache"} and lin.config_sources(M) == {"linear": "user-cache"}
@@ -224,80 +221,3 @@ def test_under_torch_compile_fp8_modules_run_the_dequantized_weights_eager_ops(d
         operands = {"x": x, "w": lin.weight_fp8, "s": lin.weight_scale, "b": lin.bias}
         torch.testing.assert_close(compiled_lin, ops.get("linear_w8a8").library["eager"](operands, "gelu"))
     torch._dynamo.reset()
-
-
-ONE_LAUNCH = KernelConfig(16, 16, 32, group_m=1, num_warps=4, num_stages=1)
-
-
-def _one_launch_operands(device, dtype, bias, rows=M):
-    from autofuse.ops.linear_fp8 import quantize_weight
-    ops = {"x": torch.randn(rows, D, device=device).to(dtype)}
-    for (w, s), shape in ((("wg", "sg"), (F_, D)), (("wu", "su"), (F_, D)), (("wd", "sd"), (D, F_))):
-        ops[w], ops[s] = quantize_weight(torch.randn(*shape, device=device) / shape[1]**0.5)
-    if bias:
-        ops.update(bg=torch.randn(F_, device=device).to(dtype), bu=torch.randn(F_, device=device).to(dtype),
-                   bd=torch.randn(D, device=device).to(dtype))
-    return ops
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_the_one_launch_fp8_mlp_matches_the_dequantized_float64_product(device, dtype, activation, bias):
-    # D = 40 and F = 24 ragged against BLOCK_D 32 and BLOCK_F 16: several programs add into each output row; two
-    # launches, the second must not see the first's sums.
-    spec = ops.get("mlp_fp8")
-    for _ in range(2):
-        operands = _one_launch_operands(device, dtype, bias)
-        out = torch.full((M, D), float("nan"), dtype=dtype, device=device)
-        spec.run(operands, activation, ONE_LAUNCH, out=out)
-        assert_matches_reference(out, spec.reference(operands, activation, dtype),
-                                 spec.library["eager"](operands, activation))
-
-
-def test_the_bound_one_launch_fp8_mlp_is_bit_identical_to_the_jit_path(device):
-    from autofuse.ops.mlp_fp8 import mlp_decode_fp8
-    operands = _one_launch_operands(device, torch.bfloat16, True, rows=2)
-    params = ((operands["wg"], operands["sg"]), operands["bg"], (operands["wu"], operands["su"]), operands["bu"],
-              (operands["wd"], operands["sd"]), operands["bd"])
-    with launch.binding() as recorded:
-        mlp_decode_fp8(operands["x"], params, "silu", ONE_LAUNCH)
-    bound = launch.only_launch(recorded)
-    x = torch.randn(2, D, device=device).to(torch.bfloat16)
-    y = torch.full((2, D), float("nan"), dtype=torch.bfloat16, device=device)
-    assert bound({"x": x, "y": y})
-    expected = mlp_decode_fp8(x, params, "silu", ONE_LAUNCH)
-    if y.is_cuda:  # float32 atomics sum in any order on a GPU
-        torch.testing.assert_close(y, expected, rtol=2**-7, atol=2**-7)
-    else:
-        torch.testing.assert_close(y, expected, rtol=0, atol=0)
-
-
-def test_an_fp8_mlp_runs_one_launch_where_its_check_finds_it_faster(device, monkeypatch):
-    # The plan offers the one-launch fp8 kernel (op mlp_fp8) at small M beside gated_up_fp8 + down_fp8: with the
-    # one launch timed faster it runs, and matches the dequantized reference.
-    from autofuse.choose import check
-    from autofuse.evaluator import Evaluator, TrialRecord
-    evaluate = Evaluator.evaluate
-
-    def timed(self, config):  # as a GPU would time them (the interpreter's times mean nothing)
-        record = evaluate(self, config)  # compiled and verified for real
-        ms = 1.0 if self.key.op == "mlp_fp8" else 5.0
-        return TrialRecord(config, record.status, ms if record.status == "ok" else None, record.detail)
-
-    monkeypatch.setenv("AUTOFUSE_CHECK", "1")
-    monkeypatch.setattr(check, "interpreting", lambda: False)
-    monkeypatch.setattr(Evaluator, "evaluate", timed)
-    monkeypatch.setattr(Evaluator, "library_ms", lambda self: {name: 100.0 for name in self.spec.library_for(
-        self.key.activation, self.key.bias, self.key.residual)})
-    mlp = _mlp(device)
-    x = torch.randn(M, D, device=device)
-    with torch.no_grad():
-        out = mlp(x)
-        again = mlp(x)
-    assert set(mlp.config_for(M)) == {"mlp"}
-    g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    ref = mlp_reference(x, *(_dense((p.weight_fp8, p.weight_scale)) for p in (g, u, d)), g.bias, u.bias, d.bias,
-                        activation="silu")
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
-    assert torch.equal(out, again)

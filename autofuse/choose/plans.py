@@ -66,8 +66,8 @@ class MLPPlan:
     bias: bool
     pairs: bool = False
     d_in: int | None = None
-    # "fp8" or "w8a8": the weights are fp8 (FusedMLPFp8): the table's entries run ops gated_up_<weights>,
-    # down_<weights> and, for weight-only fp8, mlp_fp8 (the one-launch kernel); gated_pairs is not planned.
+    # "fp8" or "w8a8": the weights are fp8 (FusedMLPFp8): the table's gated_up and down entries run ops
+    # gated_up_<weights> and down_<weights>, and neither gated_pairs nor the one-launch kernel is planned.
     weights: str = "dense"
 
     def problem(self, op: str, M: int, dtype: torch.dtype, device: torch.device) -> Problem:
@@ -83,9 +83,8 @@ class MLPPlan:
 
     @property
     def one_launch(self) -> bool:
-        """Whether the one-launch kernel may run this plan: dense or weight-only fp8 weights (no W8A8 one-launch
-        kernel), d_model read unpadded."""
-        return self.weights in ("dense", "fp8") and self.d_in in (None, self.d_model)
+        """Whether the one-launch kernel may run this plan: dense weights, d_model read unpadded."""
+        return self.weights == "dense" and self.d_in in (None, self.d_model)
 
     def one_launch_checked(self, dtype: torch.dtype) -> bool:
         """Whether a first-use check may try the one-launch kernel: its weights (three d_model x d_ff matrices)

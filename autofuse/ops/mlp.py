@@ -40,28 +40,17 @@ def mlp_decode(x: torch.Tensor, params: tuple, activation: str, config: KernelCo
     w_down: [D, F], the biases None or all three given."""
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
     L.check_operands(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return launch_one(MLP, x, {"wg": w_gate, "wu": w_up, "wd": w_down}, (b_gate, b_up, b_down), activation, config,
-                      out)
-
-
-def launch_one(spec, x: torch.Tensor, weights: dict, biases: tuple, activation: str, config: KernelConfig,
-               out: torch.Tensor | None) -> torch.Tensor:
-    """The one-launch kernel of `spec` (mlp, or mlp_fp8 whose `weights` carry their scales sg, su, sd too) on x:
-    checked, allocated, launched."""
-    w_gate, w_up, w_down = weights["wg"], weights["wu"], weights["wd"]
-    b_gate, b_up, b_down = biases
     M, D = x.shape
     F = w_gate.shape[0]
     L.require(tuple(w_gate.shape) == tuple(w_up.shape) == (F, D) and tuple(w_down.shape) == (D, F),
-              f"{spec.name}: weights must be [F, D], [F, D] and [D, F]")
-    L.require((b_gate is None) == (b_up is None) == (b_down is None),
-              f"{spec.name}: the three biases come together")
-    L.require(not spec.refuse_config(config), lambda: f"{spec.name}: {spec.refuse_config(config)}")
+              "mlp_decode: weights must be [F, D], [F, D] and [D, F]")
+    L.require((b_gate is None) == (b_up is None) == (b_down is None), "mlp_decode: the three biases come together")
+    L.require(not MLP.refuse_config(config), lambda: f"mlp_decode: {MLP.refuse_config(config)}")
     y = L.output(out, (M, D), x)
     if M == 0:
         return y
-    kernel = L.kernel_for(spec, activation, D, x.dtype, config, b_gate is not None)
-    tensors = {"x": x, **weights, "y": y}
+    kernel = L.kernel_for(MLP, activation, D, x.dtype, config, b_gate is not None)
+    tensors = {"x": x, "wg": w_gate, "wu": w_up, "wd": w_down, "y": y}
     if b_gate is not None:
         tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous(), bd=b_down.contiguous())
     row_blocks = -(-M // config.block_m)
