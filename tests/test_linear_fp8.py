@@ -219,3 +219,15 @@ def test_fp8_rows_start_16_bytes_apart_and_save_without_their_padding(device):
     torch.testing.assert_close(out.double(), ref, rtol=2 * 2**-11, atol=2e-3)  # fp16 output: 2 ulps, small values
     aligned = torch.randn(N, 32, device=device).to(FP8)
     assert aligned_rows(aligned) is aligned  # rows of a multiple of 16 bytes stay as they are
+
+
+def test_split_k_slices_past_a_ragged_k_add_nothing(device):
+    # K = 72 in blocks of 16 is 4 whole steps and a partial one; 4 slices of 2 blocks leave the last slice empty
+    # (it starts past K). Only the slice that holds the partial step may run it.
+    k = 72
+    w8, scale = quantize_fp8(torch.randn(N, k, device=device) / k**0.5)
+    x = torch.randn(2, k, device=device)
+    config = KernelConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=2, variant="split_k", knobs={"split_k": 4})
+    out = linear_fp8(x, w8, scale, None, None, "none", config)
+    ref = linear_reference(x, w8.double() * scale.double()[:, None], None, None, "none")
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)  # float32: reordered sums only
