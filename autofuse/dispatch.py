@@ -188,7 +188,7 @@ class BoundMLP:
             h = new_hidden(x, self.M, params)
         bound = launches["up"]
         if bound is None or not bound({"x": x, "h": h}):
-            h = run_up(_rows(x), params, act, table)
+            h = run_up(_rows(x), params, act, table, out=h)
         bound = launches["down"]
         if bound is None:
             return run_down(h, params, table["down"]).reshape(out_shape)

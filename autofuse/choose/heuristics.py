@@ -49,7 +49,7 @@ def fitted(config: KernelConfig, problem: Problem) -> KernelConfig | None:
     """A config recorded for another key (a nearest neighbour's) clamped to `problem`'s sizes, or None where its
     variant does not apply at this M or the config does not fit the shape. A GEMV config of M = 1 offered at M = 2
     would run one program row per token and stream the weights once per row: the fp8 6480 -> 27640 MLP took 420
-    us at M = 2 so, against 294 at M = 4 on tiles (H100)."""
+    us so at M = 2, against 294 at M = 4 on tiles (H100)."""
     shape = _shape(problem)
     variant = variants.get(config.variant)
     if not variant.applies(device_info(problem.device), shape):
