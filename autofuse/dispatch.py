@@ -11,6 +11,7 @@ from . import launch, ops, workspaces
 from .choose import Choice, resolve_checked
 from .configs import KernelConfig
 from .key import Problem
+from .layout import aligned_width
 from .ops.gated_pairs import pairs_of
 from .ops.linear import linear
 from .ops.linear_fp8 import Fp8Weight, linear_fp8
@@ -225,19 +226,14 @@ def run_down(h, params, down: Choice) -> torch.Tensor:
     return run_linear_kernel(h, wd, bd, None, "none", down.kernel)
 
 
-# Elements between the starts of H's rows: a multiple of 16, what Triton specialises an integer argument on. The
-# down projection reads H along its rows, and rows of d_ff = 27640 bf16 elements (a stride not divisible by 16)
-# load one element at a time: the fp8 down projection of 6480 -> 27640 at M = 16 ran 153 us on them (H100). Dense
-# MLPs already run at a width that is a multiple of 16 (layout.run_width), where this changes nothing.
-HIDDEN_ROW_MULTIPLE = 16
-
-
 def new_hidden(like: torch.Tensor, M: int, params: tuple) -> torch.Tensor:
-    """An empty H [M, d_ff] for an MLP's params in `like`'s dtype and device, its rows HIDDEN_ROW_MULTIPLE elements
-    apart."""
+    """An empty H [M, d_ff] for an MLP's params in `like`'s dtype and device, its rows layout.aligned_width(d_ff)
+    elements apart. The down projection reads H along its rows, and rows of d_ff = 27640 bf16 elements (a stride
+    not divisible by 16) load one element at a time: the fp8 down projection of 6480 -> 27640 at M = 16 ran 153 us
+    on them (H100). Dense MLPs already run at a width that is a multiple of 16 (layout.run_width), where this
+    changes nothing."""
     width = hidden_width(params)
-    stride = -(-width // HIDDEN_ROW_MULTIPLE) * HIDDEN_ROW_MULTIPLE
-    return like.new_empty((M, stride))[:, :width]
+    return like.new_empty((M, aligned_width(width)))[:, :width]
 
 
 def hidden_width(params: tuple) -> int:

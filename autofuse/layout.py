@@ -63,6 +63,24 @@ def row_width(d: int) -> int:
     return _padded(d, ROW_ALIGNED)
 
 
+def aligned_width(d: int) -> int:
+    """d rounded up to a multiple of ALIGNED: a row stride, in elements, that Triton's divisibility
+    specialisation sees as aligned."""
+    return -(-d // ALIGNED) * ALIGNED
+
+
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` ([N, K]) as a view of zero-filled storage whose rows start aligned_width(K) elements apart; `t` itself
+    where K already is a multiple of ALIGNED and its rows are contiguous. The padding is never read: loads along K
+    stop at K."""
+    n, k = t.shape
+    if k % ALIGNED == 0 and t.is_contiguous():
+        return t
+    view = t.new_zeros((n, aligned_width(k)))[:, :k]
+    view.copy_(t)
+    return view
+
+
 def input_width(d_model: int) -> int:
     """The d_model inference runs the up projection at (its K: x's rows, the gate and up rows): d_model where it
     is a multiple of ALIGNED, else padded to PAD_TO. A K that is a multiple of 8 but not of 16 masks every K step

@@ -21,9 +21,9 @@ from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
-from .layout import MLPLayout, contiguous_state, lay_out
+from .layout import MLPLayout, aligned_rows, contiguous_state, lay_out
 from .ops.gated_up import stacked
-from .ops.linear_fp8 import Fp8Weight, aligned_rows, check_fp8_device, quantize_fp8, quantize_weight
+from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
 from .ops.linear_w8a8 import scaled_mm_fits
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
@@ -132,7 +132,7 @@ class FusedLinearFp8(FusedLinear):
             raise AutofuseError(f"FusedLinearFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
                                 f"got {shown(self.weights)}")
         self._op = f"linear_{self.weights}"  # linear_fp8 or linear_w8a8, as the MLP's gated_up_<weights>
-        w8, scale = quantize_weight(self.weight)  # rows 16-byte aligned apart (ops/linear_fp8.py, aligned_rows)
+        w8, scale = quantize_weight(self.weight)  # rows 16 bytes apart (layout.aligned_rows)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scale)
         # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
@@ -434,7 +434,7 @@ class FusedMLPFp8(FusedModule):
     x too) and the down projection (down_fp8, or down_w8a8, which quantizes H), each checked, tuned and raced as any
     op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
     it loads. The interleaved gate/up layout does not apply; each projection's fp8 rows start 16 bytes apart
-    (ops/linear_fp8.py, aligned_rows), whatever d_model and d_ff are."""
+    (layout.aligned_rows), whatever d_model and d_ff are."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,
                  device: torch.device, **options: bool) -> None:

@@ -11,7 +11,8 @@ from autofuse import launch, ops, variants
 from autofuse.activations import LINEAR_ACTIVATIONS
 from autofuse.configs import KernelConfig, Library
 from autofuse.key import Problem, current_environment
-from autofuse.ops.linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, aligned_rows, dequantize_fp8, linear_fp8, quantize_fp8
+from autofuse.layout import aligned_rows
+from autofuse.ops.linear_fp8 import FP8, FP8_MAX, LINEAR_FP8, dequantize_fp8, linear_fp8, quantize_fp8
 from autofuse.reference import linear_reference
 from autofuse.render import KernelSpec, render
 from autofuse.store import Store

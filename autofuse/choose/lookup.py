@@ -169,7 +169,6 @@ def resolve(problem: Problem, tuned: bool = True) -> Choice:
             config = fitted(config, problem)
         if config is not None:
             return Choice(config, Source.NEAREST, detail=nearest.key.id())
-        return Choice(heuristic_for(bucketed), Source.HEURISTIC)
     _warn_once_if_tuned_elsewhere(index, key)
     return Choice(heuristic_for(bucketed), Source.HEURISTIC)
 

@@ -18,6 +18,7 @@ import torch
 from .. import launch as L
 from ..configs import KernelConfig
 from ..errors import AutofuseError
+from ..layout import aligned_rows
 from ..opspec import Operand
 from ..reference import eager_linear, linear_reference
 from .linear import LINEAR
@@ -54,29 +55,12 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-# Bytes between the starts of an fp8 weight's rows: a multiple of 16. Triton specialises a kernel on integer
-# arguments divisible by 16, and only then vectorises the loads along a row: rows of d_ff = 27640 fp8 bytes
-# (8-byte aligned) streamed at 27-31% of the read ceiling at M = 4 and 16 (H100, the best tile configs) and at 69%
-# at M = 1 (the GEMV; 95% for the same MLP's 16-byte aligned up-projection).
-ROW_BYTES = 16
-
-
-def aligned_rows(w8: torch.Tensor) -> torch.Tensor:
-    """`w8` ([N, K] float8_e4m3fn) as a view of zero-filled storage whose rows are ROW_BYTES-aligned apart (row
-    stride K rounded up to 16); `w8` itself where K already is a multiple of 16 and its rows are contiguous. The
-    padding is never read: loads along K stop at K."""
-    n, k = w8.shape
-    if k % ROW_BYTES == 0 and w8.is_contiguous():
-        return w8
-    storage = torch.zeros(n, -(-k // ROW_BYTES) * ROW_BYTES, dtype=w8.dtype, device=w8.device)
-    view = storage[:, :k]
-    view.copy_(w8)
-    return view
-
-
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8 of a weight [N, K], W8 laid out with aligned rows (aligned_rows): how modules and tuning hold
-    fp8 weights."""
+    """quantize_fp8 of a weight [N, K], W8's rows 16 bytes apart (layout.aligned_rows): how modules and tuning hold
+    fp8 weights. Triton specialises a kernel on integer arguments divisible by 16, and only then vectorises the
+    loads along a row: rows of d_ff = 27640 fp8 bytes (8-byte aligned) streamed at 27-31% of the read ceiling at
+    M = 4 and 16 (H100, the best tile configs) and at 69% at M = 1 (the GEMV; 95% for the same MLP's 16-byte
+    aligned up-projection)."""
     w8, scale = quantize_fp8(weight)
     return aligned_rows(w8), scale
 
@@ -178,10 +162,7 @@ LINEAR_FP8 = dataclasses.replace(
 def _make_down_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
     """_make_operands with x laid out as the MLP holds H: rows 16 elements apart (dispatch.new_hidden)."""
     operands = _make_operands(n, k, M, bias, residual, rand)
-    x = operands["x"]
-    wide = x.new_zeros((M, -(-k // 16) * 16))[:, :k]
-    wide.copy_(x)
-    operands["x"] = wide
+    operands["x"] = aligned_rows(operands["x"])
     return operands
 
 
