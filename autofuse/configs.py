@@ -23,7 +23,7 @@ from .errors import shown
 from .variants import Device, Shape
 
 __all__ = ["Device", "EAGER", "KernelConfig", "Library", "SearchSpace", "Shape", "choice_from_json",
-           "gemm_heuristic", "gemv_alternative", "gemv_starts"]
+           "fp8_decode_tiles", "gemm_heuristic", "gemv_alternative", "gemv_starts"]
 
 _WARPS = (1, 2, 4, 8, 16)
 
@@ -340,6 +340,36 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
         return ()
     starts = (_gemv_config(shape, *sizes) for sizes in _GEMV_STARTS[1 if operand_tiles[1] == 1 else 2])
     return tuple(dict.fromkeys([first, *(c for c in starts if variant_registry.GEMV.fits(c, shape))]))
+
+
+# Tensor-core tiles of the weight-only fp8 ops at decode sizes above the GEMV's M (2 <= M <= FP8_DECODE_MAX_M), per
+# weight-matrix count: the first-use config, then the alternative a first-use check times beside it; as (block_n,
+# block_k, num_warps, num_stages, fill), split-K added until the programs cover `fill` times the SMs (0: none).
+# Swept on an H100 (bf16 activations, weights widened by bit moves; 8 MLPs, d_model 896-8192, d_ff 4864-28672;
+# M = 2 and 16; 16 tile shapes times split-K 1-16, graph-replayed side by side). Which tile is fastest turns on how
+# the programs fill the SMs' waves, so no one config holds everywhere: the faster of each pair was within 1.054x of
+# each shape's fastest config by geometric mean (max 1.156) for the gate and up matrices, 1.015x (max 1.044) for
+# one matrix, where the dense GEMM rule's config ran 1.199x (max 1.432) and 1.057x (max 1.195).
+FP8_DECODE_MAX_M = 16
+_FP8_DECODE_TILES = {1: ((64, 128, 4, 4, 2), (64, 256, 4, 3, 1)),
+                     2: ((64, 128, 4, 6, 0), (64, 256, 4, 2, 0))}
+
+
+def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
+                     ) -> tuple[KernelConfig, ...]:
+    """The weight-only fp8 ops' first-use config and its alternative at decode sizes (_FP8_DECODE_TILES), or ()
+    where they do not apply: under the interpreter, above FP8_DECODE_MAX_M, and where the GEMV applies (decode's
+    smallest M, where the GEMV config is the heuristic's or its alternative)."""
+    if device.interpret or shape.M > FP8_DECODE_MAX_M or "gemv" in kinds:
+        return ()
+    configs = []
+    for block_n, block_k, warps, stages, fill in _FP8_DECODE_TILES[1 if operand_tiles[1] == 1 else 2]:
+        config = clamp_to_problem(KernelConfig(16, block_n, block_k, group_m=8, num_warps=warps,
+                                               num_stages=stages), shape.M, shape.N, shape.K)
+        if fill and "split_k" in kinds:
+            config = _split_to_fill(config, shape, fill * device.multiprocessors)
+        configs.append(config)
+    return tuple(dict.fromkeys(configs))
 
 
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:

@@ -22,6 +22,7 @@ from .configs import (
     KernelConfig,
     SearchSpace,
     Shape,
+    fp8_decode_tiles,
     gemm_heuristic,
     gemv_alternative,
     gemv_starts,
@@ -283,22 +284,34 @@ class OpSpec:
         gemv = gemv_alternative(shape, device, kinds, self.operand_tiles) if self.gemv_first else None
         if gemv is not None:
             return gemv
+        fp8 = self._fp8_decode_tiles(shape, device, kinds)
+        if fp8:
+            return fp8[0]
         return gemm_heuristic(shape, device, kinds, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n)
 
     def alternative_configs(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
-        """Configs a first-use check times beside the heuristic's, where one rule cannot tell which is faster (the
-        GEMV config at decode's smallest M, for the GEMM-shaped ops without a heuristic of their own)."""
-        if self.heuristic is not None or self.gemv_first:
+        """Configs a first-use check times beside the heuristic's, where one rule cannot tell which is faster, for
+        the GEMM-shaped ops without a heuristic of their own: the GEMV config at decode's smallest M (where it is
+        not the heuristic's), and the weight-only fp8 ops' second tile at decode sizes (configs.fp8_decode_tiles)."""
+        if self.heuristic is not None:
             return ()
-        gemv = gemv_alternative(shape, device, self._kinds(shape, device), self.operand_tiles)
-        return () if gemv is None else (gemv,)
+        kinds = self._kinds(shape, device)
+        gemv = None if self.gemv_first else gemv_alternative(shape, device, kinds, self.operand_tiles)
+        return (*self._fp8_decode_tiles(shape, device, kinds)[1:], *(() if gemv is None else (gemv,)))
 
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
         """Configs a tuning run times right after the heuristic's: the op's own measured starting points (`starts`),
-        or where the GEMV applies, its own, its first-use config first (configs.gemv_starts)."""
+        or the first-use alternatives of the weight-only fp8 ops and, where the GEMV applies, its own, its
+        first-use config first (configs.gemv_starts)."""
+        kinds = self._kinds(shape, device)
         if self.heuristic is not None:
-            return () if self.starts is None else self.starts(shape, device, self._kinds(shape, device))
-        return gemv_starts(shape, device, self._kinds(shape, device), self.operand_tiles)
+            return () if self.starts is None else self.starts(shape, device, kinds)
+        return (*self._fp8_decode_tiles(shape, device, kinds)[1:],
+                *gemv_starts(shape, device, kinds, self.operand_tiles))
+
+    def _fp8_decode_tiles(self, shape: Shape, device: Device, kinds: frozenset[str]) -> tuple[KernelConfig, ...]:
+        """configs.fp8_decode_tiles for an op with weight-only fp8 weights, () for the others."""
+        return fp8_decode_tiles(shape, device, kinds, self.operand_tiles) if self.weights == "fp8" else ()
 
     def _kinds(self, shape: Shape, device: Device) -> frozenset[str]:
         """The names of this op's variants that apply to `shape` on `device` (variants.applicable)."""

@@ -57,10 +57,12 @@ def test_fp8_linear_matches_the_dequantized_float64_product(device, dtype, activ
         assert_matches_reference(out, ref, peer)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
-def test_every_e4m3_value_is_read_exactly(device, config):
-    # Row n holds byte n at column n % 16 and zeros elsewhere: x = ones reads each byte back alone, so a float32
-    # output is its value exactly (subnormals, zeros and signs included). The two NaN bytes, which quantize_fp8
+def test_every_e4m3_value_is_read_exactly(device, dtype, config):
+    # Row n holds byte n at column n % 16 and zeros elsewhere: x = ones reads each byte back alone, so the output
+    # is its value exactly in every dtype (e4m3 fits float16's and bfloat16's grids: subnormals, zeros and signs
+    # included), whichever way the kernel widens the weights to x's type. The two NaN bytes, which quantize_fp8
     # never stores, are left out.
     k = 16
     byte = torch.arange(256, dtype=torch.int32)
@@ -68,9 +70,9 @@ def test_every_e4m3_value_is_read_exactly(device, config):
     bits = torch.zeros(256, k, dtype=torch.uint8)
     bits[torch.arange(256), torch.arange(256) % k] = byte.to(torch.uint8)
     w8 = bits.view(FP8).to(device)
-    x = torch.ones(2, k, device=device)
+    x = torch.ones(2, k, device=device, dtype=dtype)
     y = linear_fp8(x, w8, torch.ones(256, device=device), None, None, "none", config)
-    expected = w8.float().sum(dim=1)
+    expected = w8.float().sum(dim=1).to(dtype)
     assert expected[0x08] == 2**-6 and expected[0x01] == 2**-9 and expected[0xFE] == -448  # normal, subnormal, largest
     torch.testing.assert_close(y, expected.expand(2, 256), rtol=0, atol=0)
 
@@ -96,10 +98,11 @@ def test_bound_fp8_linear_is_bit_identical_to_the_jit_path(device, config):
 def test_the_kernel_widens_fp8_weights_and_scales_in_the_epilogue():
     source = render(KernelSpec(LINEAR_FP8, "gelu", True, False, True, None, False, "tile"))
     assert "def autofuse_linear_fp8w_gelu_bias(" in source and "s_ptr" in source
-    assert "w = w.to(x.dtype)" in source and "acc *= tl.load(s_ptr + cols)[None, :]" in source
+    assert "w = _widen_e4m3(w, x)" in source and "acc *= tl.load(s_ptr + cols)[None, :]" in source
+    assert "mul.rn.bf16x2" in source  # to bfloat16 by bit moves, not a conversion per weight
     assert source.index("acc *= tl.load(s_ptr") < source.index("acc += tl.load(b_ptr")  # scaled before the bias
     dense = render(KernelSpec(ops.get("linear"), "gelu", True, False, True, None, False, "tile"))
-    assert "s_ptr" not in dense and "to(x.dtype)" not in dense
+    assert "s_ptr" not in dense and "_widen_e4m3" not in dense
     assert [v.name for v in variants.of(LINEAR_FP8)] == ["tile", "split_k", "gemv"]  # no TMA descriptors of fp8
 
 

@@ -44,6 +44,29 @@ def test_fp8_gated_up_matches_the_dequantized_float64_product(device, dtype, act
         assert_matches_reference(out, ref, ops.get("gated_up_fp8").library["eager"](operands, activation))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
+def test_every_e4m3_value_is_read_exactly_by_the_gated_up_projection(device, dtype, config):
+    # The up matrix's row n holds byte n at column n % 16 and the gate matrix a one there: with x = ones, H's
+    # element n is act(1) times byte n's value. A byte widened wrong (exponent, subnormal, sign) is off by far more
+    # than the output's rounding (one unit in the last place of float16/bfloat16, 2**-8 relative at most).
+    k = 16
+    byte = torch.arange(256, dtype=torch.int32)
+    byte[(byte == 0x7F) | (byte == 0xFF)] = 0  # the two NaN bytes, which quantize_fp8 never stores
+    bits = torch.zeros(256, k, dtype=torch.uint8)
+    bits[torch.arange(256), torch.arange(256) % k] = byte.to(torch.uint8)
+    gate = torch.zeros(256, k)
+    gate[torch.arange(256), torch.arange(256) % k] = 1.0
+    ones = torch.ones(256, device=device)
+    w_up = (bits.view(FP8).to(device), ones)
+    w_gate = (gate.to(FP8).to(device), ones)
+    x = torch.ones(2, k, device=device, dtype=dtype)
+    h = gated_up_fp8(x, w_gate, w_up, None, None, "silu", config)
+    expected = torch.nn.functional.silu(torch.ones((), dtype=torch.float64)) * w_up[0].double().sum(dim=1)
+    assert (expected != 0).sum() == 252 and expected.abs().max() == 448 * expected[0x38]  # 0x38 is 1.0
+    torch.testing.assert_close(h.double(), expected.expand(2, 256), rtol=2**-8, atol=0)
+
+
 @pytest.mark.parametrize("config", [TILE, SPLIT, GEMV], ids=lambda c: c.variant)
 def test_bound_fp8_gated_up_is_bit_identical_to_the_jit_path(device, config):
     wg, wu = _weights(device), _weights(device)
@@ -221,3 +244,41 @@ def test_under_torch_compile_fp8_modules_run_the_dequantized_weights_eager_ops(d
         operands = {"x": x, "w": lin.weight_fp8, "s": lin.weight_scale, "b": lin.bias}
         torch.testing.assert_close(compiled_lin, ops.get("linear_w8a8").library["eager"](operands, "gelu"))
     torch._dynamo.reset()
+
+
+H100 = variants.Device(interpret=False, shared_memory_limit=232448, multiprocessors=132, capability=(9, 0))
+
+
+@pytest.mark.parametrize("M", [1, 2, 16, 17])
+def test_fp8_ops_run_their_own_decode_tiles_and_time_the_second_at_first_use(M):
+    from autofuse.configs import Shape, shared_memory_bytes
+    from autofuse.ops.gated_up import GATED_UP
+    from autofuse.ops.linear import DOWN
+    from autofuse.ops.linear_fp8 import DOWN_FP8
+
+    gated_up = ops.get("gated_up_fp8")
+    for n, k in ((14336, 4096), (4096, 14336), (896, 4864)):
+        shape = Shape(M, n, k, torch.bfloat16)
+        for fp8, dense in ((gated_up, GATED_UP), (DOWN_FP8, DOWN)):
+            first, alternatives = fp8.default_config(shape, H100), fp8.alternative_configs(shape, H100)
+            if M == 1 or M > 16:  # the GEMV's M (its config is the heuristic's or beside it), and above decode
+                assert first == dense.default_config(shape, H100)
+                assert alternatives == dense.alternative_configs(shape, H100)
+                continue
+            assert len(alternatives) == 1 and alternatives[0] != first
+            assert fp8.search_starts(shape, H100)[:1] == alternatives  # a tuning run times it too
+            for config in (first, *alternatives):
+                assert config.block_m == 16 and config.variant in ("tile", "split_k")
+                assert shared_memory_bytes(config, fp8.operand_tiles, torch.bfloat16) <= H100.shared_memory_limit
+            if fp8 is gated_up:  # the gate and up matrices: many output tiles, never split over K
+                assert first.variant == alternatives[0].variant == "tile" and first != dense.default_config(shape, H100)
+            elif n == 4096:  # one narrow matrix split over K until its programs cover the SMs (first: twice)
+                tiles = n // first.block_n
+                assert first.knob("split_k") * tiles >= 2 * H100.multiprocessors
+                assert alternatives[0].knob("split_k") * (n // alternatives[0].block_n) >= H100.multiprocessors
+    interpreter = variants.Device(interpret=True)
+    shape = Shape(M, 4096, 14336, torch.bfloat16)
+    assert DOWN_FP8.default_config(shape, interpreter) == DOWN.default_config(shape, interpreter)
+    assert DOWN_FP8.alternative_configs(shape, interpreter) == ()
+    w8a8 = ops.get("down_w8a8")  # fp8 activations too: a different kernel, not swept with these tiles
+    assert w8a8.default_config(shape, H100) == DOWN.default_config(shape, H100)

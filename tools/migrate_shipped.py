@@ -5,7 +5,9 @@
 Checks OLD_REV out into a temporary worktree and asks its own code for each op's template hash (the
 hash its records carry). For every op, renders every kernel variant from OLD_REV's templates (with that
 revision's variables) and from today's, and compares the two sources' Python ASTs (comments,
-formatting and line numbers do not enter an AST; everything Triton compiles does). A record's template
+formatting and line numbers do not enter an AST; everything Triton compiles does). Only the programs a GPU
+compiles are compared: shipped files hold GPU records, and the interpreter's programs (operands upcast to
+float32) never run one. A record's template
 hash is rewritten from OLD_REV's hash to today's where all of its op's variants are identical, or where
 every variant that changed (or is new) does not apply at the record's key (variants.Variant.applies: the
 GEMV variant, say, only at decode's smallest M): there the search covered the same programs. Each file's
@@ -37,11 +39,11 @@ _OLD_HASHES = ("import json\nfrom autofuse import ops\nfrom autofuse.render impo
 
 
 def _variants(spec):
-    for act, bias, even_k, precision, upcast in itertools.product(
-            spec.activations, (False, True), (False, True), (None, "ieee", "tf32"), (False, True)):
+    for act, bias, even_k, precision in itertools.product(
+            spec.activations, (False, True), (False, True), (None, "ieee", "tf32")):
         for residual, variant in itertools.product((False, True), variants_registry.of(spec)):
             if spec.variants_allowed(residual, variant.name) is None and not (bias and spec.name == "gated_bwd"):
-                yield KernelSpec(spec, act, bias, residual, even_k, precision, upcast, variant.name)
+                yield KernelSpec(spec, act, bias, residual, even_k, precision, False, variant.name)
 
 
 def _old_source(env: jinja2.Environment, k: KernelSpec) -> str:
