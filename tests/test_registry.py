@@ -140,7 +140,8 @@ def test_registry_refuses_a_second_op_of_one_name_and_unknown_names():
         ops.register(dataclasses.replace(ops.get("linear")))
     with pytest.raises(autofuse.AutofuseError, match="unknown op 'conv'"):
         ops.get("conv")
-    assert ops.names(tunable=False) == ("gated_act", "gated_grad", "gated_dgu", "pairs_act", "bias_act", "rms_norm")
+    assert ops.names(tunable=False) == ("gated_act", "gated_grad", "gated_dgu", "pairs_act", "bias_act", "rms_norm",
+                                          "quantize_rows")
     with pytest.raises(ValueError, match="first library candidate must be 'eager'"):
         dataclasses.replace(TOY, library={"fast": _eager})
 

@@ -20,6 +20,7 @@ import torch
 from ..configs import KernelConfig
 from .bias_act import bias_activation
 from .linear_fp8 import DOWN_FIELDS, LINEAR_FP8, dequantize_fp8, launch_linear, quantize_fp8
+from .quantize_rows import launch_quantize_rows
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +61,19 @@ def scaled_mm_fits(*sizes: int) -> bool:
 
 def scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ (w8 * scale[:, None]).T in x's dtype through torch._scaled_mm (fp8 tensor cores, rowwise scales), x's
-    rows quantized first (quantize_rows). ValueError where N or K is not a multiple of 16 (scaled_mm_fits): the
-    check that meets it leaves the library path out (Evaluator.library_ms)."""
+    rows quantized first in one launch (op quantize_rows: quantize_rows's values). ValueError where N or K is not a
+    multiple of 16 (scaled_mm_fits): the check that meets it leaves the library path out (Evaluator.library_ms)."""
+    return scaled_mm_quantized(*launch_quantize_rows(x), w8, scale, x.dtype)
+
+
+def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """(x8 * sx[:, None]) @ (w8 * scale[:, None]).T in `dtype` through torch._scaled_mm, x already quantized per row:
+    one quantization serves a gated MLP's gate and up projections. ValueError where N or K is not a multiple of 16
+    (scaled_mm_fits)."""
     if not scaled_mm_fits(*w8.shape):
         raise ValueError(f"torch._scaled_mm needs N and K multiples of 16, got N={w8.shape[0]}, K={w8.shape[1]}")
-    x8, sx = quantize_rows(x)
-    return torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=dtype)
 
 
 def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:

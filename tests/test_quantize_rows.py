@@ -1,0 +1,46 @@
+"""Op quantize_rows (templates/quantize_rows.py.jinja): each row of X to float8_e4m3fn with a float32 scale in one
+launch, the values of linear_fp8.quantize_fp8 in every dtype, with zero rows, ragged widths, strided rows and
+magnitudes from subnormal to large; what the W8A8 library paths feed torch._scaled_mm."""
+
+import pytest
+import torch
+from _helpers import DTYPES
+
+from autofuse import launch
+from autofuse.ops.linear_fp8 import FP8_MAX, quantize_fp8
+from autofuse.ops.quantize_rows import launch_quantize_rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M, N", [(1, 17), (5, 40), (3, 4100)])
+def test_rows_quantize_to_quantize_fp8s_values(device, dtype, M, N):
+    # Rows spread over ten decades, so values fall on e4m3's subnormals, its normal range and its largest value;
+    # a row of zeros takes scale 1. N = 4100 runs past one step of columns.
+    x = (torch.randn(M, N, device=device) * torch.logspace(-6, 4, M, device=device)[:, None]).to(dtype)
+    x[0, : min(N, 5)] = 0
+    if M > 2:
+        x[1] = 0
+    q, s = launch_quantize_rows(x)
+    expected_q, expected_s = quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and q.shape == (M, N) and s.shape == (M,)
+    assert torch.equal(s, expected_s)
+    # Equal values (a zero may keep or lose its sign: the interpreter's e4m3 cast drops it).
+    assert torch.equal(q.float(), expected_q.float())
+    assert (q.float().abs().amax(dim=1)[expected_s != 1] == FP8_MAX).all()
+
+
+def test_strided_rows_and_an_empty_input(device):
+    base = torch.randn(6, 48, device=device)
+    x = base[::2, 8:40]  # rows 96 elements apart, 32 wide
+    q, s = launch_quantize_rows(x)
+    expected_q, expected_s = quantize_fp8(x)
+    assert torch.equal(s, expected_s) and torch.equal(q.float(), expected_q.float())
+    q, s = launch_quantize_rows(torch.empty(0, 16, device=device))
+    assert q.shape == (0, 16) and s.shape == (0,)
+
+
+def test_bad_input_is_refused_in_one_line(device):
+    for x in (torch.randn(4, device=device), torch.ones(2, 3, device=device, dtype=torch.int32)):
+        with pytest.raises(launch.LaunchError, match="quantize_rows: x must be") as raised:
+            launch_quantize_rows(x)
+        assert "\n" not in str(raised.value)
