@@ -1,7 +1,7 @@
 """The config file format: tuned configs exported and imported as one versioned JSON file.
 
     {"format": "autofuse-configs", "schema_version": 1, "autofuse": "0.1.0",
-     "gpus": ["NVIDIA H200"], "tritons": ["3.6.0"], "template_hashes": {"linear": "...", ...},
+     "gpus": ["NVIDIA H200"], "tritons": ["3.6.0"], "template_hashes": {"linear": "..." or ["...", ...], ...},
      "bucket_rule": {"name": "pow2+tokens", "max": 16384},
      "records": [{"key": {...}, "config": {...} | "library:<name>", "time_ms": ..., "baseline_ms": ...,
                   "heuristic_ms": ..., "trials": ..., "tune_seconds": ..., "policy": "optuna"}],
@@ -40,12 +40,19 @@ def _checksum(records: list) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def template_hashes(pairs: Iterable[tuple[str, str]]) -> dict[str, str | list[str]]:
+    """The header's template_hashes from (template, hash) pairs: a template's hash, or the sorted list of its hashes
+    where ops of one template hash apart (an fp8 op renders the dense Linear's template with other variants)."""
+    found: dict[str, set[str]] = {}
+    for template, digest in pairs:
+        found.setdefault(template, set()).add(digest)
+    return {t: next(iter(h)) if len(h) == 1 else sorted(h) for t, h in sorted(found.items())}
+
+
 def build_document(winners: Iterable[Winner]) -> dict:
     winners = sorted(winners, key=lambda w: w.key.id())
     records = [w.to_record() for w in winners]
-    hashes: dict[str, str] = {}
-    for w in winners:
-        hashes.setdefault(w.key.template, w.key.template_hash)
+    hashes = template_hashes((w.key.template, w.key.template_hash) for w in winners)
     return {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
@@ -116,8 +123,10 @@ def parse_document(document, source: str) -> list[Winner]:
                                                            for v in document[name]):
             bad(f"'{name}' must be a list of printable strings")
     hashes = document["template_hashes"]
-    if not isinstance(hashes, dict) or not all(isinstance(v, str) for v in hashes.values()):
-        bad("'template_hashes' must map template names to hashes")
+    if not isinstance(hashes, dict) or not all(
+            isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(h, str) for h in v))
+            for v in hashes.values()):
+        bad("'template_hashes' must map template names to a hash or a list of hashes")
     rule = document["bucket_rule"]
     if not isinstance(rule, dict) or rule.get("name") != M_BUCKET_RULE:
         bad(f"bucket rule {shown(rule)} is not {M_BUCKET_RULE!r}")
@@ -131,8 +140,9 @@ def parse_document(document, source: str) -> list[Winner]:
         key = winner.key
         if key.gpu not in document["gpus"] or key.triton not in document["tritons"]:
             bad(f"record {i}: GPU {shown(key.gpu)} / Triton {shown(key.triton)} not in the header")
-        if hashes.get(key.template) != key.template_hash:
-            bad(f"record {i}: template hash {key.template_hash} differs from the header's")
+        listed = hashes.get(key.template)
+        if key.template_hash not in ([listed] if isinstance(listed, str) else listed or []):
+            bad(f"record {i}: template hash {key.template_hash} is not among the header's")
         if key in seen:
             bad(f"record {i}: duplicate key {key.id()}")
         seen.add(key)

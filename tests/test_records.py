@@ -179,3 +179,19 @@ def test_a_read_only_cache_is_read_not_called_damaged_and_clear_keeps_it(caplog)
             subprocess.run(["chattr", "-i", *map(str, undo)], check=True)
         for path in [user_cache_dir(), *user_cache_dir().rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def test_an_export_of_dense_and_fp8_records_of_one_template_reads_back():
+    # linear_fp8 renders the dense Linear's template with other variants, so the two ops' records carry two hashes
+    # of one template: the header lists both, and the file its writer wrote reads back whole.
+    from autofuse.configfile import parse_document
+
+    fp8_key = Problem("linear_fp8", 56, 40, 4, torch.float32, "gelu", True).key(4, KEY_ENV)
+    assert fp8_key.template == KEY.template and fp8_key.template_hash != KEY.template_hash
+    fp8 = Winner(fp8_key, KernelConfig(16, 16, 16, group_m=1, num_stages=1), 1.0, 2.0, trials=20, policy="optuna")
+    document = json.loads(json.dumps(build_document([TUNED, fp8])))
+    assert document["template_hashes"][KEY.template] == sorted([KEY.template_hash, fp8_key.template_hash])
+    assert {w.key for w in parse_document(document, "export.json")} == {KEY, fp8_key}
+    document["template_hashes"][KEY.template] = KEY.template_hash  # a header missing the fp8 op's hash
+    with pytest.raises(Exception, match="record .: template hash .* is not among the header's"):
+        parse_document(document, "export.json")

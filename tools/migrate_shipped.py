@@ -30,7 +30,7 @@ import jinja2
 
 from autofuse import ops
 from autofuse import variants as variants_registry
-from autofuse.configfile import _checksum
+from autofuse.configfile import _checksum, template_hashes
 from autofuse.key import TuningKey
 from autofuse.render import KernelSpec, entry_template, render, template_hash, template_variables
 
@@ -117,7 +117,8 @@ def _migrate(old_dir: Path, old_hashes: dict[str, str], old_rev: str, files: lis
             key = record["key"]
             print(f"  left for a re-tune: {key['op']} n={key['n']} k={key['k']} M={key['m_bucket']} {key['dtype']}")
         total, doc["records"] = len(doc["records"]), kept
-        doc["template_hashes"] = {ops.get(r["key"]["op"]).template: r["key"]["template_hash"] for r in kept}
+        doc["template_hashes"] = template_hashes((ops.get(r["key"]["op"]).template, r["key"]["template_hash"])
+                                                 for r in kept)
         doc["sha256"] = _checksum(kept)
         Path(name).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"{name}: {moved} records carried to today's templates, {len(stale)} left for a re-tune"
