@@ -81,6 +81,31 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` ([N, K]) as a view of zero-filled storage of aligned_width(N) rows, aligned_width(K) elements apart (rows
+    aligned as aligned_rows makes them, and whole 16 x 16 blocks: padded_whole), or `t` itself where it is such a
+    view already: how fp8 weights are held. Kernels read the [N, K] view; torch._scaled_mm, which takes sizes that
+    are multiples of 16 only, reads the whole storage, its zeros included."""
+    if padded_whole(t) is not None:
+        return t
+    n, k = t.shape
+    view = t.new_zeros((aligned_width(n), aligned_width(k)))[:n, :k]
+    view.copy_(t)
+    return view
+
+
+def padded_whole(t: torch.Tensor) -> torch.Tensor | None:
+    """The [aligned_width(N), aligned_width(K)] storage behind a padded_rows view `t` ([N, K]), or None where `t` is
+    not one (its rows not aligned_width(K) apart from the storage's start, or the storage too short). Its padding
+    is zero as padded_rows made it: nothing writes there."""
+    n, k = t.shape
+    rows, width = aligned_width(n), aligned_width(k)
+    if (t.stride() != (width, 1) or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() < rows * width * t.element_size()):
+        return None
+    return t.as_strided((rows, width), (width, 1))
+
+
 def input_width(d_model: int) -> int:
     """The d_model inference runs the up projection at (its K: x's rows, the gate and up rows): d_model where it
     is a multiple of ALIGNED, else padded to PAD_TO. A K that is a multiple of 8 but not of 16 masks every K step

@@ -21,10 +21,9 @@ from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
-from .layout import MLPLayout, aligned_rows, contiguous_state, lay_out
+from .layout import MLPLayout, contiguous_state, lay_out, padded_rows
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
-from .ops.linear_w8a8 import scaled_mm_fits
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
 from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
 
@@ -132,7 +131,7 @@ class FusedLinearFp8(FusedLinear):
             raise AutofuseError(f"FusedLinearFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
                                 f"got {shown(self.weights)}")
         self._op = f"linear_{self.weights}"  # linear_fp8 or linear_w8a8, as the MLP's gated_up_<weights>
-        w8, scale = quantize_weight(self.weight)  # rows 16 bytes apart (layout.aligned_rows)
+        w8, scale = quantize_weight(self.weight)  # rows 16 bytes apart, whole 16 x 16 blocks (layout.padded_rows)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scale)
         # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
@@ -164,8 +163,8 @@ class FusedLinearFp8(FusedLinear):
         w8, scale = self._buffers["weight_fp8"], self._buffers["weight_scale"]
         module = super()._apply(fn, recurse)
         device = self._buffers["_activations"].device
-        # A copy to another device comes back contiguous: its rows are aligned again.
-        self._buffers["weight_fp8"], self._buffers["weight_scale"] = aligned_rows(w8.to(device)), scale.to(device)
+        # A copy to another device comes back contiguous: its rows are padded again.
+        self._buffers["weight_fp8"], self._buffers["weight_scale"] = padded_rows(w8.to(device)), scale.to(device)
         return module
 
     def _plan(self, residual):
@@ -176,8 +175,8 @@ class FusedLinearFp8(FusedLinear):
         return BoundLinear(table, self.activation, M, op=self._op)
 
     def _libraries(self, residual):
-        names = ops.get(self._op).library_for(self.activation, self.bias is not None, residual)
-        return {"linear": _fitting(names, self.in_features, self.out_features)}
+        # Every library path of the op runs at any size: torch._scaled_mm reads the weights' padded storage.
+        return {"linear": tuple(ops.get(self._op).library_for(self.activation, self.bias is not None, residual))}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         buffers = self._buffers
@@ -434,7 +433,7 @@ class FusedMLPFp8(FusedModule):
     x too) and the down projection (down_fp8, or down_w8a8, which quantizes H), each checked, tuned and raced as any
     op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
     it loads. The interleaved gate/up layout does not apply; each projection's fp8 rows start 16 bytes apart
-    (layout.aligned_rows), whatever d_model and d_ff are."""
+    (layout.padded_rows), whatever d_model and d_ff are."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,
                  device: torch.device, **options: bool) -> None:
@@ -485,10 +484,9 @@ class FusedMLPFp8(FusedModule):
 
     def _libraries(self, residual):
         bias = self.gate_proj.bias is not None
-        return {"gated_up": _fitting(ops.get(f"gated_up_{self.weights}").library_for(self.activation, bias, False),
-                                     self.d_model, self.d_ff),
-                "down": _fitting(ops.get(f"down_{self.weights}").library_for("none", bias, False), self.d_model,
-                                 self.d_ff)}
+        # Every library path of the ops runs at any size: torch._scaled_mm reads the weights' padded storage.
+        return {"gated_up": tuple(ops.get(f"gated_up_{self.weights}").library_for(self.activation, bias, False)),
+                "down": tuple(ops.get(f"down_{self.weights}").library_for("none", bias, False))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self._params()
@@ -606,10 +604,3 @@ def get_mlp(d_model: int, d_ff: int, *, activation: str = "gelu_tanh", bias: boo
     return allocated(lambda: FusedMLP(d_model, d_ff, bias=bool(bias), activation=activation, dtype=dtype,
                                       device=device, **options),
                      "the MLP", 3 * (d_model + 1) * d_ff, dtype, device)
-
-
-def _fitting(names, *sizes: int) -> tuple[str, ...]:
-    """The library candidates `names` that can run these sizes: torch._scaled_mm's ("scaled_mm") needs multiples
-    of 16 (linear_w8a8.scaled_mm_fits)."""
-    fits = scaled_mm_fits(*sizes)
-    return tuple(name for name in names if fits or name != "scaled_mm")

@@ -253,3 +253,17 @@ def test_a_training_forward_makes_the_parameters_plain_and_inference_lays_them_o
         check_mlp(module, x)
     assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == run_width(d_ff)
     assert list(module.parameters()) == objects and all(torch.equal(p, v) for p, v in zip(objects, values))
+
+
+def test_padded_rows_hold_a_weight_in_whole_16_by_16_blocks_of_zero_filled_storage():
+    from autofuse.layout import padded_rows, padded_whole
+
+    w = torch.randn(24, 72)
+    view = padded_rows(w)
+    assert torch.equal(view, w) and view.stride() == (80, 1)
+    whole = padded_whole(view)
+    assert whole.shape == (32, 80) and not whole[24:].any() and not whole[:, 72:].any()
+    assert padded_rows(view) is view  # already held so
+    aligned = torch.randn(32, 64)
+    assert padded_rows(aligned) is aligned and padded_whole(aligned).shape == (32, 64)
+    assert padded_whole(w) is None and padded_whole(view[1:]) is None  # rows off the storage's start

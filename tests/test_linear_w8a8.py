@@ -12,8 +12,17 @@ from autofuse.activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS
 from autofuse.configs import KernelConfig
 from autofuse.key import Problem, current_environment
 from autofuse.ops.gated_up_fp8 import GATED_UP_W8A8, gated_up_w8a8
-from autofuse.ops.linear_fp8 import FP8, FP8_MAX, dequantize_fp8, quantize_fp8
-from autofuse.ops.linear_w8a8 import DOWN_W8A8, LINEAR_W8A8, linear_w8a8, quantize_rows
+from autofuse.ops.linear_fp8 import FP8, FP8_MAX, dequantize_fp8, quantize_fp8, quantize_weight
+from autofuse.ops.linear_w8a8 import (
+    DOWN_W8A8,
+    LINEAR_W8A8,
+    dequantized_rows,
+    linear_w8a8,
+    quantize_rows,
+    scaled_mm,
+    scaled_mm_quantized,
+)
+from autofuse.ops.quantize_rows import launch_quantize_rows
 from autofuse.reference import gated_reference, linear_reference
 from autofuse.store import Store
 from autofuse.tune.driver import Job, tune_key
@@ -107,18 +116,40 @@ def test_a_library_candidate_that_cannot_run_a_key_is_left_out_of_its_check(devi
     finally:
         ops.unregister_library("linear_w8a8", "cannot_run")
     assert "eager" in times and "cannot_run" not in times
-    assert ("scaled_mm" in times) == (device.type == "cpu")  # on a GPU, K = 72 is no multiple of 16
+    assert "scaled_mm" in times  # K = 72 too: torch._scaled_mm reads the weights' padded storage
 
 
-def test_an_fp8_module_races_scaled_mm_only_where_its_sizes_are_multiples_of_16(device):
+def test_an_fp8_module_races_scaled_mm_at_every_size_over_its_padded_weights(device):
     import autofuse
+    from autofuse.layout import padded_whole
 
     ragged = autofuse.get_linear(K, N, activation="gelu", dtype=torch.bfloat16, weights="w8a8", device=device)
-    aligned = autofuse.get_linear(64, 32, activation="gelu", dtype=torch.bfloat16, weights="w8a8", device=device)
-    assert ragged._libraries(False) == {"linear": ("eager",)}
-    assert aligned._libraries(False) == {"linear": ("eager", "scaled_mm")}
+    assert ragged._libraries(False) == {"linear": ("eager", "scaled_mm")}
     mlp = autofuse.get_mlp(64, 72, activation="silu", dtype=torch.bfloat16, weights="w8a8", device=device)
-    assert all("scaled_mm" not in names for names in mlp._libraries(False).values())
+    assert all("scaled_mm" in names for names in mlp._libraries(False).values())
+    # [24, 72] held in zero-filled [32, 80] storage: what torch._scaled_mm (multiples of 16 only) multiplies.
+    w8 = ragged.weight_fp8
+    whole = padded_whole(w8)
+    assert whole.shape == (32, 80) and torch.equal(whole[:N, :K].view(torch.uint8), w8.view(torch.uint8))
+    assert not whole[N:].view(torch.uint8).any() and not whole[:, K:].view(torch.uint8).any()
+    moved = ragged.to("cpu")  # a device move keeps the padded storage
+    assert padded_whole(moved.weight_fp8) is not None
+    unpadded, scale = quantize_fp8(torch.randn(N, K, device=device))
+    assert padded_whole(unpadded) is None
+    with pytest.raises(ValueError, match="multiples of 16"):
+        scaled_mm_quantized(*launch_quantize_rows(torch.randn(M, K, device=device), 80), unpadded, scale,
+                            torch.float32)
+
+
+@pytest.mark.gpu
+def test_scaled_mm_over_padded_weights_matches_the_quantized_float64_product(device):
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    w8, scale = quantize_weight(torch.randn(N, K, device=device) / K**0.5)
+    y = scaled_mm(x, w8, scale)
+    assert y.shape == (M, N)
+    expected = dequantized_rows(x, torch.float64) @ dequantize_fp8(w8, scale, torch.float64).T
+    # One bf16 rounding of a float32 accumulation: within 2**-8 of the largest output.
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=2**-8 * expected.abs().max().item())
 
 
 def test_a_w8a8_key_is_tuned_with_its_error_against_the_unquantized_values_reported(tmp_path, device):
@@ -150,8 +181,8 @@ def test_get_linear_w8a8_runs_the_w8a8_op_and_matches_the_quantized_reference(de
     torch.testing.assert_close(out.double(), ref, rtol=2 * 2**-11, atol=2e-3)
     assert torch.equal(out, again)
     plan = module._plan(False)
-    # K = 72 is no multiple of 16, which torch._scaled_mm needs: eager is its one library path
-    assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager"}
+    # K = 72 too: torch._scaled_mm multiplies the weights' padded storage
+    assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager", "scaled_mm"}
     with pytest.raises(autofuse.AutofuseError, match="weights must be one of 'dense', 'fp8', 'w8a8'"):
         autofuse.fuse(torch.nn.Sequential(), weights="int8")
 

@@ -44,3 +44,13 @@ def test_bad_input_is_refused_in_one_line(device):
         with pytest.raises(launch.LaunchError, match="quantize_rows: x must be") as raised:
             launch_quantize_rows(x)
         assert "\n" not in str(raised.value)
+
+
+def test_rows_written_wider_than_x_hold_zeros_past_it(device):
+    x = torch.randn(3, 40, device=device)
+    q, s = launch_quantize_rows(x, 48)
+    expected_q, expected_s = quantize_fp8(x)
+    assert q.shape == (3, 48) and torch.equal(s, expected_s)
+    assert torch.equal(q[:, :40].float(), expected_q.float()) and not q[:, 40:].view(torch.uint8).any()
+    with pytest.raises(launch.LaunchError, match="below the rows' 40"):
+        launch_quantize_rows(x, 32)

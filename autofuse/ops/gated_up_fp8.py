@@ -17,7 +17,7 @@ from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 from .gated_up import GATED_UP
 from .linear_fp8 import check_weights, dequantize_fp8, quantize_weight
-from .linear_w8a8 import dequantized_rows, scaled_mm_quantized
+from .linear_w8a8 import dequantized_rows, scaled_mm_quantized, scaled_mm_width
 from .quantize_rows import launch_quantize_rows
 
 OPERANDS = (
@@ -134,7 +134,7 @@ def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
     x = ops["x"]
     if not x.is_cuda:
         return _eager_w8a8(ops, activation)
-    x8, sx = launch_quantize_rows(x)  # once, for both products
+    x8, sx = launch_quantize_rows(x, scaled_mm_width(ops["wg"]))  # once, for both products
     gate, up = (scaled_mm_quantized(x8, sx, ops[w], ops[s], x.dtype) for w, s in (("wg", "sg"), ("wu", "su")))
     if ops.get("bg") is not None:
         gate, up = gate + ops["bg"], up + ops["bu"]

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from ..configs import KernelConfig
+from ..layout import aligned_width, padded_whole
 from .bias_act import bias_activation
 from .linear_fp8 import DOWN_FIELDS, LINEAR_FP8, dequantize_fp8, launch_linear, quantize_fp8
 from .quantize_rows import launch_quantize_rows
@@ -61,19 +62,33 @@ def scaled_mm_fits(*sizes: int) -> bool:
 
 def scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ (w8 * scale[:, None]).T in x's dtype through torch._scaled_mm (fp8 tensor cores, rowwise scales), x's
-    rows quantized first in one launch (op quantize_rows: quantize_rows's values). ValueError where N or K is not a
-    multiple of 16 (scaled_mm_fits): the check that meets it leaves the library path out (Evaluator.library_ms)."""
-    return scaled_mm_quantized(*launch_quantize_rows(x), w8, scale, x.dtype)
+    rows quantized first in one launch (op quantize_rows: quantize_rows's values). ValueError where the sizes do not
+    fit it (scaled_mm_quantized): the check that meets it leaves the library path out (Evaluator.library_ms)."""
+    return scaled_mm_quantized(*launch_quantize_rows(x, scaled_mm_width(w8)), w8, scale, x.dtype)
+
+
+def scaled_mm_width(w8: torch.Tensor) -> int:
+    """The width x's quantized rows take for torch._scaled_mm with `w8` ([N, K]): K rounded up to a multiple of 16,
+    the zeros past K meeting the zero columns of w8's padded storage (layout.padded_rows)."""
+    return aligned_width(w8.shape[1])
 
 
 def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
-    """(x8 * sx[:, None]) @ (w8 * scale[:, None]).T in `dtype` through torch._scaled_mm, x already quantized per row:
-    one quantization serves a gated MLP's gate and up projections. ValueError where N or K is not a multiple of 16
-    (scaled_mm_fits)."""
-    if not scaled_mm_fits(*w8.shape):
-        raise ValueError(f"torch._scaled_mm needs N and K multiples of 16, got N={w8.shape[0]}, K={w8.shape[1]}")
-    return torch._scaled_mm(x8, w8.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=dtype)
+    """(x8 * sx[:, None]) @ (w8 * scale[:, None]).T in `dtype` ([M, N]) through torch._scaled_mm, x already quantized
+    per row ([M, scaled_mm_width(w8)]): one quantization serves a gated MLP's gate and up projections. Where N or K is
+    not a multiple of 16 (sizes torch._scaled_mm refuses), the product runs over w8's padded storage, its zero rows
+    and columns included (layout.padded_whole), and returns a view of the first N columns; ValueError where w8 is not
+    so held, or x8 is not that wide."""
+    n, k = w8.shape
+    whole = w8 if scaled_mm_fits(n, k) else padded_whole(w8)
+    if whole is None or x8.shape[1] != whole.shape[1]:
+        raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W is [{n}, {k}] without padded "
+                         f"storage, x's rows {x8.shape[1]} wide")
+    if whole.shape[0] != n:
+        scale = torch.nn.functional.pad(scale, (0, whole.shape[0] - n), value=1.0)
+    y = torch._scaled_mm(x8, whole.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=dtype)
+    return y if whole.shape[0] == n else y[:, :n]
 
 
 def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:

@@ -18,25 +18,28 @@ from .linear_fp8 import FP8, quantize_fp8
 
 OPERANDS = (
     Operand("x", "[M, N]: the rows to quantize", "mn"),
-    Operand("q", "[M, N] float8_e4m3fn: the quantized rows", "mn"),
+    Operand("q", "[M, W] float8_e4m3fn: the quantized rows, zeros past N", "mn"),
     Operand("s", "[M] float32: each row's scale"),
 )
 
 
-def launch_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X8, s) of x ([M, N], any strides, float32, float16 or bfloat16) in one launch: X8 [M, N] float8_e4m3fn,
-    s [M] float32, X8 * s[:, None] approximating x (linear_fp8.quantize_fp8's values)."""
+def launch_quantize_rows(x: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X8, s) of x ([M, N], any strides, float32, float16 or bfloat16) in one launch: X8 [M, width] float8_e4m3fn
+    (width >= N, N by default; zeros past N, what a weight's zero padding multiplies), s [M] float32, X8[:, :N] *
+    s[:, None] approximating x (linear_fp8.quantize_fp8's values)."""
     L.require(x.dim() == 2 and x.dtype in (torch.float32, torch.float16, torch.bfloat16),
               lambda: f"quantize_rows: x must be [M, N] in float32, float16 or bfloat16, got {tuple(x.shape)} "
                       f"{x.dtype}")
     M, N = x.shape
-    q = torch.empty((M, N), dtype=FP8, device=x.device)
+    width = N if width is None else width
+    L.require(isinstance(width, int) and width >= N, lambda: f"quantize_rows: width {width!r} is below the rows' {N}")
+    q = torch.empty((M, width), dtype=FP8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
-    if M and N:
+    if M and width:
         kernel = load_kernel(KernelSpec(QUANTIZE_ROWS, "none", upcast_operands=interpreting()))
-        block_n = min(2048, 1 << (N - 1).bit_length())
+        block_n = min(2048, 1 << (width - 1).bit_length())
         block_m = max(1, min(16, 4096 // block_n))  # about 4096 elements a step
-        L.launch(kernel, (-(-M // block_m),), {"x": x, "q": q, "s": s}, (M, N),
+        L.launch(kernel, (-(-M // block_m),), {"x": x, "q": q, "s": s}, (M, N, width),
                  dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
     return q, s
 
@@ -63,7 +66,7 @@ QUANTIZE_ROWS = OpSpec(
     operands=OPERANDS,
     activations=("none",),
     run=_run,
-    sizes=("M", "N"),
+    sizes=("M", "N", "W"),
     constexprs=("BLOCK_M", "BLOCK_N"),
     library={"eager": _eager},
     reference=_reference,
