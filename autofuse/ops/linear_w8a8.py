@@ -83,8 +83,8 @@ def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sc
     n, k = w8.shape
     whole = w8 if scaled_mm_fits(n, k) else padded_whole(w8)
     if whole is None or x8.shape[1] != whole.shape[1]:
-        raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W is [{n}, {k}] without padded "
-                         f"storage, x's rows {x8.shape[1]} wide")
+        raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W [{n}, {k}] is not held in padded "
+                         f"storage, or x's quantized rows ({x8.shape[1]} wide) do not meet it")
     if whole.shape[0] != n:
         scale = torch.nn.functional.pad(scale, (0, whole.shape[0] - n), value=1.0)
     y = torch._scaled_mm(x8, whole.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=dtype)

@@ -1,9 +1,9 @@
 """Each row of X quantized to float8_e4m3fn with a float32 scale (templates/quantize_rows.py.jinja): op
 `quantize_rows`, what the W8A8 ops' library paths run before torch._scaled_mm, in one launch where PyTorch's
 ops take six (float, abs, amax, where, divide and clamp, cast), each a pass over the rows in float32. The
-values are linear_fp8.quantize_fp8's, byte for byte: the scale is the row's largest magnitude over 448 (e4m3's
-largest finite value), computed in float32, the quotient rounded to nearest even. A pass over memory: nothing to
-tune."""
+values are linear_fp8.quantize_fp8's (under the interpreter a zero may lose its sign): the scale is the row's largest
+magnitude over 448 (e4m3's largest finite value), computed in float32, the quotient rounded to nearest even. A pass
+over memory: nothing to tune."""
 
 from __future__ import annotations
 
