@@ -355,6 +355,43 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     assert len(evaluator.asked) == asked
 
 
+def test_kernels_near_the_fastest_are_timed_again_side_by_side_and_the_fastest_so_timed_is_kept():
+    """Two kernels of a check (the fp8 decode tiles' pair) timed one after the other within near_tie of each other
+    are timed again in turn beside the near library paths, and the one fastest in those rounds is kept."""
+    import dataclasses
+
+    from autofuse import evaluator as objective
+
+    @dataclasses.dataclass
+    class Record:
+        config: object
+        time_ms: float
+        status: str = "ok"
+
+    class Evaluator:
+        def __init__(self):
+            self.asked = []
+
+        def runner(self, config):
+            return config
+
+        def side_by_side_ms(self, fns):
+            self.asked.append(sorted(fns))
+            return {"kernel": 1.10, "kernel 2": 0.95, "library:eager": 1.2}
+
+        retimed_side_by_side = objective.Evaluator.retimed_side_by_side
+
+    first = Record(KernelConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=2), 1.00)
+    second = Record(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=6), 1.05)
+    evaluator = Evaluator()
+    record, library = checked._side_by_side_if_near(evaluator, first, {"eager": 1.08}, [second])
+    assert evaluator.asked == [["kernel", "kernel 2", "library:eager"]]
+    assert record.config == second.config and record.time_ms == 0.95 and library == {"eager": 1.2}
+    # A rival near the fastest kernel is timed again even where no library path is near.
+    record, library = checked._side_by_side_if_near(evaluator, first, {"eager": 3.0}, [second])
+    assert evaluator.asked[-1] == ["kernel", "kernel 2"] and record.config == second.config
+
+
 def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
     """On a GPU a check's time is mostly its kernel's compile: the plan's unchecked ops (and the one-launch
     kernel about to be checked beside them) are compiled on threads at once, before the checks run in turn."""

@@ -39,7 +39,7 @@ def test_the_host_bound_time_turns_the_margin():
 
 def test_the_near_tie_width_decides_what_is_timed_again():
     class Evaluator:
-        def retimed_side_by_side(self, record, library_ms, names):
+        def retimed_side_by_side(self, record, library_ms, names, rivals=()):
             self.names = names
             return record, library_ms
 

@@ -170,7 +170,7 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
     paths, by the winner rule. `heuristic`: the heuristic's config, recorded with its time where it was timed."""
     # Imported here, not at the top: the evaluator is loaded only where a check runs.
     from ..evaluator import Evaluator
-    from .winner import Outcome, choose_winner, fastest_trial
+    from .winner import Outcome, choose_winner, fastest_trial, near_fastest
 
     start = time.perf_counter()
     evaluator = Evaluator(key, M, device, budget_ms=current().check_budget_ms)
@@ -180,8 +180,9 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
             done = {kernel: evaluator.evaluate(kernel) for kernel in kernels}
             record = fastest_trial(done) or done[kernels[0]]
             if _times_on_gpu(device):
-                retimed, library_ms = _side_by_side_if_near(evaluator, record, library_ms)
-                done[record.config] = record = retimed
+                rivals = near_fastest(done, len(done))[1:] if record.status == "ok" else []
+                retimed, library_ms = _side_by_side_if_near(evaluator, record, library_ms, rivals)
+                done[retimed.config] = record = retimed
     finally:
         evaluator.close()
     for kernel, failed in done.items():
@@ -201,20 +202,24 @@ def _times_on_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting()
 
 
-def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float]):
-    """(record, library_ms) with every candidate near the fastest (the kernel, where its check passed, and the
-    library paths) timed again side by side, where two or more of them are a near tie. Library paths among
-    themselves too: each was timed on its own, and one timed during a moment of higher clocks could otherwise
-    win over a path that is faster in place (an H200's M=1 Linear chose cuBLASLt's epilogue, 5% slower there
-    than torch.compile's cuBLAS + one pass, while the kernel was far behind)."""
+def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float], rivals=()):
+    """(record, library_ms) with every candidate near the fastest (the kernel, where its check passed, the kernels
+    `rivals` within a near tie of it, and the library paths) timed again side by side, where two or more of them
+    are a near tie; the record returned is the fastest kernel's so timed. Library paths among themselves too: each
+    was timed on its own, and one timed during a moment of higher clocks could otherwise win over a path that is
+    faster in place (an H200's M=1 Linear chose cuBLASLt's epilogue, 5% slower there than torch.compile's cuBLAS +
+    one pass, while the kernel was far behind). Kernels among themselves too: the fp8 decode tiles' pair, timed one
+    after the other, left 6480 -> 27640's MLP 6% slower at M = 8 than at M = 4 and 16, whose checks kept the other
+    tile (H100)."""
     near_tie = current().near
     kernel_ms = [record.time_ms] if record.status == "ok" else []
     fastest = min(*kernel_ms, *library_ms.values())
     near = [name for name, ms in library_ms.items() if near_tie(ms, fastest)]
     kernel_near = bool(kernel_ms) and near_tie(record.time_ms, fastest)
-    if len(near) + kernel_near < 2:
+    rivals = list(rivals) if kernel_near else []
+    if len(near) + kernel_near + len(rivals) < 2:
         return record, library_ms
-    retimed, library_ms = evaluator.retimed_side_by_side(record if kernel_near else None, library_ms, near)
+    retimed, library_ms = evaluator.retimed_side_by_side(record if kernel_near else None, library_ms, near, rivals)
     return (retimed if kernel_near else record), library_ms
 
 
