@@ -102,12 +102,16 @@ def render(spec: KernelSpec) -> str:
 def template_variables(spec: KernelSpec) -> dict:
     """What a template is rendered with: the spec's fields, the kernel's name and signature lines, every
     registered variant's name, true for the one rendered (a variant without a file of its own is the op
-    template's `{% if <name> %}` blocks), `fp8_weights`, whether the op's weights are fp8, and `fp8_activations`,
-    whether its kernel quantizes the activations too (OpSpec.weights)."""
+    template's `{% if <name> %}` blocks), `fp8_weights`, whether the op's weights are fp8, `fp8_activations`,
+    whether its kernel quantizes the activations too (OpSpec.weights), and `peel_k`, whether its K loop runs the
+    steps wholly inside K unmasked and masks the partial last one only (fp8 weights times bf16 activations with a
+    K that BLOCK_K does not divide: `k_loop` in _common.py.jinja says why)."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op"}
     flags = {name: name == spec.variant for name in variants.names()}
+    fp8_weights, fp8_activations = spec.op.weights in FP8_WEIGHTS, spec.op.weights == "w8a8"
     return dict(kernel_name=spec.kernel_name, signature=signature_lines(spec.parameters, spec.constexprs), **flags,
-                fp8_weights=spec.op.weights in FP8_WEIGHTS, fp8_activations=spec.op.weights == "w8a8", **fields)
+                fp8_weights=fp8_weights, fp8_activations=fp8_activations,
+                peel_k=fp8_weights and not fp8_activations and not spec.even_k, **fields)
 
 
 def entry_template(op: OpSpec, variant: variants.Variant) -> str:
