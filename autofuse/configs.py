@@ -368,7 +368,9 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
                                                num_stages=stages), shape.M, shape.N, shape.K)
         if fill and "split_k" in kinds:
             config = _split_to_fill(config, shape, fill * device.multiprocessors)
-        configs.append(config)
+        # Counted as if the weights were as wide as the activations: every pair above fits with bf16 activations;
+        # float32 activations drop stages.
+        configs.append(fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit))
     return tuple(dict.fromkeys(configs))
 
 

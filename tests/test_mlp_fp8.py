@@ -276,6 +276,9 @@ def test_fp8_ops_run_their_own_decode_tiles_and_time_the_second_at_first_use(M):
                 tiles = n // first.block_n
                 assert first.knob("split_k") * tiles >= 2 * H100.multiprocessors
                 assert alternatives[0].knob("split_k") * (n // alternatives[0].block_n) >= H100.multiprocessors
+    wide = Shape(M, 14336, 4096, torch.float32)  # float32 activations: stages dropped until the tiles fit
+    for config in (gated_up.default_config(wide, H100), *gated_up.alternative_configs(wide, H100)):
+        assert shared_memory_bytes(config, gated_up.operand_tiles, torch.float32) <= H100.shared_memory_limit
     interpreter = variants.Device(interpret=True)
     shape = Shape(M, 4096, 14336, torch.bfloat16)
     assert DOWN_FP8.default_config(shape, interpreter) == DOWN.default_config(shape, interpreter)
