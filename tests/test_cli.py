@@ -44,6 +44,9 @@ def test_show_kernel_prints_source():
     assert "def autofuse_linear_gelu_bias_res(" in result.output
     bad = CliRunner().invoke(main, ["show-kernel", "gated_up", "--activation", "relu"])
     assert bad.exit_code == 2 and "unknown activation 'relu'" in bad.output
+    for op in ("rms_norm", "quantize_rows", "gated_bwd"):  # no bias operand: refused, not silently left out
+        bad = CliRunner().invoke(main, ["show-kernel", op, "--bias"])
+        assert bad.exit_code == 2 and f"op '{op}' takes no bias" in bad.output and len(bad.output.splitlines()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter switch matters where there is no GPU")

@@ -155,9 +155,10 @@ def _cannot_time(device: torch.device) -> bool:
 def _kernels_to_check(problem: Problem, choice: Choice, heuristic) -> list:
     """The kernel configs a check times against the library paths: the choice's; where that is a nearest key's,
     this M bucket's heuristic config beside it; and the op's alternatives to its heuristic at this M (the GEMV
-    config at M = 1, the fp8 ops' second decode tile at M = 2-16). A nearest key may be the same shape at another M: a down projection of d_model 5681 ran
-    the split-K config checked at M = 16 at M = 256, 14% of the read ceiling, where eager's cuBLAS (unaligned
-    rows) was slower still and let it pass its check. `heuristic`: this bucket's heuristic config."""
+    config at M = 1, the fp8 ops' second decode tile at M = 2-16). A nearest key may be the same shape at another
+    M: a down projection of d_model 5681 ran the split-K config checked at M = 16 at M = 256, 14% of the read
+    ceiling, where eager's cuBLAS (unaligned rows) was slower still and let it pass its check. `heuristic`: this
+    bucket's heuristic config."""
     kernels = [choice.kernel]
     if choice.source is Source.NEAREST:
         kernels.append(heuristic)

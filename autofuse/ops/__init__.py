@@ -102,6 +102,8 @@ def show_kernel(op: str, *, activation: str | None = None, bias: bool = False, r
     kinds = [v.name for v in variants.of(spec)]
     if variant not in kinds:
         raise AutofuseError(f"the {spec.name} kernel has no variant {shown(variant)}; it has {', '.join(kinds)}")
+    if bias and not any(o.when == "has_bias" for o in spec.operands):
+        raise AutofuseError(f"op {spec.name!r} takes no bias")
     if activation is None:
         activation = "gelu_tanh" if "gelu_tanh" in spec.activations else spec.activations[0]
     try:
