@@ -308,32 +308,35 @@ def test_a_host_bound_near_tie_between_two_ops_goes_to_the_kernel(kernel_ms, lib
     assert checked.kernel_on_host_bound_tie(("gated_pairs", both), ("gated_up", kernel)) is None  # two kernels
 
 
+@dataclasses.dataclass
+class _Record:
+    config: object
+    time_ms: float
+    status: str = "ok"
+
+
+class _SideBySideEvaluator:
+    """The evaluator's real retimed_side_by_side over fake runners and side-by-side times (`times(name)`)."""
+
+    def __init__(self, times):
+        self.times = times
+        self.asked = []  # the side-by-side timings asked for, by the names timed
+
+    def runner(self, config):
+        return config
+
+    def side_by_side_ms(self, fns):
+        self.asked.append(sorted(fns))
+        return {name: self.times(name) for name in fns}
+
+    retimed_side_by_side = objective.Evaluator.retimed_side_by_side  # the real one, over the fakes above
+
+
 def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     """Checks time the kernel and each library path on its own; where the fastest of them are within near_tie,
     the kernel and every library path that near are timed again in turn, and those times decide."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Record:
-        config: object
-        time_ms: float
-        status: str = "ok"
-
-    class Evaluator:
-        def __init__(self):
-            self.asked = []  # the side-by-side timings asked for, by the names timed
-
-        def runner(self, config):
-            return config
-
-        def side_by_side_ms(self, fns):
-            self.asked.append(sorted(fns))
-            return {name: 0.5 if name == "library:cublas_gated_act" else 0.9 for name in fns}
-
-        retimed_side_by_side = objective.Evaluator.retimed_side_by_side  # the real one, over the fakes above
-
-    kernel = Record(KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=3), 1.0)
-    evaluator = Evaluator()
+    kernel = _Record(KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=3), 1.0)
+    evaluator = _SideBySideEvaluator(lambda name: 0.5 if name == "library:cublas_gated_act" else 0.9)
     record, library = checked._side_by_side_if_near(evaluator, kernel, {"eager": 0.95, "cublas_gated_act": 1.03,
                                                                         "far": 2.0})
     assert evaluator.asked == [["kernel", "library:cublas_gated_act", "library:eager"]]
@@ -344,7 +347,7 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
     assert len(evaluator.asked) == 1 and record is kernel and library == {"eager": 3.0}
     # A kernel far behind (or one that failed its check) leaves the library paths' near tie to be timed again
     # among themselves; the kernel's record is kept as it was.
-    for far_kernel in (kernel, Record(kernel.config, float("nan"), status="wrong")):
+    for far_kernel in (kernel, _Record(kernel.config, float("nan"), status="wrong")):
         record, library = checked._side_by_side_if_near(evaluator, far_kernel, {"eager": 0.4, "cublas_gated_act": 0.41,
                                                                                 "far": 2.0})
         assert evaluator.asked[-1] == ["library:cublas_gated_act", "library:eager"]
@@ -358,32 +361,9 @@ def test_a_near_tie_is_timed_again_side_by_side_with_every_near_library_path():
 def test_kernels_near_the_fastest_are_timed_again_side_by_side_and_the_fastest_so_timed_is_kept():
     """Two kernels of a check (the fp8 decode tiles' pair) timed one after the other within near_tie of each other
     are timed again in turn beside the near library paths, and the one fastest in those rounds is kept."""
-    import dataclasses
-
-    from autofuse import evaluator as objective
-
-    @dataclasses.dataclass
-    class Record:
-        config: object
-        time_ms: float
-        status: str = "ok"
-
-    class Evaluator:
-        def __init__(self):
-            self.asked = []
-
-        def runner(self, config):
-            return config
-
-        def side_by_side_ms(self, fns):
-            self.asked.append(sorted(fns))
-            return {"kernel": 1.10, "kernel 2": 0.95, "library:eager": 1.2}
-
-        retimed_side_by_side = objective.Evaluator.retimed_side_by_side
-
-    first = Record(KernelConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=2), 1.00)
-    second = Record(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=6), 1.05)
-    evaluator = Evaluator()
+    first = _Record(KernelConfig(16, 64, 256, group_m=8, num_warps=4, num_stages=2), 1.00)
+    second = _Record(KernelConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=6), 1.05)
+    evaluator = _SideBySideEvaluator({"kernel": 1.10, "kernel 2": 0.95, "library:eager": 1.2}.get)
     record, library = checked._side_by_side_if_near(evaluator, first, {"eager": 1.08}, [second])
     assert evaluator.asked == [["kernel", "kernel 2", "library:eager"]]
     assert record.config == second.config and record.time_ms == 0.95 and library == {"eager": 1.2}

@@ -181,7 +181,7 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
             done = {kernel: evaluator.evaluate(kernel) for kernel in kernels}
             record = fastest_trial(done) or done[kernels[0]]
             if _times_on_gpu(device):
-                rivals = near_fastest(done, len(done))[1:] if record.status == "ok" else []
+                rivals = near_fastest(done, len(done))[1:]  # the correct kernels near `record`, itself first
                 retimed, library_ms = _side_by_side_if_near(evaluator, record, library_ms, rivals)
                 done[retimed.config] = record = retimed
     finally:
