@@ -148,14 +148,14 @@ class BoundMLP:
             return self._replay(x, params, out_shape)
         x2d = _rows(x)
         if not replayable:
-            return run_mlp(x2d, params, self.activation, self.table).reshape(out_shape)
+            return as_output(run_mlp(x2d, params, self.activation, self.table), out_shape)
         y, self.launches = self._bind(x2d, params)
         self.weights = weights
         # Not while a CUDA graph captures: the buffer would live in the graph's private pool.
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not (capturing or self.inside_ops):
             self.hidden = (workspaces.stream_id(x.device), new_hidden(x, M, params))
-        return y.reshape(out_shape)
+        return as_output(y, out_shape)
 
     def _bind(self, x2d, params) -> tuple[torch.Tensor, dict]:
         act, table = self.activation, self.table
@@ -192,11 +192,19 @@ class BoundMLP:
             h = run_up(_rows(x), params, act, table, out=h)
         bound = launches["down"]
         if bound is None:
-            return run_down(h, params, table["down"]).reshape(out_shape)
-        y = x.new_empty(out_shape)
+            return as_output(run_down(h, params, table["down"]), out_shape)
+        y = x.new_empty((self.M, (wd.w8 if isinstance(wd, Fp8Weight) else wd).shape[0]))
         if not bound({"x": h, "y": y}):
-            run_linear_kernel(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
-        return y
+            run_linear_kernel(h, wd, bd, None, "none", table["down"].kernel, out=y)
+        return as_output(y, out_shape)
+
+
+def as_output(y: torch.Tensor, out_shape: tuple) -> torch.Tensor:
+    """The down projection's [M, n] output as the module's output: its first d_model (out_shape[-1]) columns where
+    it ran at a padded d_model (layout.py; a view, no copy), reshaped to out_shape."""
+    if y.shape[-1] != out_shape[-1]:
+        y = y[:, :out_shape[-1]]
+    return y.reshape(out_shape)
 
 
 def up_op_of(table: dict[str, Choice]) -> str:

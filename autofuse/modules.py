@@ -280,8 +280,9 @@ class FusedMLP(FusedModule):
 
     @property
     def d_in_run(self) -> int:
-        """The d_model the up-projection reads at: the padded width while the gate and up weights are views
-        of storage padded along d_model (x's rows are then padded to it per call)."""
+        """The d_model the up-projection reads and the down projection writes at: the padded width while the
+        weights are views of storage padded along d_model (x's rows are then padded to it per call, and the
+        output is the first d_model columns of the down projection's)."""
         layout = self._layout
         return layout.d_in if layout is not None and layout.active else self.d_model
 

@@ -13,6 +13,7 @@ import autofuse
 from autofuse import evaluator, ops
 from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
+from autofuse.choose.plans import MLPPlan
 from autofuse.layout import PAD_TO, input_width, row_width, run_width
 from autofuse.reference import eager_mlp
 from autofuse.shapes import MLPShape
@@ -123,7 +124,8 @@ def test_tuning_keys_use_the_width_that_runs():
 def test_odd_d_model_runs_on_padded_rows_and_correct(dtype, interleaved, d_ff, d_model, device):
     """A d_model that is not a multiple of 16 (37: rows not 16-byte aligned; 40: aligned, but not what Triton
     specialises a stride on): the gate and up weights get zero columns up to input_width(d_model) and x's rows are
-    padded to match per call; the output keeps d_model columns."""
+    padded to match per call; the down projection's weight and bias get zero rows and it writes input_width(d_model)
+    columns, of which the output is the first d_model."""
     module = autofuse.get_mlp(d_model, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
                               interleaved=interleaved)
     assert module.d_in_run == 64 and module.d_ff_run == run_width(d_ff)
@@ -134,6 +136,13 @@ def test_odd_d_model_runs_on_padded_rows_and_correct(dtype, interleaved, d_ff, d
     check_mlp(module, x[0, :1])
     rows = wg.as_strided((d_ff, 64), wg.stride())
     assert rows[:, d_model:].abs().max() == 0  # the padded columns stay zero
+    wd, bd = module.down_proj.weight, module.down_proj.bias
+    assert wd.shape == (d_model, d_ff) and bd.shape == (d_model,)
+    assert wd.as_strided((64, run_width(d_ff)), wd.stride()).abs()[d_model:].max() == 0  # zero rows below d_model
+    assert bd.as_strided((64,), (1,))[d_model:].abs().max() == 0
+    with torch.no_grad():
+        y = module(x)
+    assert y.shape == (3, 7, d_model) and y.stride()[-2:] == (64, 1)  # a view of the [M, 64] output, no copy
     with torch.no_grad():
         module.up_proj.weight.mul_(-1)  # an edit of the view is seen
     check_mlp(module, x)
@@ -155,7 +164,10 @@ def test_training_and_tuning_keys_with_an_odd_d_model(device):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     shape = MLPShape("odd", 1001, 512, "silu")
     assert ops.get("gated_up").dims(shape)[1] == ops.get("gated_pairs").dims(shape)[1] == 1024
-    assert ops.get("down").dims(shape)[0] == 1001  # the output keeps d_model columns
+    assert ops.get("down").dims(shape)[0] == 1024  # its N: the down projection writes the padded d_model
+    # Training runs d_model as it is (MLPPlan without d_in); inference's plan writes the padded d_model.
+    assert MLPPlan(37, 48, "silu", False).problem("down", 5, torch.float32, torch.device(device)).n == 37
+    assert MLPPlan(37, 48, "silu", False, d_in=64).problem("down", 5, torch.float32, torch.device(device)).n == 64
 
 
 def _is_interleaved(module) -> bool:

@@ -238,10 +238,10 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     winners = list(Store(cache).winners())
-    # d_model 24 and 40 run padded to 64 (layout.input_width): their up projections share one key, and the
-    # one-launch kernel, which their modules never plan, gets none.
+    # d_model 24 and 40 run padded to 64 (layout.input_width): their up and down projections share one key
+    # each, and the one-launch kernel, which their modules never plan, gets none.
     expected = {(op, 48, input_width(16 + 8 * i)) for op in ("gated_up", "gated_pairs") for i in range(4)}
-    expected |= {("down", 16 + 8 * i, 48) for i in range(4)} | {("mlp", 48, 16), ("mlp", 48, 32)}
+    expected |= {("down", input_width(16 + 8 * i), 48) for i in range(4)} | {("mlp", 48, 16), ("mlp", 48, 32)}
     expected |= {("linear", 40, 24)}
     assert {(w.key.op, w.key.n, w.key.k) for w in winners} == expected
     assert all(len(Store(cache).trials(w.key)) >= 3 for w in winners)

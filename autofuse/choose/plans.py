@@ -57,8 +57,8 @@ class LinearPlan:
 @dataclasses.dataclass(frozen=True)
 class MLPPlan:
     """down(act(gate(x)) * up(x)). `pairs`: gate and up interleaved in one buffer, so gated_pairs may stand in
-    for gated_up. `d_in`: the up-projection's K where the module pads d_model (layout.py); the one-launch
-    kernel, which reads one d_model for both projections, is then left out."""
+    for gated_up. `d_in`: the padded d_model where the module pads it (layout.py): the up-projection's K and the
+    down projection's N; the one-launch kernel, which reads one d_model for both projections, is then left out."""
 
     d_model: int
     d_ff: int
@@ -75,7 +75,7 @@ class MLPPlan:
         k_in = self.d_model if self.d_in is None else self.d_in
         n, k, activation = {"gated_up": (self.d_ff, k_in, self.activation),
                             "gated_pairs": (self.d_ff, k_in, self.activation),
-                            "down": (self.d_model, self.d_ff, "none"),
+                            "down": (k_in, self.d_ff, "none"),
                             "mlp": (self.d_ff, self.d_model, self.activation),
                             "gated_bwd": (self.d_ff, self.d_model, self.activation)}[op]
         name = op if self.weights == "dense" else f"{op}_{self.weights}"  # gated_up_fp8, down_w8a8, ...

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import run_width
+from ..layout import input_width, run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 from .bias_act import bias_activation
@@ -115,5 +115,5 @@ DOWN = dataclasses.replace(
     residual=False,
     library={"eager": _eager},
     serves="mlp",
-    dims=lambda s: (s.d_model, run_width(s.d_ff), "none"),  # what FusedMLP runs (layout.py)
+    dims=lambda s: (input_width(s.d_model), run_width(s.d_ff), "none"),  # what FusedMLP runs (layout.py)
 )
