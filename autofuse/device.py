@@ -93,6 +93,14 @@ def supports_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@cache
+def dependent_launches(device: torch.device) -> bool:
+    """Whether kernels on `device` may overlap through Programmatic Dependent Launch (a kernel's programs start
+    while the one before it in the stream drains, and wait for its results inside): Hopper (sm_90) and newer, not
+    under the interpreter (whose kernels cannot hold the PTX it takes)."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent kernel: one per SM."""
     return multiprocessor_count(cuda_index(device)) if device.type == "cuda" else INTERPRETER_PROGRAMS

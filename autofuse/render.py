@@ -39,6 +39,10 @@ class KernelSpec:
     upcast_operands: bool = False  # under the interpreter, bf16 arithmetic is wrong: dot in float32
     variant: str = "tile"  # a registered kernel variant of the op (autofuse/variants.py)
     static_k: int | None = None  # the K a variant compiled for one K (Variant.static_k) holds as a constant
+    # Programmatic Dependent Launch (sm_90+): "launch" lets the next kernel in the stream start its programs once
+    # every program of this one has started; "wait" (a kernel launched as such a dependent) waits for the kernel
+    # before it to finish and its writes to be visible before touching memory. None: neither.
+    grid_dependency: str | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in self.op.activations:
@@ -49,6 +53,8 @@ class KernelSpec:
             raise ValueError(refused)
         if self.static_k is not None and (type(self.static_k) is not int or not 1 <= self.static_k < 2**31):
             raise ValueError(f"static_k must be an int in 1..2**31-1 or None, not {self.static_k!r}")
+        if self.grid_dependency not in (None, "launch", "wait"):
+            raise ValueError(f"grid_dependency must be None, 'launch' or 'wait', not {self.grid_dependency!r}")
         if self.input_precision not in (None, "ieee", "tf32"):
             raise ValueError(f"input_precision must be None, 'ieee' or 'tf32', not {self.input_precision!r}")
 
@@ -181,13 +187,15 @@ class Kernel:
     parameters: tuple[Parameter, ...]
     constexprs: tuple[str, ...]
     per_call: frozenset[str]
+    dependent: bool = False  # launched as a Programmatic Dependent Launch (KernelSpec.grid_dependency "wait")
 
 
 @cache
 def load_kernel(spec: KernelSpec) -> Kernel:
     """The kernel for `spec`, rendered and imported once per distinct source. Memoised: rendering
     costs far more than a launch, which must not pay it."""
-    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters, spec.constexprs, spec.op.per_call)
+    return Kernel(load_source(render(spec), spec.kernel_name), spec.parameters, spec.constexprs, spec.op.per_call,
+                  spec.grid_dependency == "wait")
 
 
 _loaded: dict[str, object] = {}

@@ -56,7 +56,8 @@ def compile_variant(spec: KernelSpec, dtype: str, capability: int, block: tuple[
     return dict(kernel=spec.kernel_name, dtype=dtype, capability=capability, block=list(block),
                 shared=compiled.metadata.shared, wgmma="wgmma" in ptx, mma="mma.sync" in ptx,
                 fp8_mma=".e4m3.e4m3" in ptx,
-                tma_loads="cp.async.bulk.tensor" in ptx,
+                tma_loads="cp.async.bulk.tensor" in ptx, grid_wait="griddepcontrol.wait" in ptx,
+                grid_launch="griddepcontrol.launch_dependents" in ptx,
                 cubin_bytes=len(compiled.asm["cubin"]))
 
 

@@ -12,9 +12,9 @@ _HERE = Path(__file__).parent
 
 
 def _spec(op, activation, bias=False, residual=False, even_k=True, variant="tile", input_precision=None,
-          static_k=None):
+          static_k=None, grid_dependency=None):
     return dict(op=op, activation=activation, has_bias=bias, has_residual=residual, even_k=even_k,
-                variant=variant, input_precision=input_precision, static_k=static_k)
+                variant=variant, input_precision=input_precision, static_k=static_k, grid_dependency=grid_dependency)
 
 
 # One case per structural switch of each template (activation, bias, residual, ragged K, split-K,
@@ -89,6 +89,16 @@ CASES = [
          dtype="float32", capability=90, block=(64, 64, 64), split_k=2, num_warps=4, num_stages=3),
     dict(spec=_spec("gated_up_w8a8", "silu", bias=True), dtype="bfloat16", capability=90,
          block=(128, 128, 128), split_k=1, num_warps=8, num_stages=3),
+    # Programmatic Dependent Launch between an MLP's steps: the up projection lets the next kernel start, the
+    # Linear waits inside for the kernel before it.
+    dict(spec=_spec("gated_up", "silu", even_k=False, variant="gemv", static_k=6304, grid_dependency="launch"),
+         dtype="bfloat16", capability=90, block=(1, 1, 1024), split_k=1, num_warps=4, num_stages=1),
+    dict(spec=_spec("gated_pairs", "gelu_tanh", grid_dependency="launch"), dtype="bfloat16", capability=90,
+         block=(16, 64, 256), split_k=1, num_warps=4, num_stages=5),
+    dict(spec=_spec("linear", "none", variant="split_k", grid_dependency="wait"), dtype="bfloat16", capability=90,
+         block=(16, 64, 128), split_k=2, num_warps=4, num_stages=4),
+    dict(spec=_spec("linear", "none", variant="tma", grid_dependency="wait"), dtype="bfloat16", capability=90,
+         block=(128, 128, 64), split_k=1, num_warps=8, num_stages=4),
 ]
 
 
@@ -117,7 +127,7 @@ def test_large_tiles_use_hopper_tensor_cores(compiled):
 
 def test_gemv_kernels_reduce_on_cuda_cores(compiled):
     gemv = [c for c in compiled if c["kernel"].endswith("_gemv")]
-    assert len(gemv) == 7 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
+    assert len(gemv) == 8 and not any(c["mma"] or c["wgmma"] or c["tma_loads"] for c in gemv), gemv
 
 
 def test_split_k_kernels_are_named_for_profilers(compiled):
@@ -131,7 +141,7 @@ def test_split_k_kernels_are_named_for_profilers(compiled):
 
 def test_tma_kernels_use_the_tensor_copy_engine(compiled):
     tma = [c for c in compiled if c["kernel"].endswith("_tma")]
-    assert len(tma) == 6 and all(c["tma_loads"] for c in tma), tma
+    assert len(tma) == 7 and all(c["tma_loads"] for c in tma), tma
     assert not any(c["tma_loads"] for c in compiled if not c["kernel"].endswith("_tma"))
 
 
@@ -139,3 +149,14 @@ def test_w8a8_kernels_multiply_fp8_on_the_tensor_cores(compiled):
     w8a8 = [c for c in compiled if "_w8a8_" in c["kernel"]]
     assert len(w8a8) == 3 and all(c["fp8_mma"] and c["wgmma"] for c in w8a8), w8a8
     assert not any(c["fp8_mma"] for c in compiled if "_w8a8_" not in c["kernel"])  # weight-only: widened first
+
+
+def test_dependent_launch_kernels_hold_the_grid_dependency_control_they_were_rendered_with(compiled):
+    """griddepcontrol.wait in the Linears launched as dependents, before anything they read; launch_dependents in
+    the up projections; neither anywhere else."""
+    by_mode = {mode: [c for c, case in zip(compiled, CASES) if case["spec"]["grid_dependency"] == mode]
+               for mode in (None, "launch", "wait")}
+    assert len(by_mode["launch"]) == 2 and len(by_mode["wait"]) == 2
+    assert all(c["grid_launch"] and not c["grid_wait"] for c in by_mode["launch"]), by_mode["launch"]
+    assert all(c["grid_wait"] and not c["grid_launch"] for c in by_mode["wait"]), by_mode["wait"]
+    assert not any(c["grid_wait"] or c["grid_launch"] for c in by_mode[None])

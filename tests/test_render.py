@@ -182,3 +182,39 @@ def test_a_variant_compiled_for_one_k_holds_that_k_in_its_source():
 def test_only_a_positive_int_k_reaches_the_source(bad):
     with pytest.raises(ValueError, match="static_k"):
         KernelSpec(LINEAR, "none", variant="gemv", static_k=bad)
+
+
+def test_dependent_launches_are_rendered_only_where_the_device_takes_them(monkeypatch):
+    """An MLP's up projection lets the next kernel start early and the Linear (the down projection) waits inside
+    for the kernel before it (Programmatic Dependent Launch), on devices that have it (sm_90+, never under the
+    interpreter); there the Linear is launched with launch_pdl. Elsewhere neither is in the source."""
+    from autofuse import launch
+    from autofuse.configs import KernelConfig
+
+    config, cpu = KernelConfig(1, 8, 32, group_m=1, num_stages=1, variant="gemv", knobs={"split_k": 1}), torch.device("cpu")
+    tile = KernelConfig(16, 32, 32)
+    plain = launch.kernel_for(LINEAR, "none", 64, torch.float32, config, False, device=cpu)
+    assert not plain.dependent  # the interpreter: no dependent launches
+    monkeypatch.setattr(launch, "dependent_launches", lambda device: True)
+    waiting = launch.kernel_for(LINEAR, "none", 64, torch.float32, config, False, device=cpu)
+    launching = launch.kernel_for(GATED_UP, "silu", 64, torch.float32, config, False, device=cpu)
+    assert waiting.dependent and not launching.dependent
+    assert not launch.kernel_for(LINEAR, "none", 64, torch.float32, tile, False, device=cpu).dependent  # GEMV only
+    one_launch = launch.kernel_for(ops.get("mlp"), "silu", 64, torch.float32, tile, False)  # no device: none
+    assert not one_launch.dependent
+    sources = {mode: render.render(KernelSpec(op, act, even_k=True, grid_dependency=mode))
+               for mode, op, act in ((None, LINEAR, "none"), ("wait", LINEAR, "none"), ("launch", GATED_UP, "silu"))}
+    assert "gdc_" not in sources[None]
+    body = sources["wait"].split("def autofuse_linear_none(", 1)[1].split("):\n", 1)[1].splitlines()
+    assert [line for line in body if not line.lstrip().startswith("#")][0].strip() == "tl.extra.cuda.gdc_wait()"
+    assert "gdc_launch_dependents()" in sources["launch"] and "gdc_wait" not in sources["launch"]
+    with pytest.raises(ValueError, match="grid_dependency"):
+        KernelSpec(LINEAR, "none", grid_dependency="early")
+
+    seen = {}
+    monkeypatch.setattr(launch, "launch", lambda kernel, grid, tensors, sizes, options, workspace=(): seen.update(options))
+    launch.launch_gemm(waiting, (1, 32, 64), config, cpu, {}, accumulators=1)
+    assert seen["launch_pdl"] is True
+    seen.clear()
+    launch.launch_gemm(launching, (1, 32, 64), config, cpu, {}, accumulators=1)
+    assert "launch_pdl" not in seen

@@ -66,7 +66,7 @@ def gated_pairs(x: torch.Tensor, w_pairs: torch.Tensor, b_pairs: torch.Tensor | 
     if M == 0:
         return h
     config = L.runnable(config, x, w_pairs, h)
-    kernel = L.kernel_for(GATED_PAIRS, activation, K, x.dtype, config, b_pairs is not None)
+    kernel = L.kernel_for(GATED_PAIRS, activation, K, x.dtype, config, b_pairs is not None, device=x.device)
     tensors = {"x": x, "w": w_pairs, "b": None if b_pairs is None else b_pairs.contiguous(), "h": h}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1, BLOCK_H=config.block_n // 2)
     return h

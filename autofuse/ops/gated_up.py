@@ -38,7 +38,7 @@ def gated_up(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, b_gate: 
     if M == 0:
         return h
     config = L.runnable(config, x, w_gate, w_up)
-    kernel = L.kernel_for(GATED_UP, activation, K, x.dtype, config, b_gate is not None)
+    kernel = L.kernel_for(GATED_UP, activation, K, x.dtype, config, b_gate is not None, device=x.device)
     tensors = {"x": x, "wg": w_gate, "wu": w_up, "h": h}
     if b_gate is not None:
         tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())

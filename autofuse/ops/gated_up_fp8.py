@@ -59,7 +59,7 @@ def _launch(spec, x: torch.Tensor, weights: tuple, biases: tuple, activation: st
     h = L.output(out, (M, N), x)
     if M == 0:
         return h
-    kernel = L.kernel_for(spec, activation, K, x.dtype, config, b_gate is not None)
+    kernel = L.kernel_for(spec, activation, K, x.dtype, config, b_gate is not None, device=x.device)
     tensors = {"x": x, "wg": wg, "wu": wu, "sg": sg.contiguous(), "su": su.contiguous(), "h": h}
     if b_gate is not None:
         tensors.update(bg=b_gate.contiguous(), bu=b_up.contiguous())

@@ -39,7 +39,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     if M == 0:
         return y
     config = L.runnable(config, x, weight)
-    kernel = L.kernel_for(LINEAR, activation, K, x.dtype, config, bias is not None, residual is not None)
+    kernel = L.kernel_for(LINEAR, activation, K, x.dtype, config, bias is not None, residual is not None,
+                           device=x.device)
     tensors = {"x": x, "w": weight, "b": None if bias is None else bias.contiguous(), "r": residual, "y": y}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)
     return y

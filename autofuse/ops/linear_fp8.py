@@ -96,7 +96,8 @@ def launch_linear(spec, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tenso
     y = L.output(out, (M, N), x)
     if M == 0:
         return y
-    kernel = L.kernel_for(spec, activation, K, x.dtype, config, bias is not None, residual is not None)
+    kernel = L.kernel_for(spec, activation, K, x.dtype, config, bias is not None, residual is not None,
+                           device=x.device)
     tensors = {"x": x, "w": w8, "s": scale.contiguous(), "b": None if bias is None else bias.contiguous(),
                "r": residual, "y": y}
     L.launch_gemm(kernel, (M, N, K), config, x.device, tensors, accumulators=1)
