@@ -191,7 +191,8 @@ def test_dependent_launches_are_rendered_only_where_the_device_takes_them(monkey
     from autofuse import launch
     from autofuse.configs import KernelConfig
 
-    config, cpu = KernelConfig(1, 8, 32, group_m=1, num_stages=1, variant="gemv", knobs={"split_k": 1}), torch.device("cpu")
+    config = KernelConfig(1, 8, 32, group_m=1, num_stages=1, variant="gemv", knobs={"split_k": 1})
+    cpu = torch.device("cpu")
     tile = KernelConfig(16, 32, 32)
     plain = launch.kernel_for(LINEAR, "none", 64, torch.float32, config, False, device=cpu)
     assert not plain.dependent  # the interpreter: no dependent launches
@@ -212,7 +213,8 @@ def test_dependent_launches_are_rendered_only_where_the_device_takes_them(monkey
         KernelSpec(LINEAR, "none", grid_dependency="early")
 
     seen = {}
-    monkeypatch.setattr(launch, "launch", lambda kernel, grid, tensors, sizes, options, workspace=(): seen.update(options))
+    monkeypatch.setattr(launch, "launch",
+                        lambda kernel, grid, tensors, sizes, options, workspace=(): seen.update(options))
     launch.launch_gemm(waiting, (1, 32, 64), config, cpu, {}, accumulators=1)
     assert seen["launch_pdl"] is True
     seen.clear()
