@@ -52,7 +52,7 @@ def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: 
 # Programmatic Dependent Launch between the GEMV steps of an MLP at M = 1: the up projection's kernel lets the
 # next kernel start as its last programs run, and the Linear's (the down projection's) is launched as a
 # dependent, waiting for the kernel before it inside, so that its programs' launch and ramp overlap the up
-# projection's tail: 6304 -> 7040 ran 92.0 us against max-autotune's 94.0 (94.1 against 92.5 without), 576 -> 2665
+# projection's tail: 6304 -> 7040 ran 92.0 us against max-autotune's 94.1 (94.1 against 92.5 without), 576 -> 2665
 # 6.6 against 6.9 (H100, graph-replayed, empty cache). The tile kernels at M = 16 ran 0.7-3.7 us slower with it
 # (576 -> 2665, 5681 -> 20024; the peers beside them unchanged), so they launch as before. A Linear waits before
 # its first load, so any kernel before it (a library path's, another Linear's) is finished and its writes visible,
