@@ -200,8 +200,8 @@ class BoundMLP:
 
 
 def as_output(y: torch.Tensor, out_shape: tuple) -> torch.Tensor:
-    """The down projection's [M, n] output as the module's output: its first d_model (out_shape[-1]) columns where
-    it ran at a padded d_model (layout.py; a view, no copy), reshaped to out_shape."""
+    """A Linear's or an MLP's down projection's [M, n] output as the module's output: its first out_shape[-1]
+    columns where it ran at a padded width (layout.py; a view, no copy), reshaped to out_shape."""
     if y.shape[-1] != out_shape[-1]:
         y = y[:, :out_shape[-1]]
     return y.reshape(out_shape)
@@ -268,17 +268,24 @@ class BoundLinear:
         bound = self.launch
         replayable = M == self.M and _replayable(self.inside_ops)
         if replayable and bound is not None and weights == self.weights:
-            y = x.new_empty(out_shape)
+            n = (weight.w8 if isinstance(weight, Fp8Weight) else weight).shape[0]
+            if n == out_shape[-1]:
+                y = x.new_empty(out_shape)
+                if not bound({"x": x, "r": residual, "y": y}):
+                    r2d = None if residual is None else _rows(residual)
+                    run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
+                return y
+            y = x.new_empty((self.M, n))  # a padded output width (layout.py): the first out_shape[-1] columns
             if not bound({"x": x, "r": residual, "y": y}):
                 r2d = None if residual is None else _rows(residual)
-                run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
-            return y
+                run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=y)
+            return as_output(y, out_shape)
         x2d, r2d = _rows(x), None if residual is None else _rows(residual)
         if self.library is not None and not torch.autograd.profiler._is_profiler_enabled:
-            return self.library(linear_operands(x2d, weight, bias, r2d), self.activation).reshape(out_shape)
+            return as_output(self.library(linear_operands(x2d, weight, bias, r2d), self.activation), out_shape)
         if self.kernel is None or not replayable:
-            return run_linear(x2d, weight, bias, r2d, self.activation, self.table).reshape(out_shape)
+            return as_output(run_linear(x2d, weight, bias, r2d, self.activation, self.table), out_shape)
         with launch.binding() as recorded:
             y = run_linear_kernel(x2d, weight, bias, r2d, self.activation, self.kernel)
         self.launch, self.weights = launch.only_launch(recorded), weights
-        return y.reshape(out_shape)
+        return as_output(y, out_shape)

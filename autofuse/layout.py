@@ -180,6 +180,58 @@ class MLPLayout:
         return tuple(wide)
 
 
+class LinearLayout:
+    """The storage lay_out_linear() made for a Linear's weight ([N, K]) and bias ([N]) where N or K is not a multiple
+    of ALIGNED: zero-filled [input_width(N), input_width(K)] and [input_width(N)], the parameters views of their
+    first N rows and K columns. Inference runs the Linear at the padded sizes, exactly as the MLP's down projection
+    at a padded d_model (the module docstring): x's rows padded with zeros to K's width, a residual's to N's, the
+    padded output rows 0 + 0 and the output the first N columns. widen() gives the parameters at that width while
+    they still are views of it; `active` says whether they were at the last widen."""
+
+    def __init__(self, n: int, k: int, params: tuple) -> None:
+        self.n, self.k, self.n_run, self.k_run = n, k, input_width(n), input_width(k)
+        self.storages = MLPLayout._storages(params)
+        self._memo: tuple | None = None  # (the parameters' addresses, widened parameters or None)
+
+    @property
+    def active(self) -> bool:
+        return self._memo is None or self._memo[1] is not None
+
+    def widen(self, params: tuple, weights: list) -> tuple | None:
+        """(weight, bias) at the padded sizes, or None where a parameter is no longer a view of this storage.
+        `weights`: the parameters' addresses, the memo's key."""
+        memo = self._memo
+        if memo is not None and memo[0] == weights:
+            return memo[1]
+        self._memo = (weights, self._widened(params))
+        return self._memo[1]
+
+    def _widened(self, params: tuple) -> tuple | None:
+        weight, bias = params
+        if MLPLayout._storages(params) != self.storages:
+            return None
+        if weight.shape != (self.n, self.k) or weight.stride() != (self.k_run, 1) or weight.storage_offset() != 0:
+            return None
+        if bias is not None and (bias.shape != (self.n,) or bias.stride() != (1,) or bias.storage_offset() != 0):
+            return None
+        wide_bias = None if bias is None else bias.as_strided((self.n_run,), (1,), 0)
+        return weight.as_strided((self.n_run, self.k_run), (self.k_run, 1), 0), wide_bias
+
+
+def lay_out_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> LinearLayout | None:
+    """Re-lays a Linear's parameters into the storage LinearLayout describes; None where both sizes are multiples
+    of ALIGNED already, or on the meta device."""
+    n, k = weight.shape
+    n_run, k_run = input_width(n), input_width(k)
+    if (n_run, k_run) == (n, k) or weight.device.type == "meta":
+        return None
+    with torch.inference_mode(False):
+        _relay(weight, weight.new_zeros((n_run, k_run)), lambda s: s[:n, :k])
+        if bias is not None:
+            _relay(bias, bias.new_zeros((n_run,)), lambda s: s[:n])
+    return LinearLayout(n, k, (weight, bias))
+
+
 def _relay(param: nn.Parameter, storage: torch.Tensor, view) -> None:
     with torch.no_grad():
         view(storage).copy_(param)

@@ -21,7 +21,7 @@ from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
-from .layout import MLPLayout, contiguous_state, lay_out, padded_rows
+from .layout import LinearLayout, MLPLayout, contiguous_state, lay_out, lay_out_linear, padded_rows
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
@@ -36,7 +36,11 @@ _MLP_OP = torch.ops.autofuse.mlp.default
 
 
 class FusedLinear(FusedModule):
-    """y = act(x @ weight.T + bias) [+ residual] in one kernel."""
+    """y = act(x @ weight.T + bias) [+ residual] in one kernel. An in_features or out_features that is not a multiple
+    of 16 keeps the parameters as views of zero-padded storage and runs inference at the padded sizes
+    (layout.LinearLayout)."""
+
+    _pads = True  # lays its parameters out in padded storage where a size needs it (not FusedLinearFp8)
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, activation: str,
                  dtype: torch.dtype, device: torch.device, tuned: bool = True) -> None:
@@ -47,6 +51,51 @@ class FusedLinear(FusedModule):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.reset_parameters()
+        self._layout: LinearLayout | None = None
+        self._plain_for_training = False  # a training forward made the parameters plain (_lay_out_plain)
+        self._lay_out()
+        if self._pads:
+            self._register_state_dict_hook(contiguous_state)
+
+    def _linear_params(self) -> tuple:
+        parameters = self._parameters
+        return parameters["weight"], parameters.get("bias")
+
+    def _lay_out(self) -> None:
+        """Keeps the parameters in padded storage (layout.lay_out_linear) where a size needs it: made here, and again
+        after `.to()` / `.half()` (nn.Module._apply) and after a training forward made them plain."""
+        if not self._pads:
+            return
+        params = self._linear_params()
+        if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
+            return
+        self._layout = lay_out_linear(*params)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._lay_out()
+        return module
+
+    def _sizes_run(self) -> tuple[int, int]:
+        """(in_features, out_features) inference runs at: the padded sizes while the parameters are views of
+        padded storage."""
+        layout = self._layout
+        if layout is not None and layout.active:
+            return layout.k_run, layout.n_run
+        return self.in_features, self.out_features
+
+    def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
+        return (*super()._table_key(M, weight), *self._sizes_run())
+
+    def _lay_out_plain(self) -> None:
+        """Before a training forward: the parameters as plain dense tensors again, as optimizers expect them (see
+        FusedMLP._lay_out_plain); the padded layout is made again at the next inference forward."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for p in self._linear_params():
+                if p is not None and p.untyped_storage().nbytes() != p.numel() * p.element_size():
+                    p.data = p.data.clone(memory_format=torch.contiguous_format)  # a view with gaps: a dense copy
+        self._layout = None
+        self._plain_for_training = True
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation, so a fresh module behaves like the layer it replaces.
@@ -59,7 +108,7 @@ class FusedLinear(FusedModule):
         return self.weight
 
     def _plan(self, residual):
-        return LinearPlan(self.in_features, self.out_features, self.activation, self.bias is not None, residual)
+        return LinearPlan(*self._sizes_run(), self.activation, self.bias is not None, residual)
 
     def _bind(self, table, M):
         return BoundLinear(table, self.activation, M)
@@ -80,6 +129,9 @@ class FusedLinear(FusedModule):
             return _LINEAR_OP(x.reshape(-1, self.in_features), weight, bias, r2d, activation,
                               self.tuned).reshape(out_shape)
         if needs_grad(x, weight, bias, residual):
+            if self._layout is not None and not capturing(weight.device):
+                self._lay_out_plain()
+                weight, bias = self._linear_params()
             r2d = None if residual is None else as_rows(residual, self.out_features)
             config = self._config_table(M, r2d is not None)["linear"].kernel
             recorder = traffic.recorder
@@ -88,7 +140,20 @@ class FusedLinear(FusedModule):
                 return recorder.timed(self, M, True, x.device, lambda: as_shape(LinearFunction.apply(
                     x2d, weight, bias, r2d, activation, config), out_shape))
             return as_shape(LinearFunction.apply(x2d, weight, bias, r2d, activation, config), out_shape)
+        if self._plain_for_training and not capturing(weight.device):
+            self._plain_for_training = False
+            self._lay_out()
+            weight, bias = self._linear_params()
         weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
+        layout = self._layout
+        if layout is not None:
+            wide = layout.widen((weight, bias), weights)
+            if wide is not None:  # x's (and a residual's) rows padded with zeros to the weight's (layout.py)
+                weight, bias = wide
+                if layout.k_run != layout.k:
+                    x = F.pad(x.reshape(M, layout.k), (0, layout.k_run - layout.k))
+                if residual is not None and layout.n_run != layout.n:
+                    residual = F.pad(residual.reshape(M, layout.n), (0, layout.n_run - layout.n))
         entry = self._entry(M, weights, weight, residual is not None)
         recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
         if recorder is not None and recorder.due(self, M, False):
@@ -118,6 +183,8 @@ class FusedLinearFp8(FusedLinear):
     not train, and a forward that would build a graph raises. State: `weight_fp8`, `weight_scale`, `bias`, and
     `weight` (the original, not used by the forward) where built with keep_original=True; a state_dict holding a
     dense `weight` (an nn.Linear's, say) and no `weight_fp8` is quantized as it loads."""
+
+    _pads = False  # fp8 weights are held in padded storage of their own (layout.padded_rows)
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, activation: str,
                  dtype: torch.dtype, device: torch.device, **options: bool) -> None:

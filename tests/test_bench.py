@@ -56,11 +56,11 @@ def test_untuned_modules_ignore_the_cache(tmp_path):
     from autofuse.key import Problem, current_environment
     from autofuse.store import Store, Winner
 
-    key = Problem("linear", 40, 32, 5, torch.float16, "gelu", True).key(5, current_environment(torch.device("cpu")))
+    key = Problem("linear", 48, 32, 5, torch.float16, "gelu", True).key(5, current_environment(torch.device("cpu")))
     Store().put_winner(Winner(key, KernelConfig(16, 16, 16, num_stages=1), 1.0, 2.0))
     resolve.invalidate()
-    tuned = autofuse.get_linear(32, 40, activation="gelu", dtype=torch.float16, device="cpu")
-    plain = autofuse.get_linear(32, 40, activation="gelu", dtype=torch.float16, device="cpu", tuned=False)
+    tuned = autofuse.get_linear(32, 48, activation="gelu", dtype=torch.float16, device="cpu")
+    plain = autofuse.get_linear(32, 48, activation="gelu", dtype=torch.float16, device="cpu", tuned=False)
     assert tuned.config_sources(5) == {"linear": "user-cache"}
     assert plain.config_sources(5) == {"linear": "heuristic"}
     resolve.invalidate()

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 import torch
-from _helpers import DTYPES, check_mlp
+from _helpers import DTYPES, assert_matches_reference, check_mlp
 
 import autofuse
 from autofuse import evaluator, ops
@@ -15,8 +15,8 @@ from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
 from autofuse.choose.plans import MLPPlan
 from autofuse.layout import PAD_TO, input_width, row_width, run_width
-from autofuse.reference import eager_mlp
-from autofuse.shapes import MLPShape
+from autofuse.reference import eager_linear, eager_mlp, linear_reference
+from autofuse.shapes import LinearShape, MLPShape
 from autofuse.store import TrialRecord
 
 
@@ -115,6 +115,8 @@ def test_tuning_keys_use_the_width_that_runs():
     assert ops.get("gated_up").dims(shape)[0] == 1024
     assert ops.get("down").dims(shape)[1] == 1024
     assert ops.get("mlp").dims(shape)[0] == 1024
+    odd = LinearShape("odd", 37, 45, "gelu_tanh")  # FusedLinear runs padded; FusedLinearFp8 as it is
+    assert ops.get("linear").dims(odd)[:2] == (64, 64) and ops.get("linear_fp8").dims(odd)[:2] == (45, 37)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -279,3 +281,61 @@ def test_padded_rows_hold_a_weight_in_whole_16_by_16_blocks_of_zero_filled_stora
     aligned = torch.randn(32, 64)
     assert padded_rows(aligned) is aligned and padded_whole(aligned).shape == (32, 64)
     assert padded_whole(w) is None and padded_whole(view[1:]) is None  # rows off the storage's start
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("residual", [False, True], ids=["nores", "res"])
+def test_a_linear_of_odd_sizes_runs_on_padded_storage_and_correct(dtype, bias, residual, device):
+    """in_features 37 and out_features 45 (rows not 16-byte aligned): the weight and bias are views of zero-filled
+    storage of 64 x 64 and 64, inference pads x's rows (and a residual's) with zeros and returns the first 45
+    columns of the padded output, a view."""
+    module = autofuse.get_linear(37, 45, bias=bias, activation="gelu_tanh", dtype=dtype, device=device)
+    w = module.weight
+    assert w.shape == (45, 37) and w.stride() == (64, 1)
+    storage = w.as_strided((64, 64), (64, 1))
+    assert storage[45:].abs().max() == 0 and storage[:, 37:].abs().max() == 0
+    if bias:
+        assert module.bias.as_strided((64,), (1,))[45:].abs().max() == 0
+    x = torch.randn(3, 7, 37, dtype=dtype, device=device)
+    r = torch.randn(3, 7, 45, dtype=dtype, device=device) if residual else None
+
+    def check(x, r=None):
+        with torch.no_grad():
+            out = module(x, residual=r)
+            args = (x, module.weight, module.bias, r, module.activation)
+            assert_matches_reference(out, linear_reference(*args), eager_linear(*args))
+        return out
+
+    out = check(x, r)
+    assert out.shape == (3, 7, 45) and out.stride()[-2:] == (64, 1)  # a view of the [M, 64] output
+    check(x[0, :1], None if r is None else r[0, :1])  # M = 1: the GEMV
+    with torch.no_grad():
+        module.weight.mul_(-1)  # an edit of the view is seen
+    check(x, r)
+    state = module.state_dict()
+    assert all(t.is_contiguous() for t in state.values()) and state["weight"].shape == (45, 37)
+    module = module.to(torch.float32)
+    assert module.weight.stride() == (64, 1)
+    check(x.float(), None if r is None else r.float())
+
+
+def test_a_linear_of_odd_sizes_trains_on_plain_parameters_and_sees_replaced_ones(device):
+    module = autofuse.get_linear(37, 45, bias=True, activation="silu", dtype=torch.float32, device=device)
+    x = torch.randn(5, 37, device=device, requires_grad=True)
+    module(x).square().sum().backward()
+    assert module.weight.is_contiguous() and module.weight.untyped_storage().nbytes() == 45 * 37 * 4
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref, b_ref = (p.detach().clone().requires_grad_() for p in (module.weight, module.bias))
+    torch.nn.functional.silu(torch.nn.functional.linear(x_ref, w_ref, b_ref)).square().sum().backward()
+    for got, want in ((module.weight.grad, w_ref.grad), (module.bias.grad, b_ref.grad), (x.grad, x_ref.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        y = module(x)  # inference lays the parameters out again
+    assert module.weight.stride() == (64, 1)
+    expected = torch.nn.functional.silu(torch.nn.functional.linear(x, module.weight, module.bias))
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        module.weight.data = torch.randn(45, 37, device=device)  # replaced: runs as it is
+        torch.testing.assert_close(module(x), torch.nn.functional.silu(
+            torch.nn.functional.linear(x, module.weight, module.bias)), rtol=1e-5, atol=1e-5)

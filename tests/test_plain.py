@@ -34,7 +34,8 @@ FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
 
 
-def _key(op="linear", n=72, k=40, bucket=4, activation="gelu", bias=True):
+# Linears of sizes that are multiples of 16, which run as they are (no padded layout).
+def _key(op="linear", n=80, k=48, bucket=4, activation="gelu", bias=True):
     return Problem(op, n, k, bucket, torch.float32, activation, bias).key(bucket,
                                                                           current_environment(torch.device("cpu")))
 
@@ -81,7 +82,7 @@ def test_a_runner_up_beside_a_kernel_winner_is_refused():
 def test_resolve_carries_the_runner_up():
     Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
     resolve.invalidate()
-    choice = resolve.resolve(Problem("linear", 72, 40, 4, torch.float32, "gelu", True))
+    choice = resolve.resolve(Problem("linear", 80, 48, 4, torch.float32, "gelu", True))
     assert (choice.config, choice.runner_up, choice.runner_up_ms) == (Library("eager"), KERNEL, 2 * FAST)
     assert choice.kernel_instead() == Choice(KERNEL, choice.source, 2 * FAST)
     assert Choice(KERNEL, Source.USER_CACHE, 1.0).kernel_instead() is None
@@ -296,8 +297,8 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
     Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
-    layer = autofuse.get_linear(40, 72, activation="gelu", dtype=torch.float32, device="cpu")
-    x = torch.randn(4, 40)
+    layer = autofuse.get_linear(48, 80, activation="gelu", dtype=torch.float32, device="cpu")
+    x = torch.randn(4, 48)
     with torch.no_grad(), use_policy(TINY_RACE):
         out = _race_through(lambda: layer(x), 3)
         again = layer(x)
@@ -320,15 +321,15 @@ def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeyp
                               runner_up_ms=3 * HOST_BOUND_MS))
     # No runner-up, and no other library path: without an activation, bias or residual, eager's one matmul
     # is the Linear's only library path.
-    plain_key = Problem("linear", 72, 40, 8, torch.float32, "none").key(8, current_environment(torch.device("cpu")))
+    plain_key = Problem("linear", 80, 48, 8, torch.float32, "none").key(8, current_environment(torch.device("cpu")))
     Store().put_winner(Winner(plain_key, Library("eager"), FAST, FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
-    layer = autofuse.get_linear(40, 72, activation="gelu", dtype=torch.float32, device="cpu")
-    bare = autofuse.get_linear(40, 72, bias=False, dtype=torch.float32, device="cpu")
+    layer = autofuse.get_linear(48, 80, activation="gelu", dtype=torch.float32, device="cpu")
+    bare = autofuse.get_linear(48, 80, bias=False, dtype=torch.float32, device="cpu")
     with torch.no_grad():
-        layer(torch.randn(4, 40))
-        bare(torch.randn(8, 40))
+        layer(torch.randn(4, 48))
+        bare(torch.randn(8, 48))
     assert raced == [] and layer.plain_config_for(4) == {"linear": Library("eager")}
     assert bare.plain_config_for(8) == {"linear": Library("eager")}
     assert layer.plain_config_for(16) is None  # no call at that M yet
@@ -339,8 +340,8 @@ def test_an_un_graphed_linear_races_the_other_library_paths_where_no_kernel_is_k
     Store().put_winner(Winner(_key(activation="gelu_tanh"), Library("cublaslt_gelu_tanh"), FAST, FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0, 20.0])
-    layer = autofuse.get_linear(40, 72, activation="gelu_tanh", dtype=torch.float32, device="cpu")
-    x = torch.randn(4, 40)
+    layer = autofuse.get_linear(48, 80, activation="gelu_tanh", dtype=torch.float32, device="cpu")
+    x = torch.randn(4, 48)
     with torch.no_grad(), use_policy(TINY_RACE):
         out = _race_through(lambda: layer(x), 3)
     assert [t["linear"].config for t in raced[0]] == [Library(n) for n in ("cublaslt_gelu_tanh", "eager",

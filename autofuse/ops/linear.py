@@ -105,7 +105,7 @@ LINEAR = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="linear",
-    dims=lambda s: (s.out_features, s.in_features, s.activation),
+    dims=lambda s: (input_width(s.out_features), input_width(s.in_features), s.activation),  # FusedLinear's (layout.py)
 )
 
 DOWN = dataclasses.replace(

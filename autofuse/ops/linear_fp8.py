@@ -144,12 +144,14 @@ def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> 
             "r": rand(M, n) if residual else None, "w_original": original}
 
 
-# The dense Linear's op with fp8 weights: the same template, activations, residual, search spaces and keys'
-# dimensions; its own operands (W8 and its scales s), launcher, checks and library path.
+# The dense Linear's op with fp8 weights: the same template, activations, residual and search spaces; its keys'
+# dimensions the sizes unpadded (FusedLinearFp8 holds its weights in padded storage of its own); its own
+# operands (W8 and its scales s), launcher, checks and library path.
 LINEAR_FP8 = dataclasses.replace(
     LINEAR,
     name="linear_fp8",
     doc="act(x (W s)^T + b) [+ residual] in one kernel, W in fp8 with a scale per output channel",
+    dims=lambda s: (s.out_features, s.in_features, s.activation),  # FusedLinearFp8 runs the sizes as they are
     operands=OPERANDS,
     run=_run,
     weights="fp8",
