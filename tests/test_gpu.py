@@ -95,6 +95,45 @@ def test_split_k_and_one_launch_mlp_are_capturable_in_a_cuda_graph():
                          torch.randn(1, 768, dtype=torch.bfloat16, device="cuda"))
 
 
+def test_gemv_steps_launched_as_dependents_match_plain_launches_in_and_out_of_a_cuda_graph():
+    """At M = 1 on sm_90+ the up projection's GEMV lets the down projection's start early and the down projection
+    waits inside (Programmatic Dependent Launch): the same results as the reference, graph-replayed or not, with a
+    d_model the down projection runs padded."""
+    from autofuse.choose.choice import Choice, Source
+    from autofuse.configs import KernelConfig
+    from autofuse.dispatch import run_mlp
+    from autofuse.launch import addresses
+
+    module = autofuse.get_mlp(1000, 2816, activation="silu", dtype=torch.bfloat16, device="cuda")
+    gemv_up = KernelConfig(1, 1, 1024, group_m=1, num_warps=4, num_stages=1, variant="gemv", knobs={"split_k": 1})
+    gemv_down = KernelConfig(1, 1, 512, group_m=1, num_warps=8, num_stages=1, variant="gemv", knobs={"split_k": 1})
+    table = {"gated_up": Choice(gemv_up, Source.HEURISTIC), "down": Choice(gemv_down, Source.HEURISTIC)}
+    params = module._layout.widen(module._params(), addresses(module._params()))
+    x = torch.randn(1, 1000, dtype=torch.bfloat16, device="cuda")
+
+    def run(x):
+        padded = torch.nn.functional.pad(x, (0, module.d_in_run - 1000))
+        return run_mlp(padded, params, "silu", table)[:, :1000]
+
+    with torch.no_grad():
+        ref = mlp_reference_rounded(x, (module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight,
+                                        None, None, None), "silu", x.dtype)
+        assert_matches_reference(run(x), ref, eager_mlp(x, *module.parameters(), activation="silu"))
+    _graph_matches_eager(run, x)
+
+
+def test_a_linear_of_odd_sizes_runs_padded_in_and_out_of_a_cuda_graph():
+    module = autofuse.get_linear(1001, 2731, bias=True, activation="gelu_tanh", dtype=torch.bfloat16, device="cuda")
+    assert module.weight.stride() == (1024, 1)
+    for M in (1, 16, 300):
+        x = torch.randn(M, 1001, dtype=torch.bfloat16, device="cuda")
+        r = torch.randn(M, 2731, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            args = (x, module.weight, module.bias, r, "gelu_tanh")
+            assert_matches_reference(module(x, r), linear_reference(*args), eager_linear(*args))
+        _graph_matches_eager(lambda x: module(x, r), x)
+
+
 def test_tma_kernels_run_from_a_thread_that_never_touched_cuda():
     # Triton creates TMA descriptors through the driver, which needs a current context in the
     # launching thread; the tuner compiles in a worker thread, and so may a user's server.
