@@ -40,23 +40,24 @@ def require(condition: bool, message: str | Callable[[], str]) -> None:
 def kernel_for(op: OpSpec, activation: str, K: int, dtype: torch.dtype, config: KernelConfig, has_bias: bool,
                has_residual: bool = False, device: torch.device | None = None) -> Kernel:
     precision = fp32_input_precision() if dtype == torch.float32 else None
-    # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
-    static_k = K if variants.get(config.variant).static_k else None
+    variant = variants.get(config.variant)
+    static_k = K if variant.static_k else None
     dependency = None
-    if config.variant == "gemv" and device is not None and dependent_launches(device):
+    if variant.dependent_launch and device is not None and dependent_launches(device):
         dependency = _GRID_DEPENDENCY.get(op.template)
+    # Only bf16 is wrong under the interpreter, but upcasting every dtype there keeps one code path.
     return load_kernel(KernelSpec(op, activation, has_bias, has_residual, K % config.block_k == 0, precision,
                                   interpreting(), config.variant, static_k, dependency))
 
 
-# Programmatic Dependent Launch between the GEMV steps of an MLP at M = 1: the up projection's kernel lets the
-# next kernel start as its last programs run, and the Linear's (the down projection's) is launched as a
-# dependent, waiting for the kernel before it inside, so that its programs' launch and ramp overlap the up
-# projection's tail: 6304 -> 7040 ran 92.0 us against max-autotune's 94.1 (94.1 against 92.5 without), 576 -> 2665
-# 6.6 against 6.9 (H100, graph-replayed, empty cache). The tile kernels at M = 16 ran 0.7-3.7 us slower with it
-# (576 -> 2665, 5681 -> 20024; the peers beside them unchanged), so they launch as before. A Linear waits before
-# its first load, so any kernel before it (a library path's, another Linear's) is finished and its writes visible,
-# as without the overlap.
+# Programmatic Dependent Launch between an MLP's steps where their variant has it (Variant.dependent_launch: the
+# GEMV at M = 1): the up projection's kernel lets the next kernel start as its last programs run, and the Linear's
+# (the down projection's) is launched as a dependent, waiting inside for the kernel before it, so that its
+# programs' launch and ramp overlap the up projection's tail: 6304 -> 7040 ran 92.0 us against max-autotune's
+# 94.1 (94.1 against 92.5 without), 576 -> 2665 6.6 against 6.9 (H100, graph-replayed, empty cache). The tile
+# kernels at M = 16 ran 0.7-3.7 us slower with it (576 -> 2665, 5681 -> 20024; the peers beside them unchanged), so
+# they launch as before. A Linear waits before its first load, so any kernel before it (a library path's, another
+# Linear's) is finished and its writes visible, as without the overlap.
 _GRID_DEPENDENCY = {"gated_up": "launch", "gated_pairs": "launch", "linear": "wait"}
 
 

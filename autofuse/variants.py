@@ -114,6 +114,9 @@ class Variant:
     # Compiled for one K: the kernel's source holds K as a constant (render.KernelSpec.static_k), so its K loop
     # has a known trip count and its masks are known at compile time; one compile per K.
     static_k: bool = False
+    # Its kernels overlap through Programmatic Dependent Launch on sm_90+ (launch.kernel_for): an up projection's
+    # lets the next kernel start as its last programs run, a Linear's is launched as a dependent and waits inside.
+    dependent_launch: bool = False
 
     def knob_constexprs(self, knobs: Mapping[str, int]) -> dict[str, int]:
         return {self.knobs[name].constexpr: value for name, value in knobs.items()}
@@ -302,6 +305,7 @@ GEMV = Variant(
     # A loop of runtime trip count ran the same reduction 4-7% slower at its fastest configs, and 1.5x
     # at one K step of 8192 on 16 warps (gated up projections 5568 -> 14496 and 6304 -> 7040 at M = 1, H100).
     static_k=True,
+    dependent_launch=True,  # the tile variants' kernels ran slower so (launch.py says what each measured)
 )
 for _variant in (TILE, SPLIT_K, TMA, GEMV):
     register(_variant)
