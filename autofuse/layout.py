@@ -120,14 +120,12 @@ def input_width(d_model: int) -> int:
     return _padded(d_model, ALIGNED)
 
 
-class MLPLayout:
-    """The storage lay_out() made for one gated MLP's parameters. widen() gives the parameters at the
-    width that runs while they still are views of it; `active` says whether they were at the last
-    widen (or, before any, since lay_out)."""
+class _PaddedLayout:
+    """Parameters laid out as views of padded storage: widen() gives them at the sizes that run while they still are
+    views of it (each as _views() says), or None; `active` says whether they were at the last widen (or, before any,
+    since they were laid out)."""
 
-    def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
-        self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
-        self.d_in = input_width(d_model)  # the up-projection's K: x's and the gate/up rows' padded width
+    def __init__(self, params: tuple) -> None:
         self.storages = self._storages(params)
         self._memo: tuple | None = None  # (weights' addresses, widened parameters or None)
 
@@ -140,23 +138,12 @@ class MLPLayout:
         return tuple(None if p is None else p.untyped_storage().data_ptr() for p in params)
 
     def _views(self) -> dict:
-        """(shape, stride, storage offset) of each parameter and of its widened view, by position in
-        (wg, bg, wu, bu, wd): what lay_out made."""
-        d, D, F, W = self.d_model, self.d_in, self.d_ff, self.width
-        step = 2 if self.interleaved else 1
-        return {
-            0: ((F, d), (step * D, 1), 0, (W, D)),
-            1: ((F,), (step,), 0, (W,)),
-            2: ((F, d), (step * D, 1), D if self.interleaved else 0, (W, D)),
-            3: ((F,), (step,), 1 if self.interleaved else 0, (W,)),
-            4: ((d, F), (W, 1), 0, (D, W)),
-            5: ((d,), (1,), 0, (D,)),
-        }
+        """(shape, stride, storage offset) of each parameter and the shape of its widened view, by position."""
+        raise NotImplementedError
 
     def widen(self, params: tuple, weights: list) -> tuple | None:
-        """(wg, bg, wu, bu, wd, bd) at the width that runs (interleaved: still views of the one buffer,
-        ops.gated_pairs.pairs_of gives it back), or None where a parameter is no longer a view of this
-        storage. `weights`: the parameters' addresses (launch.addresses), the memo's key."""
+        """The parameters at the sizes that run, or None where one is no longer a view of this storage.
+        `weights`: the parameters' addresses (launch.addresses), the memo's key."""
         memo = self._memo
         if memo is not None and memo[0] == weights:
             return memo[1]
@@ -180,42 +167,44 @@ class MLPLayout:
         return tuple(wide)
 
 
-class LinearLayout:
+class MLPLayout(_PaddedLayout):
+    """The storage lay_out() made for one gated MLP's parameters. widen() gives (wg, bg, wu, bu, wd, bd) at the
+    width that runs (interleaved: still views of the one buffer, ops.gated_pairs.pairs_of gives it back)."""
+
+    def __init__(self, d_model: int, d_ff: int, interleaved: bool, params: tuple) -> None:
+        self.d_model, self.d_ff, self.width, self.interleaved = d_model, d_ff, run_width(d_ff), interleaved
+        self.d_in = input_width(d_model)  # the up-projection's K and the down projection's N, padded
+        super().__init__(params)
+
+    def _views(self) -> dict:
+        """By position in (wg, bg, wu, bu, wd, bd): what lay_out made."""
+        d, D, F, W = self.d_model, self.d_in, self.d_ff, self.width
+        step = 2 if self.interleaved else 1
+        return {
+            0: ((F, d), (step * D, 1), 0, (W, D)),
+            1: ((F,), (step,), 0, (W,)),
+            2: ((F, d), (step * D, 1), D if self.interleaved else 0, (W, D)),
+            3: ((F,), (step,), 1 if self.interleaved else 0, (W,)),
+            4: ((d, F), (W, 1), 0, (D, W)),
+            5: ((d,), (1,), 0, (D,)),
+        }
+
+
+class LinearLayout(_PaddedLayout):
     """The storage lay_out_linear() made for a Linear's weight ([N, K]) and bias ([N]) where N or K is not a multiple
     of ALIGNED: zero-filled [input_width(N), input_width(K)] and [input_width(N)], the parameters views of their
     first N rows and K columns. Inference runs the Linear at the padded sizes, exactly as the MLP's down projection
     at a padded d_model (the module docstring): x's rows padded with zeros to K's width, a residual's to N's, the
-    padded output rows 0 + 0 and the output the first N columns. widen() gives the parameters at that width while
-    they still are views of it; `active` says whether they were at the last widen."""
+    padded output columns 0 + 0 and the output the first N columns. widen() gives (weight, bias) at those sizes."""
 
     def __init__(self, n: int, k: int, params: tuple) -> None:
         self.n, self.k, self.n_run, self.k_run = n, k, input_width(n), input_width(k)
-        self.storages = MLPLayout._storages(params)
-        self._memo: tuple | None = None  # (the parameters' addresses, widened parameters or None)
+        super().__init__(params)
 
-    @property
-    def active(self) -> bool:
-        return self._memo is None or self._memo[1] is not None
-
-    def widen(self, params: tuple, weights: list) -> tuple | None:
-        """(weight, bias) at the padded sizes, or None where a parameter is no longer a view of this storage.
-        `weights`: the parameters' addresses, the memo's key."""
-        memo = self._memo
-        if memo is not None and memo[0] == weights:
-            return memo[1]
-        self._memo = (weights, self._widened(params))
-        return self._memo[1]
-
-    def _widened(self, params: tuple) -> tuple | None:
-        weight, bias = params
-        if MLPLayout._storages(params) != self.storages:
-            return None
-        if weight.shape != (self.n, self.k) or weight.stride() != (self.k_run, 1) or weight.storage_offset() != 0:
-            return None
-        if bias is not None and (bias.shape != (self.n,) or bias.stride() != (1,) or bias.storage_offset() != 0):
-            return None
-        wide_bias = None if bias is None else bias.as_strided((self.n_run,), (1,), 0)
-        return weight.as_strided((self.n_run, self.k_run), (self.k_run, 1), 0), wide_bias
+    def _views(self) -> dict:
+        """By position in (weight, bias): what lay_out_linear made."""
+        return {0: ((self.n, self.k), (self.k_run, 1), 0, (self.n_run, self.k_run)),
+                1: ((self.n,), (1,), 0, (self.n_run,))}
 
 
 def lay_out_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> LinearLayout | None:
