@@ -193,10 +193,23 @@ class BoundMLP:
         bound = launches["down"]
         if bound is None:
             return as_output(run_down(h, params, table["down"]), out_shape)
-        y = x.new_empty((self.M, (wd.w8 if isinstance(wd, Fp8Weight) else wd).shape[0]))
+        y, padded = _output_for(x, out_shape, self.M, weight_rows(wd))
         if not bound({"x": h, "y": y}):
-            run_linear_kernel(h, wd, bd, None, "none", table["down"].kernel, out=y)
-        return as_output(y, out_shape)
+            run_linear_kernel(h, wd, bd, None, "none", table["down"].kernel, out=_rows(y))
+        return as_output(y, out_shape) if padded else y
+
+
+def weight_rows(w) -> int:
+    """The rows (output width) of a weight W or an Fp8Weight."""
+    return (w.w8 if isinstance(w, Fp8Weight) else w).shape[0]
+
+
+def _output_for(x: torch.Tensor, out_shape: tuple, M: int, n: int) -> tuple[torch.Tensor, bool]:
+    """(the buffer a replayed launch writes, whether it is padded): out_shape itself, or [M, n] where the launch runs
+    at a padded output width n (layout.py), whose first out_shape[-1] columns as_output gives back."""
+    if n == out_shape[-1]:
+        return x.new_empty(out_shape), False
+    return x.new_empty((M, n)), True
 
 
 def as_output(y: torch.Tensor, out_shape: tuple) -> torch.Tensor:
@@ -246,8 +259,7 @@ def new_hidden(like: torch.Tensor, M: int, params: tuple) -> torch.Tensor:
 
 def hidden_width(params: tuple) -> int:
     """d_ff of an MLP's params (wg, bg, wu, bu, wd, bd), each weight W or an Fp8Weight."""
-    wg = params[0]
-    return (wg.w8 if isinstance(wg, Fp8Weight) else wg).shape[0]
+    return weight_rows(params[0])
 
 
 class BoundLinear:
@@ -268,18 +280,11 @@ class BoundLinear:
         bound = self.launch
         replayable = M == self.M and _replayable(self.inside_ops)
         if replayable and bound is not None and weights == self.weights:
-            n = (weight.w8 if isinstance(weight, Fp8Weight) else weight).shape[0]
-            if n == out_shape[-1]:
-                y = x.new_empty(out_shape)
-                if not bound({"x": x, "r": residual, "y": y}):
-                    r2d = None if residual is None else _rows(residual)
-                    run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
-                return y
-            y = x.new_empty((self.M, n))  # a padded output width (layout.py): the first out_shape[-1] columns
+            y, padded = _output_for(x, out_shape, self.M, weight_rows(weight))
             if not bound({"x": x, "r": residual, "y": y}):
                 r2d = None if residual is None else _rows(residual)
-                run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=y)
-            return as_output(y, out_shape)
+                run_linear_kernel(_rows(x), weight, bias, r2d, self.activation, self.kernel, out=_rows(y))
+            return as_output(y, out_shape) if padded else y
         x2d, r2d = _rows(x), None if residual is None else _rows(residual)
         if self.library is not None and not torch.autograd.profiler._is_profiler_enabled:
             return as_output(self.library(linear_operands(x2d, weight, bias, r2d), self.activation), out_shape)
