@@ -10,7 +10,7 @@ from . import traffic
 from .choose import Choice, LinearPlan, MLPPlan, generation, pending, select, table_key
 from .choose import race as plain
 from .configs import KernelConfig, Library
-from .device import check_device
+from .device import capturing, check_device
 from .errors import AutofuseError, shown
 from .shapes import DTYPES, MAX_SIZE
 
@@ -85,6 +85,7 @@ class FusedModule(nn.Module):
         self._bound: dict[tuple, object] = {}  # table key -> dispatch.BoundMLP / BoundLinear
         self._last: tuple | None = None  # (M, residual, weight addresses, generation, entry): _entry
         self._generation = generation()  # what the memos above were resolved under: _drop_stale
+        self._plain_for_training = False  # a training forward made the parameters plain (_lay_out_plain)
 
     def _reference_weight(self) -> torch.Tensor:
         raise NotImplementedError
@@ -93,7 +94,22 @@ class FusedModule(nn.Module):
         recorder = traffic.recorder
         if recorder is not None:  # the traffic so far was recorded under the parameters' dtype until now
             recorder.retire(self)
-        return super()._apply(fn, recurse)
+        module = super()._apply(fn, recurse)
+        self._lay_out()  # `.to()` / `.half()` copy the parameters into plain tensors
+        return module
+
+    def _lay_out(self) -> None:
+        """Keeps the parameters in the storage inference runs on (layout.py), where the module has one: made when
+        it is built, after nn.Module._apply, and after a training forward made them plain. Nothing by default."""
+
+    def _laid_out_again(self, device: torch.device) -> bool:
+        """At an inference forward after a training forward made the parameters plain: lays them out again (not
+        while a CUDA graph captures) and says so, the caller then reading its parameters anew."""
+        if not self._plain_for_training or capturing(device):
+            return False
+        self._plain_for_training = False
+        self._lay_out()
+        return True
 
     def _rows_of(self, x: object, what: str, weight: torch.Tensor) -> int:
         """How many rows x holds, after the checks that protect users. Runs on every forward: only

@@ -52,7 +52,6 @@ class FusedLinear(FusedModule):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.reset_parameters()
         self._layout: LinearLayout | None = None
-        self._plain_for_training = False  # a training forward made the parameters plain (_lay_out_plain)
         self._lay_out()
         if self._pads:
             self._register_state_dict_hook(contiguous_state)
@@ -70,11 +69,6 @@ class FusedLinear(FusedModule):
         if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
             return
         self._layout = lay_out_linear(*params)
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
-        self._lay_out()
-        return module
 
     def _sizes_run(self) -> tuple[int, int]:
         """(in_features, out_features) inference runs at: the padded sizes while the parameters are views of
@@ -140,9 +134,7 @@ class FusedLinear(FusedModule):
                 return recorder.timed(self, M, True, x.device, lambda: as_shape(LinearFunction.apply(
                     x2d, weight, bias, r2d, activation, config), out_shape))
             return as_shape(LinearFunction.apply(x2d, weight, bias, r2d, activation, config), out_shape)
-        if self._plain_for_training and not capturing(weight.device):
-            self._plain_for_training = False
-            self._lay_out()
+        if self._laid_out_again(weight.device):
             weight, bias = self._linear_params()
         weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
         layout = self._layout
@@ -323,7 +315,6 @@ class FusedMLP(FusedModule):
         # A d_ff whose rows are not 16-byte aligned, or interleaved gate and up weights: the parameters
         # are views of storage laid out for the kernels (layout.py).
         self._layout: MLPLayout | None = None
-        self._plain_for_training = False  # a training forward made the parameters plain (_lay_out_plain)
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
 
@@ -358,11 +349,6 @@ class FusedMLP(FusedModule):
         """Whether inference may run op gated_pairs: the parameters are views of one interleaved buffer."""
         layout = self._layout
         return layout is not None and layout.active and layout.interleaved
-
-    def _apply(self, fn, recurse=True):
-        module = super()._apply(fn, recurse)
-        self._lay_out()
-        return module
 
     def _reference_weight(self) -> torch.Tensor:
         return self.gate_proj.weight
@@ -404,9 +390,7 @@ class FusedMLP(FusedModule):
                 return recorder.timed(self, M, True, x.device,
                                       lambda: as_shape(MLPFunction.apply(x2d, *params, step), out_shape))
             return as_shape(MLPFunction.apply(x2d, *params, step), out_shape)
-        if self._plain_for_training and not capturing(wg.device):
-            self._plain_for_training = False
-            self._lay_out()
+        if self._laid_out_again(wg.device):
             params = self._params()
             wg = params[0]
         weights = addresses(params)
