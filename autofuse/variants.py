@@ -156,7 +156,7 @@ def _block_sizes(variant: Variant, dimension: str) -> tuple[int, ...]:
 # The names a template already receives, and a config's fields: no variant or knob may take one.
 _TAKEN = frozenset({"op", "activation", "has_bias", "has_residual", "even_k", "input_precision", "upcast_operands",
                     "variant", "kernel_name", "signature", "block_m", "block_n", "block_k", "group_m", "num_warps",
-                    "num_stages", "knobs", "static_k", "fp8_weights", "fp8_activations", "peel_k"})
+                    "num_stages", "knobs", "static_k", "grid_dependency", "fp8_weights", "fp8_activations", "peel_k"})
 
 _REGISTRY: dict[str, Variant] = {}
 _BUILT_IN: set[str] = set()
