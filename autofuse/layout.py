@@ -36,12 +36,17 @@ is. Training and torch.compile run on the parameters as they are.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .device import capturing
 
 # Elements: rows of PAD_TO elements are 16-byte aligned in every supported dtype, PAD_TO is a multiple of
 # 16 (what Triton specialises a stride on) and of every BLOCK_K the templates use, so the padded K needs no
 # mask.
 PAD_TO = 64
+# pad_rows keeps a zero block per M up to this many rows (decode, where a call's host time shows).
+ZERO_BLOCK_MAX_M = 256
 # A width that Triton's divisibility specialisation sees as aligned: rows of it need no padding.
 ALIGNED = 16
 
@@ -120,6 +125,17 @@ def input_width(d_model: int) -> int:
     return _padded(d_model, ALIGNED)
 
 
+def linear_width(d: int) -> int:
+    """An in_features or out_features a Linear (FusedLinear) runs at: d where rows of d 16-bit elements are
+    16-byte aligned, else padded to PAD_TO (as row_width). Unaligned rows cost cuBLAS and Triton most of their
+    speed, and padding them is worth its copy of x per call: 5416 -> 5365 ran 209.9 us at M = 2048 padded
+    against eager's 1360.5, 2987 -> 11392 226.1 against 1522.7. A multiple of 8 is not padded to one of 16 as
+    the MLP's d_model is: a Linear's x is as large as its weight where M nears out_features, and the copy lost
+    more than alignment gained, 6600 -> 872 ran 84.8 us padded to 6656 -> 896 at M = 2048 against eager's 51.4
+    (11.2 against 9.4 at M = 16; H100, graph-replayed, benchmarks/never_slower.py)."""
+    return row_width(d)
+
+
 class _PaddedLayout:
     """Parameters laid out as views of padded storage: widen() gives them at the sizes that run while they still are
     views of it (each as _views() says), or None; `active` says whether they were at the last widen (or, before any,
@@ -128,6 +144,21 @@ class _PaddedLayout:
     def __init__(self, params: tuple) -> None:
         self.storages = self._storages(params)
         self._memo: tuple | None = None  # (weights' addresses, widened parameters or None)
+        self._zero_blocks: dict[tuple, torch.Tensor] = {}  # pad_rows's, by (M, columns, dtype, device)
+
+    def pad_rows(self, x2d: torch.Tensor, width: int) -> torch.Tensor:
+        """x2d ([M, K]) with zero columns up to `width`, in new storage. Up to ZERO_BLOCK_MAX_M rows, torch.cat with
+        a zero block kept per (M, dtype, device): one op, where F.pad's constant_pad_nd runs a fill, a narrow and a
+        copy, 15.5 against 27.8 us per call at M = 1 (H100 host); above that, and while a CUDA graph captures (no
+        block is made in a graph's pool), F.pad."""
+        M = x2d.shape[0]
+        if M > ZERO_BLOCK_MAX_M or capturing(x2d.device):
+            return F.pad(x2d, (0, width - x2d.shape[1]))
+        key = (M, width - x2d.shape[1], x2d.dtype, x2d.device)
+        zeros = self._zero_blocks.get(key)
+        if zeros is None:
+            zeros = self._zero_blocks[key] = x2d.new_zeros(key[:2])
+        return torch.cat((x2d, zeros), 1)
 
     @property
     def active(self) -> bool:
@@ -191,14 +222,15 @@ class MLPLayout(_PaddedLayout):
 
 
 class LinearLayout(_PaddedLayout):
-    """The storage lay_out_linear() made for a Linear's weight ([N, K]) and bias ([N]) where N or K is not a multiple
-    of ALIGNED: zero-filled [input_width(N), input_width(K)] and [input_width(N)], the parameters views of their
-    first N rows and K columns. Inference runs the Linear at the padded sizes, exactly as the MLP's down projection
-    at a padded d_model (the module docstring): x's rows padded with zeros to K's width, a residual's to N's, the
-    padded output columns 0 + 0 and the output the first N columns. widen() gives (weight, bias) at those sizes."""
+    """The storage lay_out_linear() made for a Linear's weight ([N, K]) and bias ([N]) where rows of N or K
+    elements are not 16-byte aligned: zero-filled [linear_width(N), linear_width(K)] and [linear_width(N)], the
+    parameters views of their first N rows and K columns. Inference runs the Linear at the padded sizes, exactly
+    as the MLP's down projection at a padded d_model (the module docstring): x's rows padded with zeros to K's
+    width, a residual's to N's, the padded output columns 0 + 0 and the output the first N columns. widen() gives
+    (weight, bias) at those sizes."""
 
     def __init__(self, n: int, k: int, params: tuple) -> None:
-        self.n, self.k, self.n_run, self.k_run = n, k, input_width(n), input_width(k)
+        self.n, self.k, self.n_run, self.k_run = n, k, linear_width(n), linear_width(k)
         super().__init__(params)
 
     def _views(self) -> dict:
@@ -208,10 +240,10 @@ class LinearLayout(_PaddedLayout):
 
 
 def lay_out_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> LinearLayout | None:
-    """Re-lays a Linear's parameters into the storage LinearLayout describes; None where both sizes are multiples
-    of ALIGNED already, or on the meta device."""
+    """Re-lays a Linear's parameters into the storage LinearLayout describes; None where rows of both sizes are
+    aligned already (linear_width), or on the meta device."""
     n, k = weight.shape
-    n_run, k_run = input_width(n), input_width(k)
+    n_run, k_run = linear_width(n), linear_width(k)
     if (n_run, k_run) == (n, k) or weight.device.type == "meta":
         return None
     with torch.inference_mode(False):

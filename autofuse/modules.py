@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import custom_ops, ops, traffic  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
@@ -143,9 +142,9 @@ class FusedLinear(FusedModule):
             if wide is not None:  # x's (and a residual's) rows padded with zeros to the weight's (layout.py)
                 weight, bias = wide
                 if layout.k_run != layout.k:
-                    x = F.pad(x.reshape(M, layout.k), (0, layout.k_run - layout.k))
+                    x = layout.pad_rows(x.reshape(M, layout.k), layout.k_run)
                 if residual is not None and layout.n_run != layout.n:
-                    residual = F.pad(residual.reshape(M, layout.n), (0, layout.n_run - layout.n))
+                    residual = layout.pad_rows(residual.reshape(M, layout.n), layout.n_run)
         entry = self._entry(M, weights, weight, residual is not None)
         recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
         if recorder is not None and recorder.due(self, M, False):
@@ -400,7 +399,7 @@ class FusedMLP(FusedModule):
             if wide is not None:
                 params = wide
                 if layout.d_in != self.d_model:  # rows of x padded with zeros to the weights' (layout.py)
-                    x = F.pad(x.reshape(M, self.d_model), (0, layout.d_in - self.d_model))
+                    x = layout.pad_rows(x.reshape(M, self.d_model), layout.d_in)
         entry = self._entry(M, weights, wg)
         recorder = traffic.recorder  # counts un-graphed calls while traffic is recorded (traffic.py)
         if recorder is not None and recorder.due(self, M, False):

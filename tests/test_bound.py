@@ -166,8 +166,8 @@ def test_a_cache_import_is_seen_without_clearing_the_tables(device):
     lin = autofuse.get_linear(40, 56, activation="gelu", dtype=torch.float32, device=device)
     assert lin.config_sources(4) == {"linear": "heuristic"}
     imported = KernelConfig(16, 16, 16, group_m=1, num_stages=1)
-    # 40 -> 56 runs padded to 64 -> 64 (layout.LinearLayout): its key holds the sizes that run.
-    key = Problem("linear", 64, 64, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device(device)))
+    # 40 -> 56: rows of both sizes are 16-byte aligned, so it runs unpadded (layout.linear_width).
+    key = Problem("linear", 56, 40, 4, torch.float32, "gelu", True).key(4, current_environment(torch.device(device)))
     Store().put_winner(Winner(key, imported, 1.0, 2.0))
     resolve.invalidate()  # what `autofuse cache import` and a tune in this process call
     assert lin.config_sources(4) == {"linear": "user-cache"} and lin.config_for(4) == {"linear": imported}

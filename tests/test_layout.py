@@ -339,3 +339,36 @@ def test_a_linear_of_odd_sizes_trains_on_plain_parameters_and_sees_replaced_ones
         module.weight.data = torch.randn(45, 37, device=device)  # replaced: runs as it is
         torch.testing.assert_close(module(x), torch.nn.functional.silu(
             torch.nn.functional.linear(x, module.weight, module.bias)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_linear_of_aligned_rows_runs_unpadded_and_pads_only_an_unaligned_size(device):
+    """in_features 40 and out_features 88 are multiples of 8, not of 16: their rows are 16-byte aligned, and padding
+    them would copy x every call for little (layout.linear_width), so the parameters stay plain and the key holds
+    the sizes as they are; 40 -> 45 pads out_features alone, so x is never copied."""
+    aligned = autofuse.get_linear(40, 88, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
+    assert aligned._layout is None and aligned.weight.is_contiguous() and aligned.weight.stride() == (40, 1)
+    assert ops.get("linear").dims(LinearShape("aligned", 40, 88, "gelu_tanh"))[:2] == (88, 40)
+    one_side = autofuse.get_linear(40, 45, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
+    assert (one_side._layout.k_run, one_side._layout.n_run) == (40, 64) and one_side.weight.stride() == (40, 1)
+    x = torch.randn(6, 40, device=device)
+    for module in (aligned, one_side):
+        with torch.no_grad():
+            out = module(x)
+        args = (x, module.weight, module.bias, None, module.activation)
+        assert_matches_reference(out, linear_reference(*args), eager_linear(*args))
+
+
+def test_pad_rows_appends_zero_columns_in_new_storage_at_every_m(device):
+    from autofuse.layout import ZERO_BLOCK_MAX_M
+
+    module = autofuse.get_linear(37, 45, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
+    layout = module._layout
+    for M in (1, 7, ZERO_BLOCK_MAX_M, ZERO_BLOCK_MAX_M + 1):
+        x = torch.randn(M, 37, device=device)
+        for _ in range(2):  # the second call at an M reuses its zero block
+            padded = layout.pad_rows(x, 64)
+            assert padded.shape == (M, 64) and padded.is_contiguous()
+            assert torch.equal(padded[:, :37], x) and padded[:, 37:].abs().max() == 0
+            assert padded.data_ptr() != x.data_ptr()
+    blocks = {key[0] for key in layout._zero_blocks}
+    assert blocks == {1, 7, ZERO_BLOCK_MAX_M}  # none kept above ZERO_BLOCK_MAX_M rows

@@ -162,8 +162,8 @@ def test_import_rejects_a_bad_record_even_with_a_valid_checksum(tmp_path, monkey
     assert list(Store().winners()) == []  # record 0 was valid, and still nothing was written
 
 
-def _key(op="linear", n=64, k=64, m=37, activation="gelu", env=None):
-    # get_linear(40, 56)'s key: it runs padded to 64 -> 64 (layout.LinearLayout).
+def _key(op="linear", n=56, k=40, m=37, activation="gelu", env=None):
+    # get_linear(40, 56)'s key: rows of both sizes are 16-byte aligned, so it runs unpadded (layout.linear_width).
     env = env or current_environment(torch.device("cpu"))
     return Problem(op, n, k, m, torch.bfloat16, activation, True).key(m, env)
 
@@ -243,7 +243,7 @@ def test_four_processes_tuning_into_one_cache_lose_nothing(tmp_path):
     # each, and the one-launch kernel, which their modules never plan, gets none.
     expected = {(op, 48, input_width(16 + 8 * i)) for op in ("gated_up", "gated_pairs") for i in range(4)}
     expected |= {("down", input_width(16 + 8 * i), 48) for i in range(4)} | {("mlp", 48, 16), ("mlp", 48, 32)}
-    expected |= {("linear", input_width(40), input_width(24))}  # the Linear runs padded (layout.LinearLayout)
+    expected |= {("linear", 40, 24)}  # aligned rows: the Linear runs unpadded (layout.linear_width)
     assert {(w.key.op, w.key.n, w.key.k) for w in winners} == expected
     assert all(len(Store(cache).trials(w.key)) >= 3 for w in winners)
 

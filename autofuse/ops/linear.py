@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import input_width, run_width
+from ..layout import input_width, linear_width, run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 from .bias_act import bias_activation
@@ -105,7 +105,7 @@ LINEAR = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="linear",
-    dims=lambda s: (input_width(s.out_features), input_width(s.in_features), s.activation),  # FusedLinear's (layout.py)
+    dims=lambda s: (linear_width(s.out_features), linear_width(s.in_features), s.activation),  # FusedLinear's
 )
 
 DOWN = dataclasses.replace(
