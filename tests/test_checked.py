@@ -231,6 +231,40 @@ def test_a_nearest_keys_kernel_is_checked_beside_this_buckets_heuristic(device, 
     assert Store().get_winner(problem.key()).config == choice.config
 
 
+@pytest.mark.parametrize("nearest_bucket, bucket, kernels_timed", [(128, 128, False), (16, 128, True),
+                                                                   (1024, 1024, True)])
+def test_a_nearest_keys_library_choice_at_the_same_bucket_is_checked_among_library_paths_alone(
+        device, monkeypatch, nearest_bucket, bucket, kernels_timed):
+    """Where the nearest tuned key at this M bucket chose a library path (and the bucket is at most
+    LIBRARY_PRIOR_MAX_M), the check compiles and times no kernel: the library paths alone decide. At another
+    bucket, or above LIBRARY_PRIOR_MAX_M, this bucket's heuristic kernel is checked beside them."""
+    from autofuse.key import current_environment
+
+    assert checked.LIBRARY_PRIOR_MAX_M == 256
+    problem = Problem("down", 64, 96, bucket, torch.float32, "none", False, device=torch.device(device))
+    neighbour = Problem("down", 48, 80, nearest_bucket, torch.float32, "none", False).key(
+        nearest_bucket, current_environment(torch.device(device)))
+    monkeypatch.setattr(checked, "interpreting", lambda: False)
+    monkeypatch.setattr(objective.Evaluator, "library_ms", lambda self: {"eager": 2.0})
+    timed, compiled = [], []
+
+    def evaluate(self, config):
+        timed.append(config)
+        return TrialRecord(config, "ok", 1.0, "")
+    monkeypatch.setattr(objective.Evaluator, "evaluate", evaluate)
+    monkeypatch.setattr(checked, "_compile_one", lambda problem, kernel: compiled.append(kernel))
+    monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
+    monkeypatch.setattr(objective.Evaluator, "retimed_side_by_side",
+                        lambda self, record, library_ms, names, rivals=(): (record, library_ms))
+    nearest = Choice(Library("eager"), Source.NEAREST, detail=neighbour.id())
+    checked.precompile([(problem, nearest), (problem, nearest)])  # what a plan's first forward compiles
+    choice = checked.checked(problem, nearest)
+    assert bool(timed) == kernels_timed and bool(compiled) == kernels_timed
+    assert choice.source == "checked" and isinstance(choice.config, KernelConfig) == kernels_timed
+    if not kernels_timed:  # the library paths alone: no runner-up kernel for un-graphed calls
+        assert choice.runner_up is None and Store().get_winner(problem.key()).config == Library("eager")
+
+
 @pytest.mark.parametrize("one_launch_ms", [3.0, 4.1, 5.0])
 def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkeypatch, one_launch_ms):
     """At small M the one-launch MLP runs unless the two checked ops together (2 + 2 here) beat it by

@@ -29,7 +29,7 @@ import torch
 from ..configs import Library
 from ..device import capturing, interpreting
 from ..errors import AutofuseError
-from ..key import Problem
+from ..key import Problem, TuningKey
 from ..store import CHECKED, Store, Winner
 from . import lookup
 from .choice import Choice, Source
@@ -73,8 +73,6 @@ def checked(problem: Problem, choice: Choice) -> Choice:
         return Choice(Library("eager"), Source.PENDING)
     key = problem.key()
     heuristic = heuristic_for(problem.replace(M=problem.bucket))
-    if choice.kernel is None:  # which library path is fastest also depends on the shape: compare here
-        choice = Choice(heuristic, Source.HEURISTIC)
     try:
         winner = _compare(key, problem.M, _kernels_to_check(problem, choice, heuristic), problem.device, heuristic)
     except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
@@ -99,8 +97,6 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
                 or _cannot_time(problem.device):
             continue
         heuristic = heuristic_for(problem.replace(M=problem.bucket))
-        if choice.kernel is None:
-            choice = Choice(heuristic, Source.HEURISTIC)
         work.extend((problem, kernel) for kernel in _kernels_to_check(problem, choice, heuristic))
     if len(work) < 2:  # one kernel compiles as fast in its own check
         return
@@ -157,13 +153,38 @@ def _kernels_to_check(problem: Problem, choice: Choice, heuristic) -> list:
     this M bucket's heuristic config beside it; and the op's alternatives to its heuristic at this M (the GEMV
     config at M = 1, the fp8 ops' second decode tile at M = 2-16). A nearest key may be the same shape at another
     M: a down projection of d_model 5681 ran the split-K config checked at M = 16 at M = 256, 14% of the read
-    ceiling, where eager's cuBLAS (unaligned rows) was slower still and let it pass its check. `heuristic`: this
-    bucket's heuristic config."""
+    ceiling, where eager's cuBLAS (unaligned rows) was slower still and let it pass its check. Where the choice is
+    a library path (which one is fastest depends on the shape: the check compares them), this bucket's heuristic
+    config stands for the kernels, unless library_prior says none need compiling. `heuristic`: this bucket's
+    heuristic config."""
+    if choice.kernel is None:
+        if library_prior(problem, choice):
+            return []
+        choice = Choice(heuristic, Source.HEURISTIC)
     kernels = [choice.kernel]
     if choice.source is Source.NEAREST:
         kernels.append(heuristic)
     kernels.extend(alternatives_for(problem.replace(M=problem.bucket)))
     return list(dict.fromkeys(kernels))
+
+
+# The M buckets up to which library_prior holds: a first use there must cost under a second, most of it compiling
+# the checked kernels (0.5-0.9 s of a first forward's 0.8-1.1 s at M = 128 on an H100, on threads).
+LIBRARY_PRIOR_MAX_M = 256
+
+
+def library_prior(problem: Problem, choice: Choice) -> bool:
+    """Whether a check of `choice` times the library paths alone, compiling no kernel: the nearest tuned key of this
+    problem at the same M bucket (up to LIBRARY_PRIOR_MAX_M) chose a library path. Tuning found cuBLAS ahead there
+    (the down projection at M = 128: 3 of the 4 H100 records shipped), and the first-use checks of six held-out
+    MLPs chose eager's cuBLAS call for the down projection at M = 128 on all six."""
+    if choice.source is not Source.NEAREST or problem.bucket > LIBRARY_PRIOR_MAX_M:
+        return False
+    try:
+        nearest_bucket = TuningKey.parse(choice.detail).m_bucket
+    except ValueError:
+        return False
+    return nearest_bucket == problem.bucket
 
 
 def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -> Winner:
@@ -179,11 +200,13 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
         with torch.no_grad():
             library_ms = evaluator.library_ms()
             done = {kernel: evaluator.evaluate(kernel) for kernel in kernels}
-            record = fastest_trial(done) or done[kernels[0]]
+            # None where no kernel was checked (library_prior): the library paths alone.
+            record = fastest_trial(done) or (done[kernels[0]] if kernels else None)
             if _times_on_gpu(device):
                 rivals = near_fastest(done, len(done))[1:]  # the correct kernels near `record`, itself first
                 retimed, library_ms = _side_by_side_if_near(evaluator, record, library_ms, rivals)
-                done[retimed.config] = record = retimed
+                if record is not None:
+                    done[retimed.config] = record = retimed
     finally:
         evaluator.close()
     for kernel, failed in done.items():
@@ -193,7 +216,7 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
     policy = current()
     # The fastest kernel, retimed beside the library paths where near them, stands for the kernels checked.
     outcome = Outcome(done, library_ms, heuristic or kernels[0], time.perf_counter() - start,
-                      confirmed=record if record.status == "ok" else None)
+                      confirmed=record if record is not None and record.status == "ok" else None)
     return choose_winner(key, outcome, CHECKED, times_mean_speed=not interpreting(),
                          kernel_margin=policy.kernel_margin(library_ms, policy.check_margin))
 
@@ -204,8 +227,8 @@ def _times_on_gpu(device: torch.device) -> bool:
 
 
 def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float], rivals=()):
-    """(record, library_ms) with every candidate near the fastest (the kernel, where its check passed, the kernels
-    `rivals` within a near tie of it, and the library paths) timed again side by side, where two or more of them
+    """(record, library_ms) with every candidate near the fastest (the kernel, where one was checked and passed, the
+    kernels `rivals` within a near tie of it, and the library paths) timed again side by side, where two or more of them
     are a near tie; the record returned is the fastest kernel's so timed. Library paths among themselves too: each
     was timed on its own, and one timed during a moment of higher clocks could otherwise win over a path that is
     faster in place (an H200's M=1 Linear chose cuBLASLt's epilogue, 5% slower there than torch.compile's cuBLAS +
@@ -213,8 +236,8 @@ def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float], rival
     after the other, left 6480 -> 27640's MLP 6% slower at M = 8 than at M = 4 and 16, whose checks kept the other
     tile (H100)."""
     near_tie = current().near
-    kernel_ms = [record.time_ms] if record.status == "ok" else []
-    fastest = min(*kernel_ms, *library_ms.values())
+    kernel_ms = [record.time_ms] if record is not None and record.status == "ok" else []
+    fastest = min([*kernel_ms, *library_ms.values()])
     near = [name for name, ms in library_ms.items() if near_tie(ms, fastest)]
     kernel_near = bool(kernel_ms) and near_tie(record.time_ms, fastest)
     rivals = list(rivals) if kernel_near else []
