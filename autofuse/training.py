@@ -267,19 +267,21 @@ class MLPFunction(torch.autograd.Function):
         ctx.spent = True
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
         padding = ctx.padding
-        dy = dy.contiguous() if padding is None else padding.rows(dy, padding.D)
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, step)
+        db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
+        # In a list the callee empties once dY is spent: a padded copy of dY ([M, D], which the engine's own dY
+        # does not keep alive) is then freed before the weight gradients' GEMMs, whose last one is the step's peak.
+        dys = [dy.contiguous() if padding is None else padding.rows(dy, padding.D)]
+        del dy
         if len(saved) == 1:  # save_hidden False: one [G | U] buffer, H recomputed
-            grads = _backward_recomputing_h(ctx, dy, x, saved.pop(), w_gate, w_up, w_down, need)
+            grads = _backward_recomputing_h(ctx, dys, x, saved.pop(), w_gate, w_up, w_down, need)
         else:
             kept = list(saved) if ctx.kept is None else ctx.kept
             ctx.kept = None
             saved.clear()  # `kept` holds this function's only references, which the callee drops as it goes
-            grads = _backward_from_kept_h(ctx, dy, x, kept, w_gate, w_up, w_down, need)
+            grads = _backward_from_kept_h(ctx, dys, x, kept, w_gate, w_up, w_down, need)
         if padding is not None:
             grads = padding.grads(grads)
-            dy = dy[:, :padding.d]
-        db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
         return (*grads, db_down, None)
 
 
@@ -294,16 +296,18 @@ def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torc
                  lambda: gated_gradient_kept(dh, g, u, activation, out=(g, u)))
 
 
-def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
-    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from the forward's G, U, H (`kept`: emptied here,
-    so that each buffer is freed once spent). dWd first, then H freed; cuBLAS dH and one pass writing dG, dU
-    over G, U; then dX, and each weight's gradient with its pre-activation gradient freed right after: the
-    last GEMM holds dU alone, not [dG | dU]."""
+def _backward_from_kept_h(ctx, dys: list, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
+    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item) and the forward's G,
+    U, H (`kept`); both lists are emptied here, so that each buffer is freed once spent. dWd first, then H freed;
+    cuBLAS dH, then dY freed, and one pass writing dG, dU over G, U; then dX, and each weight's gradient with its
+    pre-activation gradient freed right after: the last GEMM holds dU alone, not [dG | dU]."""
     g, u, h = kept
     kept.clear()
+    dy = dys.pop()
     dw_down = torch.mm(dy.t(), h) if need[5] else None
     del h  # dH below takes its place
     dh = torch.mm(dy, w_down)
+    del dy
     _gradients_over(ctx.launches, ctx.activation, dh, g, u)
     dg, du = g, u
     del dh, g, u  # dg and du are now the only references to those two buffers
@@ -319,11 +323,13 @@ def _backward_from_kept_h(ctx, dy, x, kept: list, w_gate, w_up, w_down, need) ->
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
-def _backward_recomputing_h(ctx, dy, x, gu, w_gate, w_up, w_down, need) -> tuple:
-    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from the forward's [G | U], whose H was not
-    kept: op gated_bwd's tuned choice writes dG | dU over G | U and recomputes H; dWd, H freed; then the
-    GEMMs over dG | dU (one each where the weights are stacked)."""
+def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -> tuple:
+    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item, emptied here) and
+    the forward's [G | U], whose H was not kept: op gated_bwd's tuned choice writes dG | dU over G | U and
+    recomputes H; dWd, then H and dY freed; then the GEMMs over dG | dU (one each where the weights are
+    stacked)."""
     F_ = w_gate.shape[0]
+    dy = dys.pop()
     config = ctx.backward_config
     if isinstance(config, KernelConfig):
         dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
@@ -331,7 +337,7 @@ def _backward_recomputing_h(ctx, dy, x, gu, w_gate, w_up, w_down, need) -> tuple
         library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
         dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
     dw_down = torch.mm(dy.t(), h) if need[5] else None
-    del h  # first, so that the [M, F] H is freed before the next GEMMs allocate
+    del h, dy  # first, so that the [M, F] H is freed before the next GEMMs allocate
     dg, du = dgu[:, :F_], dgu[:, F_:]
     dx = None
     if need[0]:

@@ -512,6 +512,41 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
     assert module.down_proj.weight.grad.is_contiguous()
 
 
+@pytest.mark.parametrize("save_hidden", [True, False], ids=["keep-h", "recompute-h"])
+def test_a_padded_dy_is_freed_before_the_weight_gradients_gemms(save_hidden, device, monkeypatch):
+    """At an unaligned d_model the backward pads dY ([M, D]); the copy is freed once dH (and dWd) are computed, so
+    that the weight gradients' GEMMs, whose last is the step's peak, do not hold it (the engine keeps its own dY)."""
+    import weakref
+
+    from autofuse import training
+
+    module = autofuse.get_mlp(43, 100, activation="silu", bias=True, dtype=torch.float32, device=device,
+                              save_hidden=save_hidden)
+    x = torch.randn(21, 43, device=device, requires_grad=True)
+    out = module(x)
+    padded, alive_at_mm = [], []
+    rows = training.Padding.rows
+
+    def recording_rows(self, t, width):
+        result = rows(self, t, width)
+        padded.append(weakref.ref(result))
+        return result
+    real_mm = torch.mm
+
+    def recording_mm(a, b, **kwargs):
+        alive_at_mm.append(padded[-1]() is not None if padded else None)
+        return real_mm(a, b, **kwargs)
+    monkeypatch.setattr(training.Padding, "rows", recording_rows)
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    dy = torch.randn(21, 43, device=device)
+    out.backward(dy)
+    monkeypatch.undo()
+    assert len(padded) == 1 and alive_at_mm[0] is True  # the backward padded dY, and its first GEMM reads it
+    assert alive_at_mm[-1] is False and alive_at_mm[-2] is False  # gone by the weight gradients' GEMMs
+    # The down projection's bias gradient, now summed from the engine's dY before the padded copy is made.
+    torch.testing.assert_close(module.down_proj.bias.grad, dy.sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_a_guard_formats_its_message_only_when_it_fails():
     # The launchers' guards run on every call: a message is built only for a guard that fails.
     built = []
