@@ -231,19 +231,25 @@ def test_a_nearest_keys_kernel_is_checked_beside_this_buckets_heuristic(device, 
     assert Store().get_winner(problem.key()).config == choice.config
 
 
-@pytest.mark.parametrize("nearest_bucket, bucket, kernels_timed", [(128, 128, False), (16, 128, True),
-                                                                   (1024, 1024, True)])
-def test_a_nearest_keys_library_choice_at_the_same_bucket_is_checked_among_library_paths_alone(
-        device, monkeypatch, nearest_bucket, bucket, kernels_timed):
-    """Where the nearest tuned key at this M bucket chose a library path (and the bucket is at most
-    LIBRARY_PRIOR_MAX_M), the check compiles and times no kernel: the library paths alone decide. At another
-    bucket, or above LIBRARY_PRIOR_MAX_M, this bucket's heuristic kernel is checked beside them."""
+@pytest.mark.parametrize("nearest_bucket, bucket, policy, kernels_timed", [
+    (128, 128, "tpe", False), (128, 128, "checked", True), (16, 128, "tpe", True), (1024, 1024, "tpe", True)])
+def test_a_tuned_library_choice_of_the_nearest_key_at_the_same_bucket_is_checked_among_library_paths_alone(
+        device, monkeypatch, nearest_bucket, bucket, policy, kernels_timed):
+    """Where tuning chose a library path for the nearest key at this M bucket (up to LIBRARY_PRIOR_MAX_M), the
+    check compiles and times no kernel: the library paths alone decide. At another bucket, above
+    LIBRARY_PRIOR_MAX_M, or where that record is a first-use check's, this bucket's heuristic kernel is checked
+    beside them."""
     from autofuse.key import current_environment
+    from autofuse.store import Winner
 
     assert checked.LIBRARY_PRIOR_MAX_M == 256
     problem = Problem("down", 64, 96, bucket, torch.float32, "none", False, device=torch.device(device))
     neighbour = Problem("down", 48, 80, nearest_bucket, torch.float32, "none", False).key(
         nearest_bucket, current_environment(torch.device(device)))
+    Store().put_winner(Winner(neighbour, Library("eager"), 2.0, 2.0, trials=30, policy=policy))
+    resolve.invalidate()
+    nearest = resolve.resolve(problem)
+    assert nearest.source is Source.NEAREST and nearest.config == Library("eager")
     monkeypatch.setattr(checked, "interpreting", lambda: False)
     monkeypatch.setattr(objective.Evaluator, "library_ms", lambda self: {"eager": 2.0})
     timed, compiled = [], []
@@ -256,7 +262,6 @@ def test_a_nearest_keys_library_choice_at_the_same_bucket_is_checked_among_libra
     monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
     monkeypatch.setattr(objective.Evaluator, "retimed_side_by_side",
                         lambda self, record, library_ms, names, rivals=(): (record, library_ms))
-    nearest = Choice(Library("eager"), Source.NEAREST, detail=neighbour.id())
     checked.precompile([(problem, nearest), (problem, nearest)])  # what a plan's first forward compiles
     choice = checked.checked(problem, nearest)
     assert bool(timed) == kernels_timed and bool(compiled) == kernels_timed

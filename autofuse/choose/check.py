@@ -174,17 +174,23 @@ LIBRARY_PRIOR_MAX_M = 256
 
 
 def library_prior(problem: Problem, choice: Choice) -> bool:
-    """Whether a check of `choice` times the library paths alone, compiling no kernel: the nearest tuned key of this
-    problem at the same M bucket (up to LIBRARY_PRIOR_MAX_M) chose a library path. Tuning found cuBLAS ahead there
-    (the down projection at M = 128: 3 of the 4 H100 records shipped), and the first-use checks of six held-out
-    MLPs chose eager's cuBLAS call for the down projection at M = 128 on all six."""
+    """Whether a check of `choice` times the library paths alone, compiling no kernel: the nearest key of this
+    problem at the same M bucket (up to LIBRARY_PRIOR_MAX_M) chose a library path, and tuning chose it (a shipped
+    or user-tuned record; a first-use check's decision, from a few kernels timed briefly, is not carried to its
+    neighbours). Tuning found cuBLAS ahead there (the down projection at M = 128: 3 of the 4 H100 records shipped),
+    and the first-use checks of six held-out MLPs chose eager's cuBLAS call for the down projection at M = 128 on
+    all six."""
     if choice.source is not Source.NEAREST or problem.bucket > LIBRARY_PRIOR_MAX_M:
         return False
     try:
         nearest_bucket = TuningKey.parse(choice.detail).m_bucket
     except ValueError:
         return False
-    return nearest_bucket == problem.bucket
+    if nearest_bucket != problem.bucket:
+        return False
+    index = lookup.tuned_index()
+    user = index.user.get(choice.detail)
+    return user.policy != CHECKED if user is not None else choice.detail in index.shipped
 
 
 def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -> Winner:
