@@ -36,8 +36,8 @@ _MLP_OP = torch.ops.autofuse.mlp.default
 
 class FusedLinear(FusedModule):
     """y = act(x @ weight.T + bias) [+ residual] in one kernel. An in_features or out_features that is not a multiple
-    of 16 keeps the parameters as views of zero-padded storage and runs inference at the padded sizes
-    (layout.LinearLayout)."""
+    of 8 (rows not 16-byte aligned) keeps the parameters as views of zero-padded storage and runs inference at the
+    padded sizes (layout.LinearLayout, layout.linear_width)."""
 
     _pads = True  # lays its parameters out in padded storage where a size needs it (not FusedLinearFp8)
 

@@ -29,7 +29,7 @@ import torch
 from ..configs import Library
 from ..device import capturing, interpreting
 from ..errors import AutofuseError
-from ..key import Problem, TuningKey
+from ..key import Problem
 from ..store import CHECKED, Store, Winner
 from . import lookup
 from .choice import Choice, Source
@@ -182,15 +182,12 @@ def library_prior(problem: Problem, choice: Choice) -> bool:
     all six."""
     if choice.source is not Source.NEAREST or problem.bucket > LIBRARY_PRIOR_MAX_M:
         return False
-    try:
-        nearest_bucket = TuningKey.parse(choice.detail).m_bucket
-    except ValueError:
-        return False
-    if nearest_bucket != problem.bucket:
-        return False
-    index = lookup.tuned_index()
+    index = lookup.tuned_index()  # the nearest's record, by the key id the choice carries (lookup.resolve)
     user = index.user.get(choice.detail)
-    return user.policy != CHECKED if user is not None else choice.detail in index.shipped
+    nearest = user if user is not None else index.shipped.get(choice.detail, (None,))[0]
+    if nearest is None or nearest.key.m_bucket != problem.bucket:
+        return False
+    return user is None or user.policy != CHECKED
 
 
 def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -> Winner:
