@@ -189,6 +189,24 @@ class Evaluator:
         except Exception:  # noqa: BLE001 - a dead CUDA context fails the next trial on its own
             pass
 
+    def precompile_library(self) -> None:
+        """Run each library candidate but eager once, so that the Triton pass a library path launches (a GEMM +
+        one pointwise pass) is compiled before library_ms times it: a check's precompile threads run this beside
+        the kernels' compiles. A candidate that cannot run is left to library_ms, which reports it."""
+        if self.interpret:
+            return
+        key = self.key
+        x = self._random(*self.operands[self._input].shape)
+        with torch.no_grad():
+            for name in self.spec.library_for(key.activation, key.bias, key.residual):
+                if name == "eager":
+                    continue
+                try:
+                    self.library(name, x)
+                except Exception as e:  # noqa: BLE001 - library_ms meets and reports the same failure
+                    logger.debug("precompiling library candidate %s failed (%s: %s)", name, type(e).__name__, e)
+        torch.cuda.synchronize(self.device)
+
     def precompile(self, config: KernelConfig) -> None:
         """Compile `config`'s kernel for this key (Triton's cache keeps it for the trial or check that follows)."""
         if not self.interpret:

@@ -231,25 +231,43 @@ def test_a_nearest_keys_kernel_is_checked_beside_this_buckets_heuristic(device, 
     assert Store().get_winner(problem.key()).config == choice.config
 
 
-@pytest.mark.parametrize("nearest_bucket, bucket, policy, kernels_timed", [
-    (128, 128, "tpe", False), (128, 128, "checked", True), (16, 128, "tpe", True), (1024, 1024, "tpe", True)])
-def test_a_tuned_library_choice_of_the_nearest_key_at_the_same_bucket_is_checked_among_library_paths_alone(
-        device, monkeypatch, nearest_bucket, bucket, policy, kernels_timed):
-    """Where tuning chose a library path for the nearest key at this M bucket (up to LIBRARY_PRIOR_MAX_M), the
-    check compiles and times no kernel: the library paths alone decide. At another bucket, above
-    LIBRARY_PRIOR_MAX_M, or where that record is a first-use check's, this bucket's heuristic kernel is checked
-    beside them."""
+def _tuned_neighbour(device, op: str, n: int, k: int, bucket: int, config, policy: str = "tpe",
+                     activation: str = "none") -> None:
     from autofuse.key import current_environment
     from autofuse.store import Winner
 
-    assert checked.LIBRARY_PRIOR_MAX_M == 256
+    key = Problem(op, n, k, bucket, torch.float32, activation, False).key(
+        bucket, current_environment(torch.device(device)))
+    Store().put_winner(Winner(key, config, 2.0, 2.0, trials=30, policy=policy))
+
+
+_TILE = KernelConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("neighbours, bucket, kernels_timed", [
+    ([(48, 80, 128, "library", "tpe")], 128, False),
+    ([(48, 80, 128, "library", "checked")], 128, True),  # a first-use check's decision is no prior
+    ([(48, 80, 16, "library", "tpe")], 128, True),  # another bucket's
+    ([(48, 80, 1024, "library", "tpe")], 1024, True),  # above PRIOR_MAX_M
+    # the nearest chose a kernel, the two after it a library path: most of the three decide
+    ([(60, 90, 128, "tile", "tpe"), (32, 200, 128, "library", "tpe"), (200, 300, 128, "library", "tpe")], 128, False),
+    ([(60, 90, 128, "library", "tpe"), (32, 200, 128, "tile", "tpe"), (200, 300, 128, "tile", "tpe")], 128, True),
+    # a fourth, farther record does not vote
+    ([(60, 90, 128, "library", "tpe"), (32, 200, 128, "tile", "tpe"), (200, 300, 128, "tile", "tpe"),
+      (4000, 9000, 128, "library", "tpe")], 128, True),
+])
+def test_where_most_nearby_tuned_records_chose_a_library_path_the_check_times_the_library_paths_alone(
+        device, monkeypatch, neighbours, bucket, kernels_timed):
+    """Where most of the PRIOR_NEIGHBOURS tuned records nearest this problem at its M bucket (up to PRIOR_MAX_M)
+    chose a library path, the check compiles and times no kernel: the library paths alone decide. A first-use
+    check's record, another bucket's, or a larger M leaves this bucket's kernels checked beside them."""
+    assert checked.PRIOR_MAX_M == 256 and checked.PRIOR_NEIGHBOURS == 3
     problem = Problem("down", 64, 96, bucket, torch.float32, "none", False, device=torch.device(device))
-    neighbour = Problem("down", 48, 80, nearest_bucket, torch.float32, "none", False).key(
-        nearest_bucket, current_environment(torch.device(device)))
-    Store().put_winner(Winner(neighbour, Library("eager"), 2.0, 2.0, trials=30, policy=policy))
+    for n, k, at, kind, policy in neighbours:
+        _tuned_neighbour(device, "down", n, k, at, Library("eager") if kind == "library" else _TILE, policy)
     resolve.invalidate()
     nearest = resolve.resolve(problem)
-    assert nearest.source is Source.NEAREST and nearest.config == Library("eager")
+    assert nearest.source is Source.NEAREST
     monkeypatch.setattr(checked, "interpreting", lambda: False)
     monkeypatch.setattr(objective.Evaluator, "library_ms", lambda self: {"eager": 2.0})
     timed, compiled = [], []
@@ -268,6 +286,30 @@ def test_a_tuned_library_choice_of_the_nearest_key_at_the_same_bucket_is_checked
     assert choice.source == "checked" and isinstance(choice.config, KernelConfig) == kernels_timed
     if not kernels_timed:  # the library paths alone: no runner-up kernel for un-graphed calls
         assert choice.runner_up is None and Store().get_winner(problem.key()).config == Library("eager")
+
+
+@pytest.mark.parametrize("gemv_votes", [3, 2, 1])
+def test_where_most_nearby_tuned_records_at_one_row_chose_the_gemv_the_check_times_gemv_configs_alone(
+        device, monkeypatch, gemv_votes):
+    """At M = 1, where most nearby tuned records chose the GEMV, the check leaves out the tile configs (nearest's
+    and heuristic's) it would otherwise compile beside the GEMV."""
+    from autofuse import variants
+    from autofuse.choose import heuristics
+    from autofuse.choose.heuristics import alternatives_for, heuristic_for
+    from autofuse.configs import Device
+
+    # An H100 as the heuristics see it (the interpreter has no GEMV alternative).
+    monkeypatch.setattr(heuristics, "device_info", lambda device: Device(False, 232448, 132, (9, 0)))
+    problem = Problem("down", 4096, 8192, 1, torch.float32, "none", False, device=torch.device(device))
+    gemv = next(c for c in (heuristic_for(problem), *alternatives_for(problem)) if variants.get(c.variant).static_k)
+    for i, (n, k) in enumerate([(4000, 9000), (2048, 16384), (8192, 4096)]):
+        _tuned_neighbour(device, "down", n, k, 1, gemv if i < gemv_votes else _TILE)
+    resolve.invalidate()
+    choice = resolve.resolve(problem)
+    assert choice.source is Source.NEAREST
+    kernels = checked._kernels_to_check(problem, choice, heuristic_for(problem))
+    assert gemv in kernels and len(kernels) >= 2 - (gemv_votes >= 2)
+    assert all(k.variant == "gemv" for k in kernels) == (gemv_votes >= 2)
 
 
 @pytest.mark.parametrize("one_launch_ms", [3.0, 4.1, 5.0])
@@ -424,17 +466,46 @@ def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
         compiled.append((self.key.op, config, threading.current_thread().name))
 
     monkeypatch.setattr(objective.Evaluator, "precompile", precompile)
+    libraries = []
+    monkeypatch.setattr(objective.Evaluator, "precompile_library", lambda self: libraries.append(self.key.op))
     monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
     monkeypatch.setattr(checked, "_compare", lambda key, M, kernels, device, heuristic=None: (_ for _ in ()).throw(
         RuntimeError("the test stops at the checks")))
     plan = MLPPlan(D, F_, "silu", False, pairs=True)
     plans._precompile(plan, 4, torch.float32, torch.device("cpu"))
     assert sorted(op for op, _, _ in compiled) == ["down", "gated_pairs", "gated_up", "mlp"]
+    # the library paths that launch a Triton pass of autofuse's (cuBLAS + gated_act, cublas_pairs + pairs_act)
+    problems = [plan.problem(op, 4, torch.float32, torch.device("cpu")) for op in ("down", "gated_pairs", "gated_up")]
+    with_passes = [p.op for p in problems if set(p.spec.library_for(p.activation, p.bias, p.residual)) - {"eager"}]
+    assert "gated_pairs" in with_passes and sorted(libraries) == sorted(with_passes)
     assert {name for _, _, name in compiled} == {"autofuse-precompile"}
     assert all(isinstance(config, KernelConfig) for _, config, _ in compiled)
     compiled.clear()
     plans._precompile(MLPPlan(D, F_, "silu", False), 128, torch.float32, torch.device("cpu"))  # no one launch
     assert sorted(op for op, _, _ in compiled) == ["down", "gated_up"]
+
+
+@pytest.mark.parametrize("pairs_tuned", [False, True])
+def test_at_one_row_a_gemv_up_projection_leaves_the_unchecked_gated_pairs_out(device, monkeypatch, pairs_tuned):
+    """gated_pairs has no GEMV variant: where the gated up-projection's check times (and chooses) a GEMV at M = 1,
+    gated_pairs is neither compiled nor checked, unless a record of it exists."""
+    from autofuse.choose import MLPPlan, heuristics, plans
+    from autofuse.configs import Device
+
+    monkeypatch.setattr(heuristics, "device_info", lambda device: Device(False, 232448, 132, (9, 0)))
+    plan = MLPPlan(4096, 14336, "silu", False, pairs=True)
+    pairs = plan.problem("gated_pairs", 1, torch.float32, torch.device(device))
+    if pairs_tuned:
+        _tuned_neighbour(device, "gated_pairs", 14336, 4096, 1, _TILE, activation="silu")
+        resolve.invalidate()
+    gemv = heuristics.heuristic_for(plan.problem("gated_up", 1, torch.float32, torch.device(device)))
+    assert gemv.variant == "gemv"
+    assert plans._pairs_left_out(pairs, gemv) == (not pairs_tuned)
+    assert not plans._pairs_left_out(pairs, _TILE) and not plans._pairs_left_out(pairs, None)
+    jobs = []
+    monkeypatch.setattr(checked, "precompile", lambda work: jobs.extend(p.op for p, _ in work))
+    plans._precompile(plan, 1, torch.float32, torch.device(device))
+    assert ("gated_pairs" in jobs) == pairs_tuned and {"gated_up", "down"} <= set(jobs)
 
 
 def test_the_forward_after_the_checks_does_not_resolve_again(device, monkeypatch):

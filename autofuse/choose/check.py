@@ -22,10 +22,12 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
 
+from .. import variants
 from ..configs import Library
 from ..device import capturing, interpreting
 from ..errors import AutofuseError
@@ -65,8 +67,9 @@ def enabled() -> bool:
 def checked(problem: Problem, choice: Choice) -> Choice:
     """`choice`, where tuning or a check chose it for this key, or checks are off; otherwise (a nearest
     key's choice, the heuristic's) the fastest of its kernels (the nearest key's and this bucket's heuristic
-    config, or the heuristic's alone where the nearest key chose a library path: _kernels_to_check) and the op's
-    library candidates, checked and stored now (or the eager library path, PENDING, where no check can run now)."""
+    config, or the heuristic's alone where the nearest key chose a library path; none or fewer where nearby tuned
+    records narrow them: _kernels_to_check) and the op's library candidates, checked and stored now (or the eager
+    library path, PENDING, where no check can run now)."""
     if not choice.source.unchecked or not enabled():
         return choice
     if _cannot_time(problem.device):
@@ -87,10 +90,12 @@ def checked(problem: Problem, choice: Choice) -> Choice:
 
 
 def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
-    """Compile at once, on threads, the kernels that checks of these choices are about to time (a module's plan
-    checks its ops one after another, and a kernel's compile is most of a check's time: 0.4-0.6 s each on an
-    H100, under half of that per kernel on four threads). Each check then finds its kernel compiled; one that
-    fails here fails again in its check, which reports it. Nothing to compile under the interpreter."""
+    """Compile at once, on threads, the kernels that checks of these choices are about to time, and the Triton
+    passes of their library paths (a module's plan checks its ops one after another, and compiling is most of a
+    check's time: uncontended on an H100, 0.14-0.28 s a GEMV, 0.3-0.8 s a tile or split-K kernel, 0.15 s a
+    pointwise pass; seven to nine of them took 2.2-3.0 s one after another and 0.6-1.0 s on threads). Each check
+    then finds its kernels compiled; one that fails here fails again in its check, which reports it. Nothing to
+    compile under the interpreter."""
     work = []
     for problem, choice in jobs:
         if not choice.source.unchecked or not enabled() or not _times_on_gpu(problem.device) \
@@ -98,6 +103,8 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
             continue
         heuristic = heuristic_for(problem.replace(M=problem.bucket))
         work.extend((problem, kernel) for kernel in _kernels_to_check(problem, choice, heuristic))
+        if set(problem.spec.library_for(problem.activation, problem.bias, problem.residual)) - {"eager"}:
+            work.append((problem, None))  # the library paths' pointwise passes: 0.15 s each to compile
     if len(work) < 2:  # one kernel compiles as fast in its own check
         return
     threads = [threading.Thread(target=_compile_one, args=job, name="autofuse-precompile") for job in work]
@@ -108,12 +115,16 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
 
 
 def _compile_one(problem: Problem, kernel) -> None:
+    """Compile `kernel` for the problem's check, or (None) its library paths' pointwise passes."""
     from ..evaluator import Evaluator
 
     try:
         evaluator = Evaluator(problem.key(), problem.M, problem.device, budget_ms=current().check_budget_ms)
         try:
-            evaluator.precompile(kernel)
+            if kernel is None:
+                evaluator.precompile_library()
+            else:
+                evaluator.precompile(kernel)
         finally:
             evaluator.close()
     except Exception as e:  # noqa: BLE001 - the check itself meets and reports whatever failed here
@@ -155,39 +166,48 @@ def _kernels_to_check(problem: Problem, choice: Choice, heuristic) -> list:
     M: a down projection of d_model 5681 ran the split-K config checked at M = 16 at M = 256, 14% of the read
     ceiling, where eager's cuBLAS (unaligned rows) was slower still and let it pass its check. Where the choice is
     a library path (which one is fastest depends on the shape: the check compares them), this bucket's heuristic
-    config stands for the kernels, unless library_prior says none need compiling. `heuristic`: this bucket's
+    config stands for the kernels. The tuned records nearest this problem narrow the list (prior): none where most
+    of them chose a library path, the GEMV configs alone where most chose the GEMV. `heuristic`: this bucket's
     heuristic config."""
+    narrowed = prior(problem)
+    if narrowed == LIBRARY:
+        return []
     if choice.kernel is None:
-        if library_prior(problem, choice):
-            return []
         choice = Choice(heuristic, Source.HEURISTIC)
     kernels = [choice.kernel]
     if choice.source is Source.NEAREST:
         kernels.append(heuristic)
     kernels.extend(alternatives_for(problem.replace(M=problem.bucket)))
-    return list(dict.fromkeys(kernels))
+    kernels = list(dict.fromkeys(kernels))
+    if narrowed is not None and variants.get(narrowed).static_k:
+        kernels = [kernel for kernel in kernels if kernel.variant == narrowed] or kernels
+    return kernels
 
 
-# The M buckets up to which library_prior holds: a first use there must cost under a second, most of it compiling
-# the checked kernels (0.5-0.9 s of a first forward's 0.8-1.1 s at M = 128 on an H100, on threads).
-LIBRARY_PRIOR_MAX_M = 256
+# The M buckets up to which the prior narrows a check: a first use there must cost under a second, most of it
+# compiling the checked kernels (uncontended on an H100: 0.14-0.28 s a GEMV, 0.3-0.8 s a tile or split-K kernel).
+PRIOR_MAX_M = 256
+# How many tuned records of neighbouring shapes vote, nearest first; a strict majority of them decides.
+PRIOR_NEIGHBOURS = 3
+LIBRARY = "library"
 
 
-def library_prior(problem: Problem, choice: Choice) -> bool:
-    """Whether a check of `choice` times the library paths alone, compiling no kernel: the nearest key of this
-    problem at the same M bucket (up to LIBRARY_PRIOR_MAX_M) chose a library path, and tuning chose it (a shipped
-    or user-tuned record; a first-use check's decision, from a few kernels timed briefly, is not carried to its
-    neighbours). Tuning found cuBLAS ahead there (the down projection at M = 128: 3 of the 4 H100 records shipped),
-    and the first-use checks of six held-out MLPs chose eager's cuBLAS call for the down projection at M = 128 on
-    all six."""
-    if choice.source is not Source.NEAREST or problem.bucket > LIBRARY_PRIOR_MAX_M:
-        return False
-    index = lookup.tuned_index()  # the nearest's record, by the key id the choice carries (lookup.resolve)
-    user = index.user.get(choice.detail)
-    nearest = user if user is not None else index.shipped.get(choice.detail, (None,))[0]
-    if nearest is None or nearest.key.m_bucket != problem.bucket:
-        return False
-    return user is None or user.policy != CHECKED
+def prior(problem: Problem) -> str | None:
+    """What most of the PRIOR_NEIGHBOURS tuned records nearest this problem at its M bucket (up to PRIOR_MAX_M)
+    chose: LIBRARY (a library path), a kernel variant's name, or None (no majority, no records, or a larger M).
+    Tuning's records, not first-use checks' (decided among a few kernels timed briefly, they are not carried to
+    neighbours). Measured on an H100 with the shipped records: the down projection at M = 128 chose cuBLAS at 3 of
+    4 tuned keys and at 6 of 6 first-use checks of held-out MLPs, which compiled a split-K kernel each (0.5-0.8 s)
+    for nothing; at M = 1 the GEMV won the up and down projections at 4 of 4 tuned keys and 12 of 12 checks, beside
+    tile configs the checks compiled (0.3-0.5 s each)."""
+    if problem.bucket > PRIOR_MAX_M:
+        return None
+    records = lookup.tuned_neighbours(problem, PRIOR_NEIGHBOURS)
+    votes = Counter(LIBRARY if isinstance(w.config, Library) else w.config.variant for w in records)
+    if not votes:
+        return None
+    kind, count = votes.most_common(1)[0]
+    return kind if 2 * count > len(records) else None
 
 
 def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -> Winner:
@@ -203,7 +223,7 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
         with torch.no_grad():
             library_ms = evaluator.library_ms()
             done = {kernel: evaluator.evaluate(kernel) for kernel in kernels}
-            # None where no kernel was checked (library_prior): the library paths alone.
+            # None where no kernel was checked (prior): the library paths alone.
             record = fastest_trial(done) or (done[kernels[0]] if kernels else None)
             if _times_on_gpu(device):
                 rivals = near_fastest(done, len(done))[1:]  # the correct kernels near `record`, itself first

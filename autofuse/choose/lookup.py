@@ -158,12 +158,8 @@ def resolve(problem: Problem, tuned: bool = True) -> Choice:
     index = tuned_index()
     neighbours = index.by_problem.get(key.problem(), [])
     if neighbours:
-        N, K, M = problem.n, problem.k, problem.M
-
-        def distance(w):
-            return (abs(math.log2(w.key.n / N)) + abs(math.log2(w.key.k / K)), abs(math.log2(w.key.m_bucket / M)))
-
-        nearest = min(neighbours, key=distance)
+        nearest = min(neighbours,
+                      key=lambda w: (_size_distance(w, problem), abs(math.log2(w.key.m_bucket / problem.M))))
         config = nearest.config
         if isinstance(config, KernelConfig):
             config = fitted(config, problem)
@@ -171,6 +167,23 @@ def resolve(problem: Problem, tuned: bool = True) -> Choice:
             return Choice(config, Source.NEAREST, detail=nearest.key.id())
     _warn_once_if_tuned_elsewhere(index, key)
     return Choice(heuristic_for(bucketed), Source.HEURISTIC)
+
+
+def _size_distance(winner, problem: Problem) -> float:
+    """How far a record's N and K are from the problem's, in log scale."""
+    return abs(math.log2(winner.key.n / problem.n)) + abs(math.log2(winner.key.k / problem.k))
+
+
+def tuned_neighbours(problem: Problem, count: int) -> list:
+    """Up to `count` tuned records (shipped, or the user's that no first-use check made) of the problem's op, flags,
+    GPU and Triton at its M bucket, nearest N and K first: the evidence a first-use check narrows its candidates by
+    (check.prior)."""
+    key = problem.key()
+    seen: dict[str, object] = {}
+    for winner in tuned_index().by_problem.get(key.problem(), []):  # the user's records first
+        if winner.key.m_bucket == problem.bucket and winner.policy != CHECKED:
+            seen.setdefault(winner.key.id(), winner)
+    return sorted(seen.values(), key=lambda w: _size_distance(w, problem))[:count]
 
 
 _warned_environments: set[tuple] = set()
