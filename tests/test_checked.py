@@ -330,6 +330,43 @@ def test_beside_two_checked_ops_the_one_launch_mlp_is_checked_too(device, monkey
     assert {w.key.op for w in Store().winners()} == {"gated_up", "down", "mlp"}
 
 
+@pytest.mark.parametrize("pair_us, one_launch_us, expected", [(2.5, 3.5, ["gated_up", "down"]),
+                                                             (3.5, 3.45, ["mlp"]), (3.5, 2.5, ["mlp"])])
+def test_where_a_gpu_can_time_the_pair_and_the_one_launch_kernel_are_timed_together_side_by_side(
+        device, monkeypatch, pair_us, one_launch_us, expected):
+    """The records say one launch (3.5 against 2 + 2); the two tables timed side by side decide, each op of the
+    pair called after the other as the module calls them, one_launch_margin still going to one launch."""
+    _fake_timer(monkeypatch, library_ms=10.0, kernel_ms=2.0, one_launch_ms=3.5)
+    asked = []
+
+    def side_by_side(tables):
+        asked.append({name: [(problem.op, choice.source.value) for problem, choice in table]
+                      for name, table in tables.items()})
+        return {"pair": pair_us, "mlp": one_launch_us}
+    monkeypatch.setattr(checked, "tables_side_by_side", side_by_side)
+    mlp, w = _mlp(device)
+    x = torch.randn(M, D, device=device)
+    with torch.no_grad():
+        out = mlp(x)
+    torch.testing.assert_close(out, eager_mlp(x, *w, activation="silu"), rtol=1e-4, atol=1e-4)
+    assert asked == [{"pair": [("gated_up", "checked"), ("down", "checked")], "mlp": [("mlp", "checked")]}]
+    assert list(mlp.config_for(M)) == expected
+
+
+def test_tables_side_by_side_call_each_tables_ops_in_turn_and_need_a_gpu(device, monkeypatch):
+    problem = Problem("down", 48, 80, 4, torch.float32, "none", False, device=torch.device(device))
+    table = [(problem, Choice(Library("eager"), Source.CHECKED))]
+    assert checked.tables_side_by_side({"a": table, "b": table}) is None  # the interpreter's times mean nothing
+    monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
+    calls = []
+    monkeypatch.setattr(objective.Evaluator, "runner", lambda self, config: lambda: calls.append(self.key.op))
+    monkeypatch.setattr(objective.Evaluator, "side_by_side_ms",
+                        lambda self, fns: {name: (fn(), float(len(calls)))[1] for name, fn in fns.items()})
+    up = problem.replace(op="gated_up", n=80, k=48, activation="silu")
+    times = checked.tables_side_by_side({"pair": [(up, table[0][1]), *table], "one": table})
+    assert calls == ["gated_up", "down", "down"] and times == {"pair": 2.0, "one": 3.0}
+
+
 def test_a_large_mlp_s_first_use_checks_the_pair_alone(device, monkeypatch):
     """Above one_launch_check_max_mb of weights the one-launch kernel, which lost every first-use check measured
     there, is neither checked nor run at first use, even where its fake time would win."""

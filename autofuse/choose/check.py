@@ -311,5 +311,37 @@ def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], problem: Pr
     return op_a if times[op_a] <= times[op_b] else op_b
 
 
+def tables_side_by_side(tables: dict[str, list[tuple[Problem, Choice]]]) -> dict[str, float] | None:
+    """GPU ms of each named table (its ops' choices called one after another, as a module's forward calls them, so
+    that a dependent launch overlaps the next kernel's start with the one before it as in the module) timed side by
+    side, replayed in turn; None where no GPU can time now or a table cannot run here. Records timed at other moments
+    are a poor measure between tables of a few microseconds: 576 -> 2665's two GEMVs ran 6.1 us together at M = 1
+    (3.5 and 2.6 alone) in one process, and the one-launch kernel chosen over them by the checks' records of
+    another ran 11.1 (H100)."""
+    problems = [problem for table in tables.values() for problem, _ in table]
+    if not problems or any(not _times_on_gpu(p.device) or _cannot_time(p.device) for p in problems):
+        return None
+    from ..evaluator import Evaluator
+
+    evaluators = []
+    try:
+        fns = {}
+        for name, table in tables.items():
+            runners = []
+            for problem, choice in table:
+                evaluators.append(Evaluator(problem.replace(residual=False).key(), problem.M, problem.device,
+                                            budget_ms=current().check_budget_ms))
+                runners.append(evaluators[-1].runner(choice.config))
+            fns[name] = lambda runners=tuple(runners): [run() for run in runners]
+        with torch.no_grad():
+            return evaluators[0].side_by_side_ms(fns)
+    except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: the records decide
+        logger.warning("autofuse: could not time %s side by side (%s: %s)", " and ".join(tables), type(e).__name__, e)
+        return None
+    finally:
+        for evaluator in evaluators:
+            evaluator.close()
+
+
 def _ms(value: float) -> str:
     return f"{value * 1e3:.1f} us" if value < 1 else f"{value:.3f} ms"

@@ -135,8 +135,14 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
     # The pair must beat the one launch by one_launch_margin: on a near tie of GPU times one launch wins, as an
     # un-graphed call pays each launch's host time (a bound Triton launch, or a whole PyTorch op for a library
     # choice) on top of them.
+    # Timed together side by side where a GPU can time now (the ops' own times sum to more than the pair takes
+    # where their launches overlap: check.tables_side_by_side); else by the records.
+    timed = check.tables_side_by_side({"pair": [(plan.problem(op, M, dtype, device), c) for op, c in pair.items()],
+                                       "mlp": [(one_problem, fused)]})
     pair_ms = [c.time_ms for c in pair.values()]
-    if None not in pair_ms and sum(pair_ms) * (1 + policy.one_launch_margin) <= fused.time_ms:
+    pair_ms, fused_ms = (timed["pair"], timed["mlp"]) if timed else (
+        None if None in pair_ms else sum(pair_ms), fused.time_ms)
+    if pair_ms is not None and pair_ms * (1 + policy.one_launch_margin) <= fused_ms:
         return pair, [*others, {"mlp": fused}]
     return {"mlp": fused}, [pair, *others]
 
