@@ -95,7 +95,12 @@ def test_the_candidates_are_the_compared_tables_and_their_kernels():
     up = Choice(KERNEL, Source.CHECKED, 2 * FAST)
     winner = {"gated_pairs": library, "down": down}
     assert plain.host_bound(winner)
-    at_the_bound = Choice(Library("eager"), Source.USER_CACHE, HOST_BOUND_MS)
+    # A table of kernels only is raced under host_bound_ms, one that runs a library path under
+    # library_host_bound_ms (its PyTorch ops' host time).
+    assert not plain.host_bound({"gated_pairs": Choice(KERNEL, Source.CHECKED, HOST_BOUND_MS), "down": down})
+    library_bound = current_policy().library_host_bound_ms
+    assert plain.host_bound({"gated_pairs": Choice(Library("eager"), Source.USER_CACHE, HOST_BOUND_MS), "down": down})
+    at_the_bound = Choice(Library("eager"), Source.USER_CACHE, library_bound)
     assert not plain.host_bound({"gated_pairs": at_the_bound, "down": down})
     assert not plain.host_bound({"gated_pairs": Choice(KERNEL, Source.HEURISTIC), "down": down})  # time unknown
     other = {"gated_up": up, "down": down}
@@ -317,8 +322,10 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
 
 @ON_THE_CPU
 def test_nothing_is_raced_above_host_bound_times_or_without_alternatives(monkeypatch):
-    Store().put_winner(Winner(_key(), Library("eager"), 2 * HOST_BOUND_MS, 2 * HOST_BOUND_MS, runner_up=KERNEL,
-                              runner_up_ms=3 * HOST_BOUND_MS))
+    # A library path at library_host_bound_ms of GPU time: not raced (a kernel-only table at host_bound_ms).
+    library_bound = current_policy().library_host_bound_ms
+    Store().put_winner(Winner(_key(), Library("eager"), library_bound, library_bound, runner_up=KERNEL,
+                              runner_up_ms=1.5 * library_bound))
     # No runner-up, and no other library path: without an activation, bias or residual, eager's one matmul
     # is the Linear's only library path.
     plain_key = Problem("linear", 80, 48, 8, torch.float32, "none").key(8, current_environment(torch.device("cpu")))

@@ -11,7 +11,10 @@ Each default is a measured finding (docs/design.md states them with their number
   timed after its library paths lost to one by 2% alone and won by 8% side by side).
 - Below `host_bound_ms` of GPU time an un-graphed call's host time is of the order of its GPU time: a bound
   kernel launch costs a few microseconds of host time where each library op costs a PyTorch op's. There
-  the margin turns: the kernel is kept unless a library path beats it by `check_margin`.
+  the margin turns: the kernel is kept unless a library path beats it by `check_margin`. A table that runs a
+  library path may be bound by its host time up to `library_host_bound_ms`: a cuBLAS GEMM through its nvjet
+  kernels costs 35-58 us of host time, and 6304 -> 7040's paired GEMM + split-K down projection took 116 us a call
+  un-graphed for 100 us of GPU time at M = 2, against eager's 120 (H100); such a table's un-graphed calls race.
 - The MLP's one-launch kernel runs up to `one_launch_max_m` rows (beyond, its tiles' tensor-core work
   outgrows the weight traffic it saves), and the two-op pair must beat it by `one_launch_margin`: on a near
   tie one launch wins, since an un-graphed call pays each launch's host time on top.
@@ -46,6 +49,7 @@ class DecisionPolicy:
     tune_margin: float = 0.0
     near_tie: float = 0.10
     host_bound_ms: float = 0.1
+    library_host_bound_ms: float = 0.25
     one_launch_max_m: int = 64
     one_launch_margin: float = 0.03
     one_launch_check_max_mb: float = 16.0

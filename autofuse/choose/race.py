@@ -5,7 +5,8 @@ An un-graphed call also pays host time, and at decode sizes that is of the order
 bound kernel launch costs a few microseconds of it, a library path one PyTorch op's per op. So a library
 path chosen by GPU time can make an un-graphed call slower than eager's.
 
-Where a module's table runs under the policy's host_bound_ms of GPU time and other tables compute the same
+Where a module's table may be bound by its host time (host_bound: under the policy's host_bound_ms of GPU time, or
+library_host_bound_ms where it runs a library path) and other tables compute the same
 (the tables the choice compared, each with its library choices replaced by their runner-up kernels
 (store.Winner.runner_up), and each with one op's choice replaced by another of its library paths), its
 un-graphed calls time every one of them as they come (windows of consecutive calls, each entry's in turn, so
@@ -42,10 +43,16 @@ ESTIMATE_CALLS = 2
 
 
 def host_bound(table: dict[str, Choice]) -> bool:
-    """Whether a table's known GPU time is under the policy's host_bound_ms (an un-graphed call's host time is then of
-    its order); False where a time is unknown (the heuristic's, a nearest key's)."""
+    """Whether a table's un-graphed call may be bound by its host time: its known GPU time is under the policy's
+    host_bound_ms, or under library_host_bound_ms where it runs a library path (its PyTorch ops' host time, which
+    the GPU times do not show); False where a time is unknown (the heuristic's, a nearest key's)."""
     gpu_ms = known_gpu_ms(table)
-    return gpu_ms is not None and current().is_host_bound(gpu_ms)
+    if gpu_ms is None:
+        return False
+    policy = current()
+    if any(choice.kernel is None for choice in table.values()):
+        return gpu_ms < policy.library_host_bound_ms
+    return policy.is_host_bound(gpu_ms)
 
 
 def known_gpu_ms(table: dict[str, Choice]) -> float | None:
