@@ -284,8 +284,9 @@ def _race_on_cpu(monkeypatch, times):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     monkeypatch.setattr(plain.Raced, "_times", lambda self: raced.append(list(self.tables)) or (
         times + [float("inf")] * len(self.tables))[:len(self.tables)])
-    # The interpreter's host times say nothing of a GPU's: every table's estimate is the same, none dropped by it.
-    monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: ([1.0] * len(self.tables),) * 2)
+    # The interpreter's host times say nothing of a GPU's: every table's estimate is the same, none dropped by it,
+    # and above every table's GPU time (host-bound, as a race is for).
+    monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: ([1e6] * len(self.tables),) * 2)
     plain._decided.clear()
     return raced
 
@@ -295,6 +296,24 @@ def _race_through(call, tables: int):
     for _ in range(plain.race_length(tables)):
         call()
     return call()
+
+
+@ON_THE_CPU
+def test_a_race_whose_gpu_time_winner_is_bound_by_its_gpu_time_settles_on_it_at_the_first_call(monkeypatch):
+    """Its host time (1 us a call here) is under its known GPU time (FAST, 10 us): no other table's plain call can be
+    race_margin faster, so no window is run."""
+    Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
+    resolve.invalidate()
+    raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
+    monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: ([1.0] * len(self.tables),) * 2)
+    layer = autofuse.get_linear(48, 80, activation="gelu", dtype=torch.float32, device="cpu")
+    x = torch.randn(4, 48)
+    with torch.no_grad(), use_policy(TINY_RACE):
+        layer(x)
+        entry = next(iter(layer._bound.values()))
+        assert isinstance(entry, plain.Raced) and entry.decided_after == 1
+        layer(x)
+    assert raced == [] and layer.plain_config_for(4) == {"linear": Library("eager")}
 
 
 @ON_THE_CPU

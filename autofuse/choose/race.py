@@ -141,7 +141,9 @@ class Raced:
       GPU-time winner's result. An entry's estimate is the larger of that host time and its table's known GPU
       time; an entry whose host time alone exceeds the lowest estimate by more than race_host_keep is dropped
       there (its plain call cannot be faster: a bound table's host took 19-20 us per call where the slowest took
-      76-176, and the GPU-time winner's 35, on an H100 host).
+      76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time winner's host time is under its
+      known GPU time by race_margin, its plain call is bound by that GPU time, which no other table's undercuts:
+      the race settles on it there.
     - Probes: the entry of the lowest estimate runs a window of race_calls calls; then, for each other entry in
       turn (lowest estimate first), the fastest entry known runs two such windows, then a probe of race_probe_calls
       calls, then the other entry the same. An entry whose probe is slower than the fastest's, taken just before
@@ -230,6 +232,14 @@ class Raced:
         window, probe = policy.race_calls, policy.race_probe_calls
         self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
         host, estimate = self._estimates(args)
+        gpu_ms = known_gpu_ms(self.tables[0])
+        if gpu_ms is not None and host[0] < gpu_ms * 1e3 * (1 - policy.race_margin):
+            # The GPU-time winner's plain call is bound by its GPU time, which no other table's undercuts: settled
+            # now, before any window (a race's probes had put 2 of 40 windows of 3840 -> 12688 at M = 16 over 1.25x
+            # eager's for no gain, H100).
+            _remember(self.key, 0)
+            self._settle(0)
+            return out
         lowest = min(estimate)
         self._start = estimate.index(lowest)
         for i, us in enumerate(host):
