@@ -305,7 +305,9 @@ def test_a_race_whose_gpu_time_winner_is_bound_by_its_gpu_time_settles_on_it_at_
     Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
     resolve.invalidate()
     raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
-    monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: ([1.0] * len(self.tables),) * 2)
+    # Host 1 us a call; each estimate the larger of that and the table's known GPU time, as Raced._estimates gives.
+    monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: (
+        [1.0] * len(self.tables), [max(1.0, plain.known_gpu_ms(t) * 1e3) for t in self.tables]))
     layer = autofuse.get_linear(48, 80, activation="gelu", dtype=torch.float32, device="cpu")
     x = torch.randn(4, 48)
     with torch.no_grad(), use_policy(TINY_RACE):

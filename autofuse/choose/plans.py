@@ -135,8 +135,8 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
     # The pair must beat the one launch by one_launch_margin: on a near tie of GPU times one launch wins, as an
     # un-graphed call pays each launch's host time (a bound Triton launch, or a whole PyTorch op for a library
     # choice) on top of them.
-    # Timed together side by side where a GPU can time now (the ops' own times sum to more than the pair takes
-    # where their launches overlap: check.tables_side_by_side); else by the records.
+    # Timed together side by side where a GPU can time now (records timed apart at other moments misjudged tables of
+    # a few microseconds: check.tables_side_by_side); else by the records.
     timed = check.tables_side_by_side({"pair": [(plan.problem(op, M, dtype, device), c) for op, c in pair.items()],
                                        "mlp": [(one_problem, fused)]})
     pair_ms = [c.time_ms for c in pair.values()]
@@ -175,8 +175,8 @@ def _pairs_left_out(pairs_problem: Problem, up_kernel: KernelConfig | None) -> b
     """Whether gated_pairs is left out of a plan's comparison: the gated up-projection runs a GEMV (`up_kernel`)
     and no tuning or check has a record of gated_pairs at this M, which has no GEMV variant: at M = 1 its tiles
     lost to gated_up's GEMV at 4 of 4 tuned keys (by 4-37%, H100), at 12 of 12 first-use checks of six held-out
-    MLPs (two runs) and at 23 of 24 of twelve others on an H100 and an H200 (the one exception a 9 MB MLP, 576 ->
-    2665, 1.49x the best peer either way), while their compiles (two tile configs, 0.3-0.5 s each) set the first
-    forward's time."""
+    MLPs (two runs) and at 23 of 24 of twelve others on an H100 and an H200 (the one exception, 576 -> 2665, ran
+    9.2 us on it against the GEMVs' 6.1 in a later run), while their compiles (two tile configs, 0.3-0.5 s each)
+    set the first forward's time."""
     return _gemv(up_kernel) and lookup.resolve(pairs_problem).source.unchecked
 

@@ -232,11 +232,10 @@ class Raced:
         window, probe = policy.race_calls, policy.race_probe_calls
         self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
         host, estimate = self._estimates(args)
-        gpu_ms = known_gpu_ms(self.tables[0])
-        if gpu_ms is not None and host[0] < gpu_ms * 1e3 * (1 - policy.race_margin):
-            # The GPU-time winner's plain call is bound by its GPU time, which no other table's undercuts: settled
-            # now, before any window (a race's probes had put 2 of 40 windows of 3840 -> 12688 at M = 16 over 1.25x
-            # eager's for no gain, H100).
+        if host[0] < estimate[0] * (1 - policy.race_margin):
+            # The GPU-time winner's host time is under its known GPU time (its estimate, where larger): its plain
+            # call is bound by that GPU time, which no other table's undercuts: settled now, before any window (a
+            # race's probes had put 2 of 40 windows of 3840 -> 12688 at M = 16 over 1.25x eager's for no gain, H100).
             _remember(self.key, 0)
             self._settle(0)
             return out
