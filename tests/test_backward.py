@@ -512,6 +512,58 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
     assert module.down_proj.weight.grad.is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_nothing(dtype, activation, device,
+                                                                                       monkeypatch):
+    """G, U, H and dH of a kept-H step whose rows are not a multiple of 32 bytes (d_ff 72 in 16-bit types) are views
+    of rows 128 bytes apart, the pointwise passes run over whole rows, and what the padding columns hold reaches
+    neither the output nor a gradient: here they start as NaN. In float32 the rows (288 bytes) stay dense."""
+    from autofuse import training
+
+    made = []
+    real = training.activation_buffer
+
+    def poisoned(M, width, like):
+        t = real(M, width, like)
+        training.whole_rows(t).fill_(float("nan"))
+        made.append(t)
+        return t
+    monkeypatch.setattr(training, "activation_buffer", poisoned)
+    module = autofuse.get_mlp(40, 72, activation=activation, bias=True, dtype=dtype, device=device)
+    x = torch.randn(21, 40, dtype=dtype, device=device)
+    dy = torch.randn(21, 40, dtype=dtype, device=device)
+    out = module(x.clone().requires_grad_())
+    row = {torch.float32: 72}.get(dtype, 128)
+    assert [(tuple(t.shape), t.stride()) for t in _mlp_node(out).kept] == [((21, 72), (row, 1))] * 3  # G, U, H
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    params = _mlp_params(module)
+    got = _module_grads(module, x, dy, names)
+    assert len(made) == 3 + 3 + 1  # G, U, H of each of the two forwards and the backward's dH
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
+    eager = _grads(params, x, _mlp_fn(activation), dy)
+    _check_grads(got, ref, eager, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_rows_widens_only_what_activation_buffer_made(dtype):
+    from autofuse import training
+
+    made = training.activation_buffer(5, 44, torch.empty((), dtype=dtype))
+    row = 64  # 44 columns (88 or 176 bytes, not a multiple of 32) rounded up to a multiple of 128 bytes
+    assert made.shape == (5, 44) and made.stride() == (row, 1)
+    assert training.whole_rows(made).shape == (5, row) and training.whole_rows(made).data_ptr() == made.data_ptr()
+    other = torch.randn(5, 80, dtype=dtype)
+    assert training.whole_rows(other[:, :40]).shape == (5, 40)  # the [G | U] halves' first half: left as it is
+    assert training.whole_rows(other[:, 40:]).shape == (5, 40)
+    assert training.whole_rows(torch.randn(5, 64, dtype=dtype)[:, :40].t()).shape == (40, 5)
+    assert training.whole_rows(torch.randn(6, 64, dtype=dtype)[1:, :40]).shape == (5, 40)
+    dense = torch.randn(5, 40, dtype=dtype)
+    assert training.whole_rows(dense) is dense
+    assert training.activation_buffer(5, 64, dense).stride() == (64, 1)  # a multiple of 32 bytes: dense
+    assert training.activation_buffer(5, 48, dense).stride() == (48, 1)
+
+
 @pytest.mark.parametrize("save_hidden", [True, False], ids=["keep-h", "recompute-h"])
 def test_a_padded_dy_is_freed_before_the_weight_gradients_gemms(save_hidden, device, monkeypatch):
     """At an unaligned d_model the backward pads dY ([M, D]); the copy is freed once dH (and dWd) are computed, so
