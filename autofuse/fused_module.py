@@ -166,7 +166,7 @@ class FusedModule(nn.Module):
         if table is None:
             check_dtype(weight.dtype)
             check_device(weight.device)
-            table, compared = select(self._plan(residual), M, weight.dtype, weight.device, self.tuned)
+            table, compared = select(self._plan(residual, M), M, weight.dtype, weight.device, self.tuned)
             if not pending(table):  # a choice made while no check could run is made again next time
                 # Kept under the generation its own checks moved to (each stored decision moves it): the next
                 # forward must not resolve again (a near tie between two ops would be timed again).
@@ -207,7 +207,7 @@ class FusedModule(nn.Module):
         if not others:
             return bound
         tables = [table, *others]
-        key = plain.memo_key(type(self).__name__, self._plan(residual), M, weight.dtype, weight.device, tables)
+        key = plain.memo_key(type(self).__name__, self._plan(residual, M), M, weight.dtype, weight.device, tables)
         return plain.Raced(bound, [self._bind(t, M) for t in others], tables, M, key)
 
     def _bind(self, table: dict[str, Choice], M: int):
@@ -226,8 +226,9 @@ class FusedModule(nn.Module):
         table = entry.plain_table if isinstance(entry, plain.Raced) else entry.table
         return None if table is None else {op: c.config for op, c in table.items()}
 
-    def _plan(self, residual: bool) -> LinearPlan | MLPPlan:
-        """What this module computes, as choose.plans.select takes it (also what a race's decision is kept for)."""
+    def _plan(self, residual: bool, M: int) -> LinearPlan | MLPPlan:
+        """What this module computes for M rows, as choose.plans.select takes it (also what a race's decision is kept
+        for)."""
         raise NotImplementedError
 
     def config_for(self, M: int, residual: bool = False) -> dict[str, KernelConfig | Library]:

@@ -20,7 +20,16 @@ from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
-from .layout import LinearLayout, MLPLayout, contiguous_state, lay_out, lay_out_linear, padded_rows
+from .layout import (
+    UNPADDED_K_MAX_M,
+    LinearLayout,
+    MLPLayout,
+    contiguous_state,
+    lay_out,
+    lay_out_linear,
+    linear_sizes,
+    padded_rows,
+)
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
@@ -69,16 +78,17 @@ class FusedLinear(FusedModule):
             return
         self._layout = lay_out_linear(*params)
 
-    def _sizes_run(self) -> tuple[int, int]:
-        """(in_features, out_features) inference runs at: the padded sizes while the parameters are views of
-        padded storage."""
+    def _sizes_run(self, M: int) -> tuple[int, int]:
+        """(in_features, out_features) inference runs at for M rows: the padded sizes while the parameters are views
+        of padded storage (in_features itself up to layout.UNPADDED_K_MAX_M rows: layout.linear_sizes)."""
         layout = self._layout
         if layout is not None and layout.active:
-            return layout.k_run, layout.n_run
+            n, k = linear_sizes(layout.n, layout.k, M)
+            return k, n
         return self.in_features, self.out_features
 
     def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
-        return (*super()._table_key(M, weight), *self._sizes_run())
+        return (*super()._table_key(M, weight), *self._sizes_run(M))
 
     def _lay_out_plain(self) -> None:
         """Before a training forward: the parameters as plain dense tensors again, as optimizers expect them (see
@@ -100,8 +110,8 @@ class FusedLinear(FusedModule):
     def _reference_weight(self) -> torch.Tensor:
         return self.weight
 
-    def _plan(self, residual):
-        return LinearPlan(*self._sizes_run(), self.activation, self.bias is not None, residual)
+    def _plan(self, residual, M):
+        return LinearPlan(*self._sizes_run(M), self.activation, self.bias is not None, residual)
 
     def _bind(self, table, M):
         return BoundLinear(table, self.activation, M)
@@ -142,7 +152,10 @@ class FusedLinear(FusedModule):
             if wide is not None:  # x's (and a residual's) rows padded with zeros to the weight's (layout.py)
                 weight, bias = wide
                 if layout.k_run != layout.k:
-                    x = layout.pad_rows(x.reshape(M, layout.k), layout.k_run)
+                    if M <= UNPADDED_K_MAX_M:  # x as it is, over the weight's first k columns (linear_sizes)
+                        weight = layout.narrow_k(weight)
+                    else:
+                        x = layout.pad_rows(x.reshape(M, layout.k), layout.k_run)
                 if residual is not None and layout.n_run != layout.n:
                     residual = layout.pad_rows(residual.reshape(M, layout.n), layout.n_run)
         entry = self._entry(M, weights, weight, residual is not None)
@@ -225,7 +238,7 @@ class FusedLinearFp8(FusedLinear):
         self._buffers["weight_fp8"], self._buffers["weight_scale"] = padded_rows(w8.to(device)), scale.to(device)
         return module
 
-    def _plan(self, residual):
+    def _plan(self, residual, M):
         return LinearPlan(self.in_features, self.out_features, self.activation, self.bias is not None, residual,
                           op=self._op)
 
@@ -355,7 +368,7 @@ class FusedMLP(FusedModule):
     def _table_key(self, M: int, weight: torch.Tensor) -> tuple:
         return (*super()._table_key(M, weight), self.d_ff_run, self.d_in_run, self.runs_pairs)
 
-    def _plan(self, residual):
+    def _plan(self, residual, M):
         return MLPPlan(self.d_model, self.d_ff_run, self.activation, self.gate_proj.bias is not None,
                        pairs=self.runs_pairs, d_in=self.d_in_run)
 
@@ -527,7 +540,7 @@ class FusedMLPFp8(FusedModule):
     def _reference_weight(self) -> torch.Tensor:
         return self._buffers["_activations"]
 
-    def _plan(self, residual):
+    def _plan(self, residual, M):
         return MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None, weights=self.weights)
 
     def _bind(self, table, M):

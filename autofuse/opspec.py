@@ -143,8 +143,8 @@ def launch_args(params: tuple[Parameter, ...], tensors: Mapping[str, torch.Tenso
     return args
 
 
-# Dimensions of a shapes-file entry an op is keyed by: (n, k, activation) from an MLP or Linear.
-Dims = Callable[[object], tuple[int, int, str]]
+# Dimensions of a shapes-file entry an op is keyed by at M rows: (n, k, activation) from an MLP or Linear.
+Dims = Callable[[object, int], tuple[int, int, str]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ def _dims(op: str) -> tuple[int, int, str]:
     MLP's)."""
     from autofuse.shapes import MLPShape
 
-    return ops.get(op).dims(MLPShape("llama-3.2-1b", D_MODEL, D_FF, ACTIVATION, False))
+    return ops.get(op).dims(MLPShape("llama-3.2-1b", D_MODEL, D_FF, ACTIVATION, False), 1)
 
 
 def measure(args) -> None:

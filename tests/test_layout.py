@@ -112,11 +112,12 @@ def test_training_on_padded_parameters(device):
 
 def test_tuning_keys_use_the_width_that_runs():
     shape = MLPShape("odd", 512, 1001, "silu")
-    assert ops.get("gated_up").dims(shape)[0] == 1024
-    assert ops.get("down").dims(shape)[1] == 1024
-    assert ops.get("mlp").dims(shape)[0] == 1024
+    assert ops.get("gated_up").dims(shape, 1)[0] == 1024
+    assert ops.get("down").dims(shape, 1)[1] == 1024
+    assert ops.get("mlp").dims(shape, 1)[0] == 1024
     odd = LinearShape("odd", 37, 45, "gelu_tanh")  # FusedLinear runs padded; FusedLinearFp8 as it is
-    assert ops.get("linear").dims(odd)[:2] == (64, 64) and ops.get("linear_fp8").dims(odd)[:2] == (45, 37)
+    assert ops.get("linear").dims(odd, 17)[:2] == (64, 64) and ops.get("linear_fp8").dims(odd, 17)[:2] == (45, 37)
+    assert ops.get("linear").dims(odd, 16)[:2] == (64, 37)  # x read as it is up to layout.UNPADDED_K_MAX_M rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -165,8 +166,8 @@ def test_training_and_tuning_keys_with_an_odd_d_model(device):
     for got, want in zip([p.grad for p in module.parameters()] + [x.grad], [p.grad for p in params] + [x_ref.grad]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     shape = MLPShape("odd", 1001, 512, "silu")
-    assert ops.get("gated_up").dims(shape)[1] == ops.get("gated_pairs").dims(shape)[1] == 1024
-    assert ops.get("down").dims(shape)[0] == 1024  # its N: the down projection writes the padded d_model
+    assert ops.get("gated_up").dims(shape, 1)[1] == ops.get("gated_pairs").dims(shape, 1)[1] == 1024
+    assert ops.get("down").dims(shape, 1)[0] == 1024  # its N: the down projection writes the padded d_model
     # Training runs d_model as it is (MLPPlan without d_in); inference's plan writes the padded d_model.
     assert MLPPlan(37, 48, "silu", False).problem("down", 5, torch.float32, torch.device(device)).n == 37
     assert MLPPlan(37, 48, "silu", False, d_in=64).problem("down", 5, torch.float32, torch.device(device)).n == 64
@@ -320,6 +321,31 @@ def test_a_linear_of_odd_sizes_runs_on_padded_storage_and_correct(dtype, bias, r
     check(x.float(), None if r is None else r.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_padded_linear_reads_x_as_it_is_up_to_16_rows(dtype, device, monkeypatch):
+    """in_features 37 (rows not 16-byte aligned) at M <= layout.UNPADDED_K_MAX_M: x is not copied into padded rows;
+    the kernel or library path reads it as it is over the weight's first 37 columns of its padded storage, keyed at
+    K = 37 and checked there; above, x's rows are padded and the key holds K = 64."""
+    from autofuse.layout import UNPADDED_K_MAX_M, LinearLayout
+
+    module = autofuse.get_linear(37, 45, bias=True, activation="gelu_tanh", dtype=dtype, device=device)
+    padded = []
+    pad_rows = LinearLayout.pad_rows
+    monkeypatch.setattr(LinearLayout, "pad_rows", lambda self, t, width: padded.append(t.shape) or pad_rows(self, t,
+                                                                                                            width))
+    assert module._sizes_run(UNPADDED_K_MAX_M) == (37, 64) and module._sizes_run(UNPADDED_K_MAX_M + 1) == (64, 64)
+    for M in (1, 2, UNPADDED_K_MAX_M, UNPADDED_K_MAX_M + 1):
+        x = torch.randn(M, 37, dtype=dtype, device=device)
+        with torch.no_grad():
+            out = module(x)
+            again = module(x)  # the bound launch (or the library call) after the first
+        args = (x, module.weight, module.bias, None, module.activation)
+        assert_matches_reference(out, linear_reference(*args), eager_linear(*args))
+        assert torch.equal(out, again) and out.shape == (M, 45)
+        assert padded == ([] if M <= UNPADDED_K_MAX_M else [(M, 37)] * 2), M
+        padded.clear()
+
+
 def test_a_linear_of_odd_sizes_trains_on_plain_parameters_and_sees_replaced_ones(device):
     module = autofuse.get_linear(37, 45, bias=True, activation="silu", dtype=torch.float32, device=device)
     x = torch.randn(5, 37, device=device, requires_grad=True)
@@ -347,7 +373,7 @@ def test_a_linear_of_aligned_rows_runs_unpadded_and_pads_only_an_unaligned_size(
     the sizes as they are; 40 -> 45 pads out_features alone, so x is never copied."""
     aligned = autofuse.get_linear(40, 88, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
     assert aligned._layout is None and aligned.weight.is_contiguous() and aligned.weight.stride() == (40, 1)
-    assert ops.get("linear").dims(LinearShape("aligned", 40, 88, "gelu_tanh"))[:2] == (88, 40)
+    assert ops.get("linear").dims(LinearShape("aligned", 40, 88, "gelu_tanh"), 1)[:2] == (88, 40)
     one_side = autofuse.get_linear(40, 45, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
     assert (one_side._layout.k_run, one_side._layout.n_run) == (40, 64) and one_side.weight.stride() == (40, 1)
     x = torch.randn(6, 40, device=device)

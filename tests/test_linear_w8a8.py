@@ -180,7 +180,7 @@ def test_get_linear_w8a8_runs_the_w8a8_op_and_matches_the_quantized_reference(de
                            "gelu").reshape(2, M, N)
     torch.testing.assert_close(out.double(), ref, rtol=2 * 2**-11, atol=2e-3)
     assert torch.equal(out, again)
-    plan = module._plan(False)
+    plan = module._plan(False, M)
     # K = 72 too: torch._scaled_mm multiplies the weights' padded storage
     assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager", "scaled_mm"}
     with pytest.raises(autofuse.AutofuseError, match="weights must be one of 'dense', 'fp8', 'w8a8'"):
@@ -243,7 +243,7 @@ def test_a_w8a8_mlp_runs_the_w8a8_ops_and_a_fused_model_generates(device):
                                         "su": u.weight_scale}, "silu")
     expected = DOWN_W8A8.library["eager"]({"x": h, "w": d.weight_fp8, "s": d.weight_scale}, "none")
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)  # H rounded to e4m3 in both; rare ties apart
-    assert set(mlp.config_for(M)) == {"gated_up", "down"} and mlp._plan(False).problem(
+    assert set(mlp.config_for(M)) == {"gated_up", "down"} and mlp._plan(False, M).problem(
         "down", M, torch.float32, torch.device(device)).op == "down_w8a8"
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)

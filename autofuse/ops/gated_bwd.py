@@ -133,6 +133,6 @@ GATED_BWD = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: 3 * n,
     serves="mlp",
-    dims=lambda s: (s.d_ff, s.d_model, s.activation),
+    dims=lambda s, M: (s.d_ff, s.d_model, s.activation),
     training=True,
 )

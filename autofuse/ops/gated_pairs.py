@@ -126,5 +126,5 @@ GATED_PAIRS = OpSpec(
     output_width=lambda n, k: n,
     serves="mlp",
     # What an interleaved FusedMLP runs (layout.py).
-    dims=lambda s: (run_width(s.d_ff), input_width(s.d_model), s.activation),
+    dims=lambda s, M: (run_width(s.d_ff), input_width(s.d_model), s.activation),
 )

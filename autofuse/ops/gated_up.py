@@ -119,5 +119,5 @@ GATED_UP = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), input_width(s.d_model), s.activation),  # what FusedMLP runs (layout.py)
+    dims=lambda s, M: (run_width(s.d_ff), input_width(s.d_model), s.activation),  # what FusedMLP runs (layout.py)
 )

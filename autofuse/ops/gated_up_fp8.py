@@ -110,7 +110,7 @@ GATED_UP_FP8 = dataclasses.replace(
     reference=_reference,
     original_reference=_original_reference,
     make_operands=_make_operands,
-    dims=lambda s: (s.d_ff, s.d_model, s.activation),  # FusedMLPFp8 runs the sizes as they are (no padding)
+    dims=lambda s, M: (s.d_ff, s.d_model, s.activation),  # FusedMLPFp8 runs the sizes as they are (no padding)
 )
 
 

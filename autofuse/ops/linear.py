@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import input_width, linear_width, run_width
+from ..layout import input_width, linear_sizes, linear_width, run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 from .bias_act import bias_activation
@@ -81,8 +81,9 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    # nn.Linear-like scale: outputs of order one.
-    return {"x": rand(M, k), "w": rand(n, k) * k**-0.5, "b": rand(n) if bias else None,
+    # nn.Linear-like scale: outputs of order one. The weight's rows as FusedLinear keeps them: where k elements are
+    # not 16-byte aligned, the first k columns of aligned rows (layout.LinearLayout, linear_sizes).
+    return {"x": rand(M, k), "w": (rand(n, linear_width(k)) * k**-0.5)[:, :k], "b": rand(n) if bias else None,
             "r": rand(M, n) if residual else None}
 
 
@@ -105,7 +106,7 @@ LINEAR = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: n,
     serves="linear",
-    dims=lambda s: (linear_width(s.out_features), linear_width(s.in_features), s.activation),  # FusedLinear's
+    dims=lambda s, M: (*linear_sizes(s.out_features, s.in_features, M), s.activation),  # FusedLinear's
 )
 
 DOWN = dataclasses.replace(
@@ -116,5 +117,5 @@ DOWN = dataclasses.replace(
     residual=False,
     library={"eager": _eager},
     serves="mlp",
-    dims=lambda s: (input_width(s.d_model), run_width(s.d_ff), "none"),  # what FusedMLP runs (layout.py)
+    dims=lambda s, M: (input_width(s.d_model), run_width(s.d_ff), "none"),  # what FusedMLP runs (layout.py)
 )

@@ -151,7 +151,7 @@ LINEAR_FP8 = dataclasses.replace(
     LINEAR,
     name="linear_fp8",
     doc="act(x (W s)^T + b) [+ residual] in one kernel, W in fp8 with a scale per output channel",
-    dims=lambda s: (s.out_features, s.in_features, s.activation),  # FusedLinearFp8 runs the sizes as they are
+    dims=lambda s, M: (s.out_features, s.in_features, s.activation),  # FusedLinearFp8 runs the sizes as they are
     operands=OPERANDS,
     run=_run,
     weights="fp8",
@@ -172,7 +172,7 @@ def _make_down_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand
 
 # What makes a gated MLP's down projection of an fp8 linear op: no activation, no residual, keyed for the shapes
 # file's MLPs at the sizes FusedMLPFp8 runs (d_ff unpadded), timed on H as the MLP lays it out.
-DOWN_FIELDS = dict(activations=("none",), residual=False, serves="mlp", dims=lambda s: (s.d_model, s.d_ff, "none"),
+DOWN_FIELDS = dict(activations=("none",), residual=False, serves="mlp", dims=lambda s, M: (s.d_model, s.d_ff, "none"),
                    make_operands=_make_down_operands)
 
 DOWN_FP8 = dataclasses.replace(

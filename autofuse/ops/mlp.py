@@ -139,7 +139,7 @@ MLP = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: k,
     serves="mlp",
-    dims=lambda s: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (layout.py)
+    dims=lambda s, M: (run_width(s.d_ff), s.d_model, s.activation),  # what FusedMLP runs (layout.py)
     # It reads one unpadded d_model for both projections: a module that pads d_model never plans it.
     keyed_for=lambda s: input_width(s.d_model) == s.d_model,
     max_m=MAX_M,

@@ -62,7 +62,7 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
             for entry in entries[spec.serves]:
                 if not spec.runs_for(entry):
                     continue
-                n, k, activation = spec.dims(entry)
+                n, k, activation = spec.dims(entry, M)
                 key = Problem(spec.name, n, k, M, shapes.dtype, activation, entry.bias).key(M, env)
                 jobs.append(Job(key, M, f"{entry.name} {spec.name}"))
     # One job per key: two shapes may share a projection.

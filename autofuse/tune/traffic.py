@@ -122,7 +122,7 @@ def jobs(points: list[Point], device: torch.device, only: set[str] | None = None
                 continue
             if not spec.runs_for(item):  # its module never runs the op
                 continue
-            n, k, activation = spec.dims(item)
+            n, k, activation = spec.dims(item, point.run_m)
             key = Problem(spec.name, n, k, point.run_m, DTYPES[shape.dtype], activation, shape.bias).key(
                 point.key_m, env)
             label = f"{shape.kind} {shape.dims[0]}->{shape.dims[1]} {spec.name}"
