@@ -522,6 +522,31 @@ def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
     assert sorted(op for op, _, _ in compiled) == ["down", "gated_up"]
 
 
+def test_a_plans_tuned_kernels_are_compiled_at_once_too(device, monkeypatch):
+    """Tuned choices have nothing to check, but their kernels compile on the module's first forward all the same:
+    the plan compiles them on threads at once, the one-launch kernel's record among them; library choices
+    compile nothing."""
+    from autofuse.choose import MLPPlan, plans
+    from autofuse.configs import Library
+
+    compiled = []
+    monkeypatch.setattr(objective.Evaluator, "precompile", lambda self, config: compiled.append((self.key.op, config)))
+    monkeypatch.setattr(objective.Evaluator, "precompile_library", lambda self: None)
+    monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
+    plan = MLPPlan(D, F_, "silu", False)
+    _tuned_neighbour(device, "gated_up", F_, D, 4, _TILE, activation="silu")
+    _tuned_neighbour(device, "down", D, F_, 4, _TILE)
+    _tuned_neighbour(device, "mlp", F_, D, 4, _TILE, activation="silu")
+    resolve.invalidate()
+    plans._precompile(plan, 4, torch.float32, torch.device(device))
+    assert sorted(compiled) == [("down", _TILE), ("gated_up", _TILE), ("mlp", _TILE)]
+    compiled.clear()
+    _tuned_neighbour(device, "down", D, F_, 4, Library("eager"))
+    resolve.invalidate()
+    plans._precompile(plan, 4, torch.float32, torch.device(device))
+    assert sorted(compiled) == [("gated_up", _TILE), ("mlp", _TILE)]
+
+
 @pytest.mark.parametrize("pairs_tuned", [False, True])
 def test_at_one_row_a_gemv_up_projection_leaves_the_unchecked_gated_pairs_out(device, monkeypatch, pairs_tuned):
     """gated_pairs has no GEMV variant: where the gated up-projection's check times (and chooses) a GEMV at M = 1,

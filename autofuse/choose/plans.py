@@ -148,9 +148,9 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
 
 
 def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile at once the kernels the plan's first-use checks below will time (check.precompile): the ops'
-    unchecked choices, and the one-launch kernel's heuristic where the two ops are about to be checked and no
-    one-launch record exists."""
+    """Compile at once the kernels the plan's first-use checks below will time and the tuned ones it may run
+    (check.precompile): the ops' choices, the one-launch kernel's record, or its heuristic where the two ops are
+    about to be checked and no one-launch record exists."""
     up_problem = plan.problem("gated_up", M, dtype, device)
     problems = [up_problem, plan.problem("down", M, dtype, device)]
     if plan.pairs:  # left out where the up-projection's check will time a GEMV (the gemv alternative at this M)
@@ -159,10 +159,12 @@ def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device)
         pairs_problem = plan.problem("gated_pairs", M, dtype, device)
         problems += [] if _pairs_left_out(pairs_problem, gemv) else [pairs_problem]
     jobs = [(problem, lookup.resolve(problem)) for problem in problems]
-    one_launch = M <= current().one_launch_max_m and plan.one_launch and plan.one_launch_checked(dtype)
-    if one_launch and all(choice.source.unchecked for _, choice in jobs[:2]):
+    if M <= current().one_launch_max_m and plan.one_launch:
         problem = plan.problem("mlp", M, dtype, device)
-        if lookup.resolve_tuned(problem) is None:
+        record = lookup.resolve_tuned(problem)
+        if record is not None:  # timed beside the two ops' table (_select_mlp)
+            jobs.append((problem, record))
+        elif plan.one_launch_checked(dtype) and all(choice.source.unchecked for _, choice in jobs[:2]):
             jobs.append((problem, Choice(heuristic_for(problem.replace(M=problem.bucket)), Source.HEURISTIC)))
     check.precompile(jobs)
 
