@@ -38,7 +38,7 @@ from .layout import row_width
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_grad import gated_gradient_kept
-from .ops.gated_up import pre_activations, stacked
+from .ops.gated_up import pre_activations, project_into, stacked
 from .ops.linear import linear
 
 
@@ -235,20 +235,15 @@ def _training_forward(x, params: tuple, step: TrainingStep, separate: bool):
     activation, down_config, launches = step.activation, step.down_config, step.launches
     M, F_ = x.shape[0], w_gate.shape[0]
     if separate:
-        g, u = activation_buffer(M, F_, x), activation_buffer(M, F_, x)
-        for w, b, out in ((w_gate, b_gate, g), (w_up, b_up, u)):
-            if b is None:
-                torch.mm(x, w.t(), out=out)
-            else:
-                torch.addmm(b, x, w.t(), out=out)
+        g = project_into(activation_buffer(M, F_, x), x, w_gate, b_gate)
+        u = project_into(activation_buffer(M, F_, x), x, w_up, b_up)
         pre = (g, u)
     else:
         pre = pre_activations(x, w_gate, b_gate, w_up, b_up)
         g, u = pre[:, :F_], pre[:, F_:]
     h = activation_buffer(M, F_, g) if separate else g.new_empty((M, F_))
+    # G, U and H are activation buffers of one width alike where `separate`: passes run over their whole rows.
     whole = {"g": whole_rows(g), "u": whole_rows(u), "h": whole_rows(h)} if separate else {"g": g, "u": u, "h": h}
-    if len({t.shape for t in whole.values()}) != 1:  # not all of them padded alike: the live columns only
-        whole = {"g": g, "u": u, "h": h}
     if launches is None or launches.M != M:
         gated_activation(whole["g"], whole["u"], activation, out=whole["h"])
         return pre, h, _project(h, w_down, b_down, None, down_config)

@@ -56,6 +56,13 @@ def stacked(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     return gate.as_strided((2 * gate.shape[0], *gate.shape[1:]), (gate.stride(0), *gate.stride()[1:]))
 
 
+def project_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """out = x w^T (+ b) by cuBLAS, written into `out` ([M, N], rows of any stride)."""
+    if b is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(b, x, w.t(), out=out)
+
+
 def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
                     b_up: torch.Tensor | None) -> torch.Tensor:
     """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): one cuBLAS GEMM where the weights (and
@@ -70,11 +77,8 @@ def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor 
         if b_gu is not None:
             return torch.addmm(b_gu, x, w_gu.t())
     gu = torch.empty(x.shape[0], 2 * F_, dtype=x.dtype, device=x.device)
-    for w, b, half in ((w_gate, b_gate, gu[:, :F_]), (w_up, b_up, gu[:, F_:])):
-        if b is None:
-            torch.mm(x, w.t(), out=half)
-        else:
-            torch.addmm(b, x, w.t(), out=half)
+    project_into(gu[:, :F_], x, w_gate, b_gate)
+    project_into(gu[:, F_:], x, w_up, b_up)
     return gu
 
 
