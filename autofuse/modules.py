@@ -33,7 +33,7 @@ from .layout import (
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
-from .training import LinearFunction, MLPFunction, TrainingLaunches, TrainingStep
+from .training import LinearFunction, TrainingLaunches, TrainingStep, mlp_training
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
 # call: `torch.compiler.is_compiling` is three guarded objects, `torch.ops.autofuse.mlp` five. Bound here, each
@@ -400,8 +400,8 @@ class FusedMLP(FusedModule):
             recorder = traffic.recorder
             if recorder is not None and recorder.due(self, M, True):
                 return recorder.timed(self, M, True, x.device,
-                                      lambda: as_shape(MLPFunction.apply(x2d, *params, step), out_shape))
-            return as_shape(MLPFunction.apply(x2d, *params, step), out_shape)
+                                      lambda: as_shape(mlp_training(x2d, params, step), out_shape))
+            return as_shape(mlp_training(x2d, params, step), out_shape)
         if self._laid_out_again(wg.device):
             params = self._params()
             wg = params[0]
@@ -458,7 +458,7 @@ class FusedMLP(FusedModule):
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
 
     def _training_step(self, M: int, weight: torch.Tensor, save_hidden: bool = False) -> TrainingStep:
-        """What a forward that builds a graph runs (training.MLPFunction): the down projection's config and the
+        """What a forward that builds a graph runs (training.mlp_training): the down projection's config and the
         gated backward's (tuned with `autofuse tune --train`: a KernelConfig, or the Library path that tuning or a
         check chose; None where the forward saves H, whose backward is cuBLAS and one pass), and the entry's bound
         launches (training.TrainingLaunches, None while a choice waits for its check). Resolved once per table

@@ -14,6 +14,10 @@ with a pointwise kernel and runs the tuned down projection. Two backwards, by th
   dG | dU written over G | U, and H, in its epilogue) or cuBLAS dH and one pass that also recomputes H
   (writing it over dH): one [M, F] tensor more of memory traffic. Then dX and [dWg; dWu], one GEMM each
   where the weights are stacked.
+Where the weight gradients outweigh the activations (separate_weight_gradients: few rows against wide weights), the
+kept-H step is three autograd nodes instead of one: a ProjectionFunction each for G and U, whose backward returns
+that weight's gradient alone, and a HiddenDownFunction for the rest, so that the engine adds each weight gradient
+into .grad and frees it before the next one is formed.
 Because the saved pre-activations are overwritten, a graph's backward runs once (retain_graph=True and a
 second backward is refused with a clear error).
 
@@ -46,6 +50,14 @@ def _refuse_double_backward() -> None:
     if torch.is_grad_enabled():  # backward(create_graph=True) or autograd.grad(..., create_graph=True)
         raise RuntimeError("autofuse modules do not support double backward (create_graph=True); "
                            "use the eager PyTorch module for higher-order gradients")
+
+
+def _refuse_second_backward(ctx) -> None:
+    if ctx.spent:
+        raise RuntimeError("autofuse's MLP backward writes the gradients over the activations its forward "
+                           "saved, so each forward's graph can be backpropagated once: run the forward "
+                           "again instead of backward(retain_graph=True) twice")
+    ctx.spent = True
 
 
 def sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -232,28 +244,36 @@ def _training_forward(x, params: tuple, step: TrainingStep, separate: bool):
     are (G, U), two buffers, where `separate` (the backward then frees dG before its last GEMM); else [G | U],
     one [M, 2F] buffer (what op gated_bwd's kernels read)."""
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
-    activation, down_config, launches = step.activation, step.down_config, step.launches
     M, F_ = x.shape[0], w_gate.shape[0]
     if separate:
         g = project_into(activation_buffer(M, F_, x), x, w_gate, b_gate)
         u = project_into(activation_buffer(M, F_, x), x, w_up, b_up)
-        pre = (g, u)
-    else:
-        pre = pre_activations(x, w_gate, b_gate, w_up, b_up)
-        g, u = pre[:, :F_], pre[:, F_:]
-    h = activation_buffer(M, F_, g) if separate else g.new_empty((M, F_))
-    # G, U and H are activation buffers of one width alike where `separate`: passes run over their whole rows.
-    whole = {"g": whole_rows(g), "u": whole_rows(u), "h": whole_rows(h)} if separate else {"g": g, "u": u, "h": h}
+        h, y = _hidden_and_down(g, u, w_down, b_down, step, True)
+        return (g, u), h, y
+    pre = pre_activations(x, w_gate, b_gate, w_up, b_up)
+    h, y = _hidden_and_down(pre[:, :F_], pre[:, F_:], w_down, b_down, step, False)
+    return pre, h, y
+
+
+def _hidden_and_down(g, u, w_down, b_down, step: TrainingStep, buffers: bool):
+    """(H, Y): H = act(G) * U by one pointwise pass and Y = H W_down^T + b_down by the tuned down projection, both
+    bound launches where the step has them at this M. Where G and U are activation buffers (`buffers`), H is one too
+    and the pass runs over the three's whole rows; else (the halves of [G | U]) H is dense."""
+    activation, down_config, launches = step.activation, step.down_config, step.launches
+    M, F_ = g.shape
+    h = activation_buffer(M, F_, g) if buffers else g.new_empty((M, F_))
+    # G, U and H are activation buffers of one width alike where `buffers`: passes run over their whole rows.
+    whole = {"g": whole_rows(g), "u": whole_rows(u), "h": whole_rows(h)} if buffers else {"g": g, "u": u, "h": h}
     if launches is None or launches.M != M:
         gated_activation(whole["g"], whole["u"], activation, out=whole["h"])
-        return pre, h, _project(h, w_down, b_down, None, down_config)
+        return h, _project(h, w_down, b_down, None, down_config)
     launches.run("gated_act", whole, [], lambda: gated_activation(whole["g"], whole["u"], activation, out=whole["h"]))
     if down_config is None:  # a library path: nothing to bind
-        return pre, h, _project(h, w_down, b_down, None, None)
+        return h, _project(h, w_down, b_down, None, None)
     y = h.new_empty((M, w_down.shape[0]))
     launches.run("down", {"x": h, "y": y}, launch.addresses((w_down, b_down)),
                  lambda: linear(h, w_down, b_down, None, "none", down_config, out=y))
-    return pre, h, y
+    return h, y
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -305,11 +325,7 @@ class MLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         _refuse_double_backward()
-        if ctx.spent:
-            raise RuntimeError("autofuse's MLP backward writes the gradients over the activations its forward "
-                               "saved, so each forward's graph can be backpropagated once: run the forward "
-                               "again instead of backward(retain_graph=True) twice")
-        ctx.spent = True
+        _refuse_second_backward(ctx)
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
         padding = ctx.padding
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, step)
@@ -330,6 +346,111 @@ class MLPFunction(torch.autograd.Function):
         return (*grads, db_down, None)
 
 
+def separate_weight_gradients(M: int, d_model: int, d_ff: int) -> bool:
+    """Whether a training step whose forward keeps H returns each weight's gradient from an autograd node of its own
+    (mlp_training), at the sizes the step runs at (training.Padding's). With X, A and W the bytes of one [M, d_model],
+    one [M, d_ff] and one weight: one node returning dWd, dWg and dWu together peaks at its last GEMM, holding all three
+    beside Y, dX and dU (2X + 3W + A), while a graph of one node per GEMM (eager's, Liger's) peaks at its down
+    projection's, holding G, U, H, dH, Y and dWd (4A + X + W), since the engine adds each weight gradient into .grad
+    and frees it as soon as its node returns. Where X + 2W > 3A one node would hold more than such a graph, and
+    the split's peak, its dH GEMM's (3A + X + W), is below both: 3200 -> 6655 at M = 2048 held 132 MiB split, 174 as
+    one node, Liger 157 (H100). Elsewhere the step stays one node: two more autograd Functions cost the host time a
+    step, 2368 -> 4872 at M = 2048 (host-bound) ran 1.169 ms split against 0.860 as one node (H100)."""
+    return M * d_model + 2 * d_ff * d_model > 3 * M * d_ff
+
+
+class ProjectionFunction(torch.autograd.Function):
+    """Z = x W^T + b by cuBLAS into an activation buffer, an autograd node whose backward returns W's and b's
+    gradients alone (x's comes from HiddenDownFunction, which reads these weights too, so the engine adds nothing).
+    apply(x_run, weight, bias, weight_run, bias_run, live): the GEMMs read x_run, weight_run and bias_run (the padded
+    space's, training.Padding); the gradients go to weight and bias, of their `live` (rows, columns) where padded."""
+
+    @staticmethod
+    def forward(ctx, x_run, weight, bias, weight_run, bias_run, live):
+        ctx.live, ctx.has_bias = live, bias is not None
+        ctx.save_for_backward(x_run)
+        return project_into(activation_buffer(x_run.shape[0], weight_run.shape[0], x_run), x_run, weight_run,
+                            bias_run)
+
+    @staticmethod
+    def backward(ctx, dz):
+        _refuse_double_backward()
+        x_run, = ctx.saved_tensors
+        need = ctx.needs_input_grad  # (x_run, weight, bias, weight_run, bias_run, live)
+        dw = torch.mm(dz.t(), x_run) if need[1] else None
+        db = sum_rows(dz) if ctx.has_bias and need[2] else None
+        if ctx.live is not None:
+            rows, columns = ctx.live
+            dw = None if dw is None else dw[:rows, :columns]
+            db = None if db is None else db[:rows]
+        return None, dw, db, None, None, None
+
+
+class HiddenDownFunction(torch.autograd.Function):
+    """Y = down(act(G) * U) of the G and U two ProjectionFunctions made: the MLP's node where its weight gradients
+    are nodes of their own (separate_weight_gradients). Its backward returns dX, dG and dU (written over G and U)
+    and the down projection's gradients. apply(x, g, u, w_down, b_down, w_gate_run, w_up_run, w_down_run,
+    b_down_run, step, padding)."""
+
+    @staticmethod
+    def forward(ctx, x, g, u, w_down, b_down, w_gate_run, w_up_run, w_down_run, b_down_run, step, padding):
+        h, y = _hidden_and_down(g, u, w_down_run, b_down_run, step, True)
+        ctx.padding, ctx.launches, ctx.activation = padding, step.launches, step.activation
+        ctx.has_bias = b_down is not None
+        ctx.spent = False
+        ctx.kept = None
+        if _saved_tensor_hooks_active():  # as MLPFunction: the hooks see H
+            ctx.save_for_backward(w_gate_run, w_up_run, w_down_run, g, u, h)
+        else:
+            ctx.save_for_backward(w_gate_run, w_up_run, w_down_run, g, u)
+            ctx.kept = [h]  # freed once dWd is formed
+        return y if padding is None else y[:, :padding.d]
+
+    @staticmethod
+    def backward(ctx, dy):
+        _refuse_double_backward()
+        _refuse_second_backward(ctx)
+        w_gate, w_up, w_down, g, u, *saved = ctx.saved_tensors
+        padding = ctx.padding
+        need = ctx.needs_input_grad  # (x, g, u, w_down, b_down, ...)
+        db_down = sum_rows(dy) if ctx.has_bias and need[4] else None
+        dys = [dy.contiguous() if padding is None else padding.rows(dy, padding.D)]
+        del dy
+        hidden = list(saved) if ctx.kept is None else ctx.kept
+        ctx.kept = None
+        saved.clear()
+        dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[3])
+        dx = None
+        if need[0]:
+            dx = torch.mm(g, w_gate)
+            dx.addmm_(u, w_up)
+        if padding is not None:
+            dx = None if dx is None else dx[:, :padding.d]
+            dw_down = None if dw_down is None else dw_down[:padding.d, :padding.f]
+        return (dx, g if need[1] else None, u if need[2] else None, dw_down, db_down, *(None,) * 6)
+
+
+def mlp_training(x: torch.Tensor, params: tuple, step: TrainingStep) -> torch.Tensor:
+    """The training forward of a gated MLP (params: w_gate, b_gate, w_up, b_up, w_down, b_down): two
+    ProjectionFunctions and a HiddenDownFunction where the forward keeps H and separate_weight_gradients holds,
+    else the one MLPFunction."""
+    w_gate = params[0]
+    f, d = w_gate.shape
+    if not step.save_hidden or not separate_weight_gradients(x.shape[0], row_width(d), row_width(f)):
+        return MLPFunction.apply(x, *params, step)
+    padding = Padding.of(x, w_gate)
+    run, x_run, live = params, x, None
+    if padding is not None:  # the padded space's copies: data for the GEMMs, outside the graph
+        with torch.no_grad():
+            run = padding.params(tuple(params), step.launches)
+            x_run = padding.rows(x.detach(), padding.D)
+        live = (f, d)
+    w_gate, b_gate, w_up, b_up, w_down, b_down = params
+    g = ProjectionFunction.apply(x_run, w_gate, b_gate, run[0], run[1], live)
+    u = ProjectionFunction.apply(x_run, w_up, b_up, run[2], run[3], live)
+    return HiddenDownFunction.apply(x, g, u, w_down, b_down, run[0], run[2], run[4], run[5], step, padding)
+
+
 def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torch.Tensor, g: torch.Tensor,
                     u: torch.Tensor) -> None:
     """dG and dU written over g and u by op gated_dgu: a bound launch like the forward's passes where the entry
@@ -344,21 +465,33 @@ def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torc
                  lambda: gated_gradient_kept(dh, g, u, activation, out=(g, u)))
 
 
-def _backward_from_kept_h(ctx, dys: list, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
-    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item) and the forward's G,
-    U, H (`kept`); both lists are emptied here, so that each buffer is freed once spent. dWd first, then H freed;
-    cuBLAS dH, then dY freed, and one pass writing dG, dU over G, U; then dX, and each weight's gradient with its
-    pre-activation gradient freed right after: the last GEMM holds dU alone, not [dG | dU]."""
-    g, u, h = kept
-    kept.clear()
+def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tensor, w_down: torch.Tensor,
+                    need_down: bool) -> torch.Tensor | None:
+    """dWd = dY^T H (None where W_down needs no gradient), then H freed; cuBLAS dH = dY W_down, then dY freed, and
+    one pass writing dG, dU over G, U. dY and H come as the one item of `dys` and `hidden`, which are emptied here,
+    so that each buffer is freed once spent (dH then takes H's place)."""
+    h = hidden.pop()
     dy = dys.pop()
-    dw_down = torch.mm(dy.t(), h) if need[5] else None
-    del h  # dH below takes its place
+    dw_down = torch.mm(dy.t(), h) if need_down else None
+    del h
     dh = torch.mm(dy, w_down, out=activation_buffer(dy.shape[0], w_down.shape[1], dy))
     del dy
     _gradients_over(ctx.launches, ctx.activation, dh, g, u)
+    return dw_down
+
+
+def _backward_from_kept_h(ctx, dys: list, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
+    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item) and the forward's G,
+    U, H (`kept`); both lists are emptied here, so that each buffer is freed once spent: dWd and dG, dU over G, U
+    (_down_then_pass), then dX, and each weight's gradient with its pre-activation gradient freed right after: the
+    last GEMM holds dU alone, not [dG | dU]."""
+    g, u, h = kept
+    kept.clear()
+    hidden = [h]
+    del h
+    dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[5])
     dg, du = g, u
-    del dh, g, u  # dg and du are now the only references to those two buffers
+    del g, u  # dg and du are now the only references to those two buffers
     dx = None
     if need[0]:
         dx = torch.mm(dg, w_gate)

@@ -364,9 +364,19 @@ def test_mlp_gradients_through_each_library_backward(library, dtype, device, mon
 
 def _mlp_node(out):
     node = out.grad_fn
-    while "MLPFunction" not in type(node).__name__:  # under the reshape back to x's shape
+    while not type(node).__name__.startswith(("MLPFunction", "HiddenDownFunction")):  # under the reshape back
         node = node.next_functions[0][0]
     return node
+
+
+def _kept_activations(out) -> list:
+    """G, U and H as the MLP's node holds them for the backward: all three on ctx (MLPFunction), or G and U saved
+    (the ProjectionFunctions' outputs) and H on ctx (HiddenDownFunction, where the weight gradients are nodes of
+    their own)."""
+    node = _mlp_node(out)
+    if type(node).__name__.startswith("HiddenDownFunction"):
+        return [*node.saved_tensors[3:5], *node.kept]  # after the three weights the GEMMs read
+    return node.kept
 
 
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
@@ -389,8 +399,7 @@ def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree
     dy = torch.randn(39, 40, dtype=dtype, device=device)
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     params = _mlp_params(module)
-    node = _mlp_node(module(x.clone().requires_grad_()))
-    assert [tuple(t.shape) for t in node.kept] == [(39, 72)] * 3  # G, U, H on ctx: each freed once spent
+    assert [tuple(t.shape) for t in _kept_activations(module(x.clone().requires_grad_()))] == [(39, 72)] * 3
     kept = _module_grads(module, x, dy, names)
     assert passes == [1] and "gated_bwd" not in resolved
     module.save_hidden = False
@@ -429,6 +438,48 @@ def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_grad
     checkpointed = {"x": xc.grad, **{n: p.grad for n, p in zip(names, _param_tensors(module))}}
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])
+@pytest.mark.parametrize("M", [21, 160])
+def test_where_weight_gradients_outweigh_activations_each_is_added_and_freed_before_the_next(d_ff, d_model, M, device,
+                                                                                            monkeypatch):
+    """At few rows (training.separate_weight_gradients) each weight's gradient comes from an autograd node of its
+    own, so the engine adds it into .grad and frees it before the next weight gradient's GEMM: the step never holds
+    two new weight gradients (one node returning all three holds them together at its last GEMM, the step's peak).
+    At many rows the activations outweigh them and the step is one node."""
+    import weakref
+
+    from autofuse import training
+
+    module = autofuse.get_mlp(d_model, d_ff, activation="silu", bias=True, dtype=torch.float32, device=device)
+    separate = training.separate_weight_gradients(M, training.row_width(d_model), training.row_width(d_ff))
+    assert separate == (M == 21)
+    x = torch.randn(M, d_model, device=device, requires_grad=True)
+    dy = torch.randn(M, d_model, device=device)
+    module(x).backward(dy)  # .grad exists: the second step's gradients are added into it and freed
+    weight_shapes = {tuple(p.shape) for p in (module.gate_proj.weight, module.down_proj.weight)}
+    weight_shapes |= {(training.row_width(a), training.row_width(b)) for a, b in weight_shapes}
+    formed, alive_at_each = [], []
+    real_mm = torch.mm
+
+    def recording_mm(a, b, **kwargs):
+        result = real_mm(a, b, **kwargs)
+        if tuple(result.shape) in weight_shapes:
+            alive_at_each.append(sum(ref() is not None for ref in formed))
+            formed.append(weakref.ref(result))
+        return result
+    out = module(x)
+    node = type(_mlp_node(out)).__name__
+    assert node.startswith("HiddenDownFunction" if separate else "MLPFunction")
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    out.backward(dy)
+    monkeypatch.undo()
+    assert len(alive_at_each) == 3
+    if separate:
+        assert alive_at_each == [0, 0, 0]
+    else:
+        assert alive_at_each == [0, 1, 2]  # one node: dWd and dWg still held at dWu's GEMM
 
 
 def test_a_second_backward_through_one_forward_is_refused_clearly(device):
@@ -489,20 +540,21 @@ def test_stacked_refuses_tensors_that_are_not_the_halves_of_one_buffer():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d_ff, d_model", [(75, 40), (100, 43)], ids=["dff75", "dff100-dmodel43"])
 @pytest.mark.parametrize("save_hidden", [True, False], ids=["keep-h", "recompute-h"])
+@pytest.mark.parametrize("M", [21, 160])  # weight gradients in nodes of their own at 21 rows, one node at 160
 def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients(dtype, d_ff, d_model, save_hidden,
-                                                                                  device):
+                                                                                  M, device):
     """A d_ff (or d_model) that is not a multiple of 8: the step runs in the padded space (every GEMM at aligned
     sizes, what cuBLAS needs for its fast kernels), and the output and gradients are still the reference's."""
     from autofuse.layout import run_width
 
     module = autofuse.get_mlp(d_model, d_ff, activation="gelu_tanh", bias=True, dtype=dtype, device=device,
                               save_hidden=save_hidden)
-    x = torch.randn(21, d_model, dtype=dtype, device=device)
-    dy = torch.randn(21, d_model, dtype=dtype, device=device)
+    x = torch.randn(M, d_model, dtype=dtype, device=device)
+    dy = torch.randn(M, d_model, dtype=dtype, device=device)
     out = module(x.clone().requires_grad_())
-    assert out.shape == (21, d_model)
+    assert out.shape == (M, d_model)
     if save_hidden:
-        assert [tuple(t.shape) for t in _mlp_node(out).kept] == [(21, run_width(d_ff))] * 3  # G, U, H padded
+        assert [tuple(t.shape) for t in _kept_activations(out)] == [(M, run_width(d_ff))] * 3  # G, U, H padded
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     params = _mlp_params(module)
     got = _module_grads(module, x, dy, names)
@@ -514,7 +566,8 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
-def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_nothing(dtype, activation, device,
+@pytest.mark.parametrize("M", [21, 160])  # weight gradients in nodes of their own at 21 rows, one node at 160
+def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_nothing(dtype, activation, M, device,
                                                                                        monkeypatch):
     """G, U, H and dH of a kept-H step whose rows are not a multiple of 32 bytes (d_ff 72 in 16-bit types) are views
     of rows 128 bytes apart, the pointwise passes run over whole rows, and what the padding columns hold reaches
@@ -531,11 +584,11 @@ def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_no
         return t
     monkeypatch.setattr(training, "activation_buffer", poisoned)
     module = autofuse.get_mlp(40, 72, activation=activation, bias=True, dtype=dtype, device=device)
-    x = torch.randn(21, 40, dtype=dtype, device=device)
-    dy = torch.randn(21, 40, dtype=dtype, device=device)
+    x = torch.randn(M, 40, dtype=dtype, device=device)
+    dy = torch.randn(M, 40, dtype=dtype, device=device)
     out = module(x.clone().requires_grad_())
     row = {torch.float32: 72}.get(dtype, 128)
-    assert [(tuple(t.shape), t.stride()) for t in _mlp_node(out).kept] == [((21, 72), (row, 1))] * 3  # G, U, H
+    assert [(tuple(t.shape), t.stride()) for t in _kept_activations(out)] == [((M, 72), (row, 1))] * 3  # G, U, H
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     params = _mlp_params(module)
     got = _module_grads(module, x, dy, names)
