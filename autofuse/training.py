@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -386,14 +387,25 @@ class ProjectionFunction(torch.autograd.Function):
         return None, dw, db, None, None, None
 
 
+class RunWeights(NamedTuple):
+    """The weights a HiddenDownFunction's GEMMs read: the parameters, or their copies in the padded space (padding
+    not None). Passed as one argument, not as inputs: the gradients go to the parameters."""
+
+    padding: Padding | None
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+
 class HiddenDownFunction(torch.autograd.Function):
     """Y = down(act(G) * U) of the G and U two ProjectionFunctions made: the MLP's node where its weight gradients
     are nodes of their own (separate_weight_gradients). Its backward returns dX, dG and dU (written over G and U)
-    and the down projection's gradients. apply(x, g, u, w_down, b_down, w_gate_run, w_up_run, w_down_run,
-    b_down_run, step, padding)."""
+    and the down projection's gradients. apply(x, g, u, w_down, b_down, run, step): the GEMMs read run's weights."""
 
     @staticmethod
-    def forward(ctx, x, g, u, w_down, b_down, w_gate_run, w_up_run, w_down_run, b_down_run, step, padding):
+    def forward(ctx, x, g, u, w_down, b_down, run: RunWeights, step):
+        padding, w_gate_run, w_up_run, w_down_run, b_down_run = run
         h, y = _hidden_and_down(g, u, w_down_run, b_down_run, step, True)
         ctx.padding, ctx.launches, ctx.activation = padding, step.launches, step.activation
         ctx.has_bias = b_down is not None
@@ -427,7 +439,7 @@ class HiddenDownFunction(torch.autograd.Function):
         if padding is not None:
             dx = None if dx is None else dx[:, :padding.d]
             dw_down = None if dw_down is None else dw_down[:padding.d, :padding.f]
-        return (dx, g if need[1] else None, u if need[2] else None, dw_down, db_down, *(None,) * 6)
+        return dx, g if need[1] else None, u if need[2] else None, dw_down, db_down, None, None
 
 
 def mlp_training(x: torch.Tensor, params: tuple, step: TrainingStep) -> torch.Tensor:
@@ -448,7 +460,7 @@ def mlp_training(x: torch.Tensor, params: tuple, step: TrainingStep) -> torch.Te
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
     g = ProjectionFunction.apply(x_run, w_gate, b_gate, run[0], run[1], live)
     u = ProjectionFunction.apply(x_run, w_up, b_up, run[2], run[3], live)
-    return HiddenDownFunction.apply(x, g, u, w_down, b_down, run[0], run[2], run[4], run[5], step, padding)
+    return HiddenDownFunction.apply(x, g, u, w_down, b_down, RunWeights(padding, run[0], run[2], run[4], run[5]), step)
 
 
 def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torch.Tensor, g: torch.Tensor,
