@@ -169,12 +169,9 @@ class Padding:
                 down, down_bias)
 
     def rows(self, t: torch.Tensor, width: int) -> torch.Tensor:
-        """t ([M, live columns]) in a new [M, width] tensor, zero beyond its columns."""
-        if t.shape[1] == width:
-            return t
-        padded = t.new_zeros((t.shape[0], width))
-        padded[:, :t.shape[1]].copy_(t)
-        return padded
+        """t ([M, live columns]) in a new [M, width] tensor, zero beyond its columns (F.pad, as layout.pad_rows above
+        its kept zero blocks' rows)."""
+        return t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1]))
 
     def grads(self, grads: tuple) -> tuple:
         """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) of the live region of the padded ones."""

@@ -195,6 +195,11 @@ def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
+def is_gemv(name: Any) -> bool:
+    """Whether the registered variant `name` is a GEMV: a CUDA-core reduction compiled for its K (static_k)."""
+    return get(name).static_k
+
+
 def get(name: Any) -> Variant:
     """The registered variant `name`; ValueError names the ones there are."""
     variant = _REGISTRY.get(name) if isinstance(name, str) else None

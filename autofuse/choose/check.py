@@ -185,7 +185,7 @@ def _kernels_to_check(problem: Problem, choice: Choice, heuristic) -> list:
         kernels.append(heuristic)
     kernels.extend(alternatives_for(problem.replace(M=problem.bucket)))
     kernels = list(dict.fromkeys(kernels))
-    if narrowed is not None and variants.get(narrowed).static_k:
+    if narrowed is not None and variants.is_gemv(narrowed):
         kernels = [kernel for kernel in kernels if kernel.variant == narrowed] or kernels
     return kernels
 

@@ -170,7 +170,7 @@ def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device)
 
 
 def _gemv(kernel: KernelConfig | None) -> bool:
-    return kernel is not None and variants.get(kernel.variant).static_k
+    return kernel is not None and variants.is_gemv(kernel.variant)
 
 
 def _pairs_left_out(pairs_problem: Problem, up_kernel: KernelConfig | None) -> bool:
