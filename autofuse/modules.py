@@ -321,6 +321,7 @@ class FusedMLP(FusedModule):
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
         self._training_table: dict[tuple, TrainingStep] = {}  # table key -> what its training forward runs
+        self._training_weights: dict[str, tuple] = {}  # padded weight copies, one set for every M (TrainingLaunches)
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d_model, **factory)
@@ -405,6 +406,7 @@ class FusedMLP(FusedModule):
         if self._laid_out_again(wg.device):
             params = self._params()
             wg = params[0]
+            self._training_weights.clear()  # training's padded copies: made again at the next training forward
         weights = addresses(params)
         layout = self._layout
         if layout is not None:
@@ -478,7 +480,8 @@ class FusedMLP(FusedModule):
             return TrainingStep(*configs, None, save_hidden)
         self._seen_generation()  # kept under the generation its checks moved to, as _config_table keeps
         key = (*self._table_key(M, weight), save_hidden)
-        step = self._training_table[key] = TrainingStep(*configs, TrainingLaunches(max(M, 1)), save_hidden)
+        launches = TrainingLaunches(max(M, 1), self._training_weights)
+        step = self._training_table[key] = TrainingStep(*configs, launches, save_hidden)
         return step
 
     def clear_config_table(self) -> None:

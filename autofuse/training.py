@@ -107,12 +107,14 @@ class LinearFunction(torch.autograd.Function):
 class TrainingLaunches:
     """The training forward's two kernel launches at one M (the pointwise H = act(G) * U, and the tuned
     down projection), bound on the first forward and replayed afterwards like the inference path's
-    (bound.BoundLaunch): per call only G | U, H and the output change. Held per module table entry."""
+    (bound.BoundLaunch): per call only G | U, H and the output change. Held per module table entry.
+    `weights` holds the padded copies of the weights (Padding.params), reused step after step: the module's one
+    dict, shared by its entries at every M, since a copy per token count would hold the weights again for each."""
 
-    def __init__(self, M: int) -> None:
+    def __init__(self, M: int, weights: dict | None = None) -> None:
         self.M = M
         self.launches: dict[str, tuple] = {}  # name -> (BoundLaunch or None, the weights' addresses)
-        self.weights: dict[str, torch.Tensor] = {}  # aligned copies of weights, reused step after step
+        self.weights: dict[str, tuple] = {} if weights is None else weights
 
     def run(self, name: str, tensors: dict, weights: list, first: Callable[[], torch.Tensor]) -> None:
         """Launch `name` bound where it was bound at these weights; else run `first` (which writes the

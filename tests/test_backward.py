@@ -482,6 +482,28 @@ def test_where_weight_gradients_outweigh_activations_each_is_added_and_freed_bef
         assert alive_at_each == [0, 1, 2]  # one node: dWd and dWg still held at dWu's GEMM
 
 
+def test_a_padded_training_step_holds_one_copy_of_the_weights_at_every_token_count(device, monkeypatch):
+    """An unaligned d_ff trains over padded copies of the weights, kept step after step: one set per module, whatever
+    the token counts (each is a table entry of its own), and dropped when inference lays the parameters out again."""
+    from autofuse import training
+
+    module = autofuse.get_mlp(43, 75, activation="silu", dtype=torch.float32, device=device)
+    used = []
+    real = training.Padding.params
+
+    def recording(self, params, launches):
+        padded = real(self, params, launches)
+        used.append(padded[0].data_ptr())
+        return padded
+    monkeypatch.setattr(training.Padding, "params", recording)
+    for M in (21, 160, 21):  # weight gradients in nodes of their own at 21 rows, one node at 160
+        module(torch.randn(M, 43, device=device, requires_grad=True)).sum().backward()
+    assert len(module._training_table) == 2 and len(used) == 3 and len(set(used)) == 1
+    with torch.no_grad():
+        module(torch.randn(5, 43, device=device))
+    assert not module._training_weights
+
+
 def test_a_second_backward_through_one_forward_is_refused_clearly(device):
     # The backward overwrites the saved G | U with their gradients: retain_graph cannot reuse them.
     module = autofuse.get_mlp(16, 32, dtype=torch.float32, device=device)
