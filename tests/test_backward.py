@@ -418,18 +418,19 @@ def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_gradients(dtype, device):
+@pytest.mark.parametrize("M", [39, 8])  # one node at 39 rows, weight gradients in nodes of their own at 8
+def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_gradients(dtype, M, device):
     """Under saved-tensor hooks (what non-reentrant activation checkpointing and CPU offloading install), the
     kept G, U and H go through save_for_backward, so the hooks pack them like every other activation; gradients through
     torch.utils.checkpoint equal the plain step's."""
     module = autofuse.get_mlp(40, 72, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
-    x = torch.randn(39, 40, dtype=dtype, device=device)
-    dy = torch.randn(39, 40, dtype=dtype, device=device)
+    x = torch.randn(M, 40, dtype=dtype, device=device)
+    dy = torch.randn(M, 40, dtype=dtype, device=device)
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
         node = _mlp_node(module(x.clone().requires_grad_()))
     # G, U and H through save_for_backward, none on ctx
-    assert node.kept is None and packed.count((39, 72)) == 3 and (39, 144) not in packed
+    assert node.kept is None and packed.count((M, 72)) == 3 and (M, 144) not in packed
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     plain = _module_grads(module, x, dy, names)
     xc = x.clone().requires_grad_()
@@ -502,6 +503,23 @@ def test_a_padded_training_step_holds_one_copy_of_the_weights_at_every_token_cou
     with torch.no_grad():
         module(torch.randn(5, 43, device=device))
     assert not module._training_weights
+
+
+@pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])
+@pytest.mark.parametrize("M", [8, 160])  # weight gradients in nodes of their own at 8 rows, one node at 160
+def test_frozen_weights_give_the_input_gradient_alone(d_ff, d_model, M, device):
+    """Weights that need no gradient (frozen, as under adapters): x's gradient is the float64 reference's and no
+    weight gets one, through either form of the step."""
+    module = autofuse.get_mlp(d_model, d_ff, activation="silu", bias=True, dtype=torch.float32, device=device)
+    module.requires_grad_(False)
+    x = torch.randn(M, d_model, device=device)
+    dy = torch.randn(M, d_model, device=device)
+    xg = x.clone().requires_grad_()
+    module(xg).backward(dy)
+    params = _mlp_params(module)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("silu"), dy.double())
+    assert relative_error(xg.grad, ref["x"]) <= 1e-5
+    assert all(p.grad is None for p in module.parameters())
 
 
 def test_a_second_backward_through_one_forward_is_refused_clearly(device):
