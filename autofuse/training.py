@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from . import launch
 from .activations import TORCH_ACTIVATIONS, activation_backward
+from .choose.policy import current as current_policy
 from .configs import KernelConfig
 from .layout import row_width
 from .ops.gated_act import gated_activation
@@ -354,8 +355,10 @@ def separate_weight_gradients(M: int, d_model: int, d_ff: int) -> bool:
     projection's, holding G, U, H, dH, Y and dWd (4A + X + W), since the engine adds each weight gradient into .grad
     and frees it as soon as its node returns. Where X + 2W > 3A one node would hold more than such a graph, and
     the split's peak, its dH GEMM's (3A + X + W), is below both: 3200 -> 6655 at M = 2048 held 132 MiB split, 174 as
-    one node, Liger 157 (H100). Elsewhere the step stays one node: two more autograd Functions cost the host time a
-    step, 2368 -> 4872 at M = 2048 (host-bound) ran 1.169 ms split against 0.860 as one node (H100)."""
+    one node, Liger 157 (H100). Only where the GEMMs hide two more autograd Functions' host time
+    (DecisionPolicy.separate_gradients_min_macs); elsewhere the step stays one node."""
+    if M * d_model * d_ff < current_policy().separate_gradients_min_macs:
+        return False
     return M * d_model + 2 * d_ff * d_model > 3 * M * d_ff
 
 

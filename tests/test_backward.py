@@ -369,6 +369,16 @@ def _mlp_node(out):
     return node
 
 
+@pytest.fixture
+def nodes_at_any_size():
+    """The step's weight gradients in nodes of their own wherever the activations are outweighed, at the tests' small
+    sizes too (the policy's GEMM-work floor, separate_gradients_min_macs, set to 0)."""
+    from autofuse.choose.policy import current, use
+
+    with use(dataclasses.replace(current(), separate_gradients_min_macs=0)):
+        yield
+
+
 def _kept_activations(out) -> list:
     """G, U and H as the MLP's node holds them for the backward: all three on ctx (MLPFunction), or G and U saved
     (the ProjectionFunctions' outputs) and H on ctx (HiddenDownFunction, where the weight gradients are nodes of
@@ -419,7 +429,8 @@ def test_a_forward_that_saves_h_runs_the_pass_without_h_and_both_backwards_agree
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", [39, 8])  # one node at 39 rows, weight gradients in nodes of their own at 8
-def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_gradients(dtype, M, device):
+def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_gradients(dtype, M, device,
+                                                                                       nodes_at_any_size):
     """Under saved-tensor hooks (what non-reentrant activation checkpointing and CPU offloading install), the
     kept G, U and H go through save_for_backward, so the hooks pack them like every other activation; gradients through
     torch.utils.checkpoint equal the plain step's."""
@@ -441,10 +452,24 @@ def test_saved_tensor_hooks_see_the_kept_h_and_checkpointing_gives_the_same_grad
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=0)
 
 
+def test_weight_gradients_get_nodes_of_their_own_where_they_outweigh_activations_and_the_gemms_hide_the_host():
+    """The rule at the sizes a step runs at (bf16 H100 measurements in DecisionPolicy's notes): 3200 -> 6656 and 3592 ->
+    8064 at M = 2048 split; 2368 -> 4872 (host-bound there) and 2496 -> 6384 (its activations not outweighed) stay one
+    node, as every shape does at M = 8192."""
+    from autofuse.training import separate_weight_gradients
+
+    assert separate_weight_gradients(2048, 3200, 6656) and separate_weight_gradients(2048, 3592, 8064)
+    assert not separate_weight_gradients(2048, 2368, 4872) and not separate_weight_gradients(2048, 2496, 6384)
+    assert not any(separate_weight_gradients(8192, d, f) for d, f in ((3200, 6656), (3592, 8064), (1344, 2688)))
+    # Outweighed but too little GEMM work to hide two more nodes' host time: one node.
+    assert not separate_weight_gradients(512, 4096, 14336) and not separate_weight_gradients(21, 48, 80)
+
+
 @pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])
 @pytest.mark.parametrize("M", [21, 160])
 def test_where_weight_gradients_outweigh_activations_each_is_added_and_freed_before_the_next(d_ff, d_model, M, device,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch,
+                                                                                            nodes_at_any_size):
     """At few rows (training.separate_weight_gradients) each weight's gradient comes from an autograd node of its
     own, so the engine adds it into .grad and frees it before the next weight gradient's GEMM: the step never holds
     two new weight gradients (one node returning all three holds them together at its last GEMM, the step's peak).
@@ -483,7 +508,8 @@ def test_where_weight_gradients_outweigh_activations_each_is_added_and_freed_bef
         assert alive_at_each == [0, 1, 2]  # one node: dWd and dWg still held at dWu's GEMM
 
 
-def test_a_padded_training_step_holds_one_copy_of_the_weights_at_every_token_count(device, monkeypatch):
+def test_a_padded_training_step_holds_one_copy_of_the_weights_at_every_token_count(device, monkeypatch,
+                                                                                   nodes_at_any_size):
     """An unaligned d_ff trains over padded copies of the weights, kept step after step: one set per module, whatever
     the token counts (each is a table entry of its own), and dropped when inference lays the parameters out again."""
     from autofuse import training
@@ -507,7 +533,7 @@ def test_a_padded_training_step_holds_one_copy_of_the_weights_at_every_token_cou
 
 @pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])
 @pytest.mark.parametrize("M", [8, 160])  # weight gradients in nodes of their own at 8 rows, one node at 160
-def test_frozen_weights_give_the_input_gradient_alone(d_ff, d_model, M, device):
+def test_frozen_weights_give_the_input_gradient_alone(d_ff, d_model, M, device, nodes_at_any_size):
     """Weights that need no gradient (frozen, as under adapters): x's gradient is the float64 reference's and no
     weight gets one, through either form of the step."""
     module = autofuse.get_mlp(d_model, d_ff, activation="silu", bias=True, dtype=torch.float32, device=device)
@@ -522,10 +548,15 @@ def test_frozen_weights_give_the_input_gradient_alone(d_ff, d_model, M, device):
     assert all(p.grad is None for p in module.parameters())
 
 
-def test_a_second_backward_through_one_forward_is_refused_clearly(device):
-    # The backward overwrites the saved G | U with their gradients: retain_graph cannot reuse them.
+@pytest.mark.parametrize("nodes", ["one", "separate"])
+def test_a_second_backward_through_one_forward_is_refused_clearly(nodes, device, request):
+    # The backward overwrites the saved G | U with their gradients: retain_graph cannot reuse them, in either form.
+    if nodes == "separate":
+        request.getfixturevalue("nodes_at_any_size")
     module = autofuse.get_mlp(16, 32, dtype=torch.float32, device=device)
-    out = module(torch.randn(4, 16, device=device)).sum()
+    out = module(torch.randn(4, 16, device=device, requires_grad=True))
+    assert type(_mlp_node(out)).__name__.startswith("HiddenDown" if nodes == "separate" else "MLPFunction")
+    out = out.sum()
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backpropagated once"):
         out.backward()
@@ -582,7 +613,7 @@ def test_stacked_refuses_tensors_that_are_not_the_halves_of_one_buffer():
 @pytest.mark.parametrize("save_hidden", [True, False], ids=["keep-h", "recompute-h"])
 @pytest.mark.parametrize("M", [21, 160])  # weight gradients in nodes of their own at 21 rows, one node at 160
 def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients(dtype, d_ff, d_model, save_hidden,
-                                                                                  M, device):
+                                                                                  M, device, nodes_at_any_size):
     """A d_ff (or d_model) that is not a multiple of 8: the step runs in the padded space (every GEMM at aligned
     sizes, what cuBLAS needs for its fast kernels), and the output and gradients are still the reference's."""
     from autofuse.layout import run_width
@@ -608,7 +639,7 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
 @pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
 @pytest.mark.parametrize("M", [21, 160])  # weight gradients in nodes of their own at 21 rows, one node at 160
 def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_nothing(dtype, activation, M, device,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, nodes_at_any_size):
     """G, U, H and dH of a kept-H step whose rows are not a multiple of 32 bytes (d_ff 72 in 16-bit types) are views
     of rows 128 bytes apart, the pointwise passes run over whole rows, and what the padding columns hold reaches
     neither the output nor a gradient: here they start as NaN. In float32 the rows (288 bytes) stay dense."""
