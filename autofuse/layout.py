@@ -248,6 +248,15 @@ class LinearLayout(_PaddedLayout):
         self._narrow: tuple | None = None  # (widened weight, its first k columns): narrow_k
         super().__init__(params)
 
+    def operands(self, x: torch.Tensor, wide_weight: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, weight) a call of M rows runs on, at linear_sizes' K: up to UNPADDED_K_MAX_M rows x as it is over the
+        widened weight's first k columns (narrow_k), above them x's rows padded to k_run (pad_rows)."""
+        if self.k_run == self.k:
+            return x, wide_weight
+        if M <= UNPADDED_K_MAX_M:
+            return x, self.narrow_k(wide_weight)
+        return self.pad_rows(x.reshape(M, self.k), self.k_run), wide_weight
+
     def narrow_k(self, wide_weight: torch.Tensor) -> torch.Tensor:
         """The widened weight ([n_run, k_run]) at K = k: its first k columns, the rows still the padded storage's
         (kept per widened weight: a view costs host time per call)."""

@@ -21,7 +21,6 @@ from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
 from .launch import addresses
 from .layout import (
-    UNPADDED_K_MAX_M,
     LinearLayout,
     MLPLayout,
     contiguous_state,
@@ -150,12 +149,8 @@ class FusedLinear(FusedModule):
         if layout is not None:
             wide = layout.widen((weight, bias), weights)
             if wide is not None:  # x's (and a residual's) rows padded with zeros to the weight's (layout.py)
-                weight, bias = wide
-                if layout.k_run != layout.k:
-                    if M <= UNPADDED_K_MAX_M:  # x as it is, over the weight's first k columns (linear_sizes)
-                        weight = layout.narrow_k(weight)
-                    else:
-                        x = layout.pad_rows(x.reshape(M, layout.k), layout.k_run)
+                x, weight = layout.operands(x, wide[0], M)
+                bias = wide[1]
                 if residual is not None and layout.n_run != layout.n:
                     residual = layout.pad_rows(residual.reshape(M, layout.n), layout.n_run)
         entry = self._entry(M, weights, weight, residual is not None)
