@@ -112,10 +112,10 @@ class TrainingLaunches:
     `weights` holds the padded copies of the weights (Padding.params), reused step after step: the module's one
     dict, shared by its entries at every M, since a copy per token count would hold the weights again for each."""
 
-    def __init__(self, M: int, weights: dict | None = None) -> None:
+    def __init__(self, M: int, weights: dict) -> None:
         self.M = M
         self.launches: dict[str, tuple] = {}  # name -> (BoundLaunch or None, the weights' addresses)
-        self.weights: dict[str, tuple] = {} if weights is None else weights
+        self.weights = weights
 
     def run(self, name: str, tensors: dict, weights: list, first: Callable[[], torch.Tensor]) -> None:
         """Launch `name` bound where it was bound at these weights; else run `first` (which writes the
@@ -290,6 +290,36 @@ def _saved_tensor_hooks_active() -> bool:
         return True
 
 
+def _keep_for_backward(ctx, saved: tuple, kept: tuple) -> None:
+    """save_for_backward(*saved), and the activations `kept` on ctx (intermediates, neither input nor output: no
+    reference cycle), so that the backward frees each once it is spent: saved through save_for_backward they would
+    live until the backward returns. Where saved-tensor hooks are active (activation checkpointing, offloading)
+    `kept` goes through save_for_backward too, so that the hooks see them."""
+    if _saved_tensor_hooks_active():
+        ctx.save_for_backward(*saved, *kept)
+        ctx.kept = None
+    else:
+        ctx.save_for_backward(*saved)
+        ctx.kept = list(kept)
+
+
+def _take_kept(ctx, saved_rest: list) -> list:
+    """The activations _keep_for_backward kept, from ctx or from the saved tensors after `saved` (`saved_rest`, emptied
+    here): the returned list then holds the backward's only references, which its callee drops as it goes."""
+    kept = list(saved_rest) if ctx.kept is None else ctx.kept
+    ctx.kept = None
+    saved_rest.clear()
+    return kept
+
+
+def _backward_dy(ctx, dy: torch.Tensor) -> list:
+    """dY as the backward's GEMMs read it (padded to D columns where the step runs padded), in a list the callee
+    empties once dY is spent: a padded copy of dY ([M, D], which the engine's own dY does not keep alive) is then
+    freed before the weight gradients' GEMMs, whose last one is the step's peak."""
+    padding = ctx.padding
+    return [dy.contiguous() if padding is None else padding.rows(dy, padding.D)]
+
+
 class MLPFunction(torch.autograd.Function):
     """y = down(act(gate(x)) * up(x)) for training; see the module docstring for what runs where."""
 
@@ -309,18 +339,11 @@ class MLPFunction(torch.autograd.Function):
         ctx.has_bias = b_gate is not None
         ctx.spent = False
         saved = (x, w_gate, w_up, w_down)
-        ctx.kept = None
         if not save_hidden:
+            ctx.kept = None
             ctx.save_for_backward(*saved, pre)  # [G | U], overwritten by the backward with [dG | dU]
-        elif _saved_tensor_hooks_active():
-            ctx.save_for_backward(*saved, *pre, h)
         else:
-            # G, U and H kept on ctx (intermediates, neither input nor output: no reference cycle), so that
-            # the backward frees each once it is spent: saved through save_for_backward they would live
-            # until the backward returns. Where saved-tensor hooks are active (activation checkpointing,
-            # offloading) they go through save_for_backward so that the hooks see them.
-            ctx.save_for_backward(*saved)
-            ctx.kept = [*pre, h]
+            _keep_for_backward(ctx, saved, (*pre, h))
         return y if padding is None else y[:, :padding.d]
 
     @staticmethod
@@ -331,17 +354,12 @@ class MLPFunction(torch.autograd.Function):
         padding = ctx.padding
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, step)
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
-        # In a list the callee empties once dY is spent: a padded copy of dY ([M, D], which the engine's own dY
-        # does not keep alive) is then freed before the weight gradients' GEMMs, whose last one is the step's peak.
-        dys = [dy.contiguous() if padding is None else padding.rows(dy, padding.D)]
+        dys = _backward_dy(ctx, dy)
         del dy
         if len(saved) == 1:  # save_hidden False: one [G | U] buffer, H recomputed
             grads = _backward_recomputing_h(ctx, dys, x, saved.pop(), w_gate, w_up, w_down, need)
         else:
-            kept = list(saved) if ctx.kept is None else ctx.kept
-            ctx.kept = None
-            saved.clear()  # `kept` holds this function's only references, which the callee drops as it goes
-            grads = _backward_from_kept_h(ctx, dys, x, kept, w_gate, w_up, w_down, need)
+            grads = _backward_from_kept_h(ctx, dys, x, _take_kept(ctx, saved), w_gate, w_up, w_down, need)
         if padding is not None:
             grads = padding.grads(grads)
         return (*grads, db_down, None)
@@ -412,12 +430,7 @@ class HiddenDownFunction(torch.autograd.Function):
         ctx.padding, ctx.launches, ctx.activation = padding, step.launches, step.activation
         ctx.has_bias = b_down is not None
         ctx.spent = False
-        ctx.kept = None
-        if _saved_tensor_hooks_active():  # as MLPFunction: the hooks see H
-            ctx.save_for_backward(w_gate_run, w_up_run, w_down_run, g, u, h)
-        else:
-            ctx.save_for_backward(w_gate_run, w_up_run, w_down_run, g, u)
-            ctx.kept = [h]  # freed once dWd is formed
+        _keep_for_backward(ctx, (w_gate_run, w_up_run, w_down_run, g, u), (h,))  # H freed once dWd is formed
         return y if padding is None else y[:, :padding.d]
 
     @staticmethod
@@ -428,12 +441,9 @@ class HiddenDownFunction(torch.autograd.Function):
         padding = ctx.padding
         need = ctx.needs_input_grad  # (x, g, u, w_down, b_down, ...)
         db_down = sum_rows(dy) if ctx.has_bias and need[4] else None
-        dys = [dy.contiguous() if padding is None else padding.rows(dy, padding.D)]
+        dys = _backward_dy(ctx, dy)
         del dy
-        hidden = list(saved) if ctx.kept is None else ctx.kept
-        ctx.kept = None
-        saved.clear()
-        dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[3])
+        dw_down = _down_then_pass(ctx, dys, _take_kept(ctx, saved), g, u, w_down, need[3])
         dx = None
         if need[0]:
             dx = torch.mm(g, w_gate)
