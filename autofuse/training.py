@@ -134,8 +134,12 @@ class Padding:
     in a padded space: x, the weights and biases zero-padded to D = row_width(d_model) and W = row_width(d_ff),
     so that every cuBLAS GEMM of the step has aligned sizes and rows (its fast kernels need them: unaligned, the same
     GEMMs ran 3-4x slower), exactly, since the padding contributes zeros everywhere; the output and the gradients
-    are the live region of the padded results. The padded weights are copied once a step into buffers kept on the
-    table entry, gate and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
+    are the live region of the padded results. Aligned rows alone are not enough: a kept-H step that read the gate and
+    up parameters themselves at an aligned d_model (d_ff-wide G, U and H in activation buffers, whose rows start
+    128 bytes apart; the down weight alone copied and read through its first d_ff columns) held a third of the
+    copies and stepped 3.3-3.9x slower (3200 -> 6655, 1088 -> 3221, 3587 -> 8063 at M = 2048 and 8192, H100): an
+    odd N or K keeps cuBLAS off its fast kernels too. The padded weights are copied once a step into buffers kept on
+    the table entry, gate and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         self.d, self.f = d_model, d_ff
