@@ -337,7 +337,8 @@ class MLPFunction(torch.autograd.Function):
             x = padding.rows(x, padding.D)
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         save_hidden = step.save_hidden
-        pre, h, y = _training_forward(x, tuple(params), step, separate=save_hidden)
+        separate = save_hidden and not stacked_pre_activations(x.shape[0], x.shape[1], w_gate.shape[0])
+        pre, h, y = _training_forward(x, tuple(params), step, separate=separate)
         ctx.padding, ctx.launches = padding, step.launches
         ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
@@ -346,8 +347,8 @@ class MLPFunction(torch.autograd.Function):
         if not save_hidden:
             ctx.kept = None
             ctx.save_for_backward(*saved, pre)  # [G | U], overwritten by the backward with [dG | dU]
-        else:
-            _keep_for_backward(ctx, saved, (*pre, h))
+        else:  # G and U, or [G | U], then H
+            _keep_for_backward(ctx, saved, (*pre, h) if separate else (pre, h))
         return y if padding is None else y[:, :padding.d]
 
     @staticmethod
@@ -363,7 +364,7 @@ class MLPFunction(torch.autograd.Function):
         if len(saved) == 1:  # save_hidden False: one [G | U] buffer, H recomputed
             grads = _backward_recomputing_h(ctx, dys, x, saved.pop(), w_gate, w_up, w_down, need)
         else:
-            grads = _backward_from_kept_h(ctx, dys, x, _take_kept(ctx, saved), w_gate, w_up, w_down, need)
+            grads = _backward_from_kept_h(ctx, dys, x, _take_kept(ctx, saved), (w_gate, w_up, w_down), need)
         if padding is not None:
             grads = padding.grads(grads)
         return (*grads, db_down, None)
@@ -378,10 +379,21 @@ def separate_weight_gradients(M: int, d_model: int, d_ff: int) -> bool:
     and frees it as soon as its node returns. Where X + 2W > 3A one node would hold more than such a graph, and
     the split's peak, its dH GEMM's (3A + X + W), is below both: 3200 -> 6655 at M = 2048 held 132 MiB split, 174 as
     one node, Liger 157 (H100). Only where the GEMMs hide two more autograd Functions' host time
-    (DecisionPolicy.separate_gradients_min_macs); elsewhere the step stays one node."""
-    if M * d_model * d_ff < current_policy().separate_gradients_min_macs:
+    (DecisionPolicy.host_bound_step_macs); elsewhere the step stays one node."""
+    if M * d_model * d_ff < current_policy().host_bound_step_macs:
         return False
     return M * d_model + 2 * d_ff * d_model > 3 * M * d_ff
+
+
+def stacked_pre_activations(M: int, d_model: int, d_ff: int) -> bool:
+    """Whether a training step that keeps H (as one MLPFunction) holds G | U as one [M, 2 d_ff] buffer, at the sizes
+    the step runs at: one cuBLAS GEMM forms both, one dX and one [dWg; dWu], three calls fewer a step than two buffers
+    take, which in turn let the backward free dG before its last GEMM. With X, A and W as in
+    separate_weight_gradients, the one buffer's step peaks at 2A + X + 3W, min(A, W) above the two buffers' and at
+    most an eager graph's 4A + X + W (Inductor's and Liger's steps held the same) where W <= A, that is d_model <= M.
+    Chosen where the step is host-bound (M d_model d_ff below DecisionPolicy.host_bound_step_macs), so that the calls
+    it saves are what the step's time is made of, and the weights weigh no more than the activations."""
+    return d_model <= M and M * d_model * d_ff < current_policy().host_bound_step_macs
 
 
 class ProjectionFunction(torch.autograd.Function):
@@ -508,15 +520,24 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
     return dw_down
 
 
-def _backward_from_kept_h(ctx, dys: list, x, kept: list, w_gate, w_up, w_down, need) -> tuple:
+def _backward_from_kept_h(ctx, dys: list, x, kept: list, weights: tuple, need) -> tuple:
     """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item) and the forward's G,
-    U, H (`kept`); both lists are emptied here, so that each buffer is freed once spent: dWd and dG, dU over G, U
-    (_down_then_pass), then dX, and each weight's gradient with its pre-activation gradient freed right after: the
-    last GEMM holds dU alone, not [dG | dU]."""
-    g, u, h = kept
+    U, H (`kept`: G and U two buffers, or [G | U] one, then H); both lists are emptied here, so that each buffer is
+    freed once spent: dWd and dG, dU over G, U (_down_then_pass), then dX, and each weight's gradient. From two
+    buffers, each weight's gradient with its pre-activation gradient freed right after: the last GEMM holds dU alone,
+    not [dG | dU]; from one, the GEMMs over [dG | dU] (_stacked_gradients)."""
+    w_gate, w_up, w_down = weights
+    *pre, h = kept
     kept.clear()
     hidden = [h]
     del h
+    if len(pre) == 1:
+        gu = pre.pop()
+        F_ = w_gate.shape[0]
+        dw_down = _down_then_pass(ctx, dys, hidden, gu[:, :F_], gu[:, F_:], w_down, need[5])
+        return _stacked_gradients(ctx, gu, x, w_gate, w_up, need, dw_down)
+    g, u = pre
+    pre.clear()
     dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[5])
     dg, du = g, u
     del g, u  # dg and du are now the only references to those two buffers
@@ -532,21 +553,10 @@ def _backward_from_kept_h(ctx, dys: list, x, kept: list, w_gate, w_up, w_down, n
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
 
 
-def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -> tuple:
-    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item, emptied here) and
-    the forward's [G | U], whose H was not kept: op gated_bwd's tuned choice writes dG | dU over G | U and
-    recomputes H; dWd, then H and dY freed; then the GEMMs over dG | dU (one each where the weights are
-    stacked)."""
+def _stacked_gradients(ctx, dgu: torch.Tensor, x, w_gate, w_up, need, dw_down) -> tuple:
+    """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) from [dG | dU] (one [M, 2F] buffer): one GEMM for dX where the
+    weights are stacked (else two), one for [dWg; dWu], one row sum for both biases."""
     F_ = w_gate.shape[0]
-    dy = dys.pop()
-    config = ctx.backward_config
-    if isinstance(config, KernelConfig):
-        dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
-    else:  # a library path (None: eager), where tuning or a check chose one for this shape
-        library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
-        dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-    dw_down = torch.mm(dy.t(), h) if need[5] else None
-    del h, dy  # first, so that the [M, F] H is freed before the next GEMMs allocate
     dg, du = dgu[:, :F_], dgu[:, F_:]
     dx = None
     if need[0]:
@@ -565,3 +575,20 @@ def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -
         db = sum_rows(dgu)
         db_gate, db_up = db[:F_], db[F_:]
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
+
+
+def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -> tuple:
+    """The gradients of x, w_gate, b_gate, w_up, b_up, w_down from dY (`dys`, its one item, emptied here) and
+    the forward's [G | U], whose H was not kept: op gated_bwd's tuned choice writes dG | dU over G | U and
+    recomputes H; dWd, then H and dY freed; then the GEMMs over dG | dU (one each where the weights are
+    stacked)."""
+    dy = dys.pop()
+    config = ctx.backward_config
+    if isinstance(config, KernelConfig):
+        dgu, h = gated_backward(dy, gu, w_down, ctx.activation, config, out=(gu, None))
+    else:  # a library path (None: eager), where tuning or a check chose one for this shape
+        library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
+        dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
+    dw_down = torch.mm(dy.t(), h) if need[5] else None
+    del h, dy  # first, so that the [M, F] H is freed before the next GEMMs allocate
+    return _stacked_gradients(ctx, dgu, x, w_gate, w_up, need, dw_down)

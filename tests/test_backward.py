@@ -372,10 +372,10 @@ def _mlp_node(out):
 @pytest.fixture
 def nodes_at_any_size():
     """The step's weight gradients in nodes of their own wherever the activations are outweighed, at the tests' small
-    sizes too (the policy's GEMM-work floor, separate_gradients_min_macs, set to 0)."""
+    sizes too (the policy's GEMM-work floor, host_bound_step_macs, set to 0)."""
     from autofuse.choose.policy import current, use
 
-    with use(dataclasses.replace(current(), separate_gradients_min_macs=0)):
+    with use(dataclasses.replace(current(), host_bound_step_macs=0)):
         yield
 
 
@@ -463,6 +463,44 @@ def test_weight_gradients_get_nodes_of_their_own_where_they_outweigh_activations
     assert not any(separate_weight_gradients(8192, d, f) for d, f in ((3200, 6656), (3592, 8064), (1344, 2688)))
     # Outweighed but too little GEMM work to hide two more nodes' host time: one node.
     assert not separate_weight_gradients(512, 4096, 14336) and not separate_weight_gradients(21, 48, 80)
+
+
+def test_a_host_bound_step_holds_g_and_u_as_one_buffer_where_the_weights_weigh_no_more_than_the_activations():
+    """The rule at the sizes a step runs at: 1344 -> 2688 at M = 2048 (host-bound, d_model <= M) takes one [G | U]
+    buffer; 2368 -> 4872 there (d_model above M: the buffer's extra weight-sized hold would pass an eager graph's
+    peak) and every step with enough GEMM work to hide the host (M = 16384 here) keep two."""
+    from autofuse.training import stacked_pre_activations
+
+    assert stacked_pre_activations(2048, 1344, 2688) and stacked_pre_activations(2048, 1088, 3232)
+    assert not stacked_pre_activations(2048, 2368, 4872) and not stacked_pre_activations(1024, 1344, 2688)
+    assert not any(stacked_pre_activations(16384, d, f) for d, f in ((1344, 2688), (2368, 4872), (1088, 3232)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", GATED_ACTIVATIONS)
+@pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])
+@pytest.mark.parametrize("M", [21, 160])  # fewer rows than d_model: two buffers; more: one
+def test_a_kept_h_step_over_one_g_u_buffer_gives_the_reference_gradients(dtype, activation, d_ff, d_model, M, device):
+    """A step that keeps H holds [G | U] as one buffer where stacked_pre_activations says so (160 rows against
+    d_model 40 or 43, host-bound), else G and U as two; either way the output and every gradient are the float64
+    reference's, bias included, at aligned and padded widths."""
+    from autofuse.training import row_width
+
+    module = autofuse.get_mlp(d_model, d_ff, activation=activation, bias=True, dtype=dtype, device=device)
+    x = torch.randn(M, d_model, dtype=dtype, device=device)
+    dy = torch.randn(M, d_model, dtype=dtype, device=device)
+    node = _mlp_node(module(x.clone().requires_grad_()))
+    width = row_width(d_ff)
+    if M == 160:  # [G | U] over the padded width, then H
+        assert [tuple(t.shape) for t in node.kept] == [(M, 2 * width), (M, width)]
+    else:
+        assert [tuple(t.shape) for t in node.kept] == [(M, width)] * 3
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    params = _mlp_params(module)
+    got = _module_grads(module, x, dy, names)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
+    eager = _grads(params, x, _mlp_fn(activation), dy)
+    _check_grads(got, ref, eager, dtype)
 
 
 @pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])

@@ -34,12 +34,13 @@ Each default is a measured finding (docs/design.md states them with their number
   be faster than the fastest library path by `tune_margin`.
 - Timing budgets (ms of GPU time per candidate): `trial_budget_ms` for a tuning trial, `check_budget_ms` for
   a first-use check.
-- A training step whose weight gradients outweigh its activations returns each from an autograd node of its own
-  (training.separate_weight_gradients), which holds less than eager's and Liger's steps but costs the host two more
-  autograd Functions a step; only where one GEMM of the step has at least `separate_gradients_min_macs`
-  multiply-adds (M d_model d_ff), so that the GPU's work hides them: 2368 -> 4872 at M = 2048 (2.4e10) ran 1.169 ms
-  split against 0.860 as one node, host-bound, while 2496 -> 6384 (3.3e10), 3200 -> 6655 (4.4e10) and 3587 -> 8063
-  (5.9e10) ran alike either way (H100, one process).
+- A training step of a gated MLP is host-bound below `host_bound_step_macs` multiply-adds a GEMM (M d_model d_ff):
+  only at or above it does a step whose weight gradients outweigh its activations return each from an autograd
+  node of its own (training.separate_weight_gradients), which holds less than eager's and Liger's steps but costs the
+  host two more autograd Functions a step (2368 -> 4872 at M = 2048, 2.4e10, ran 1.169 ms split against 0.860 as one
+  node, while 2496 -> 6384, 3.3e10, 3200 -> 6655 and 3587 -> 8063 ran alike either way; H100, one process), and only
+  below it does a step that keeps H hold G | U as one buffer (training.stacked_pre_activations), three cuBLAS calls
+  fewer a step.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class DecisionPolicy:
     race_host_keep: float = 1.0
     trial_budget_ms: float = 100.0
     check_budget_ms: float = 20.0
-    separate_gradients_min_macs: float = 3.2e10
+    host_bound_step_macs: float = 3.2e10
 
     def is_host_bound(self, gpu_ms: float) -> bool:
         """Whether this GPU time (a library path's, or a whole table's) leaves an un-graphed call's host time of
