@@ -8,7 +8,9 @@ with a pointwise kernel and runs the tuned down projection. Two backwards, by th
   more [M, F] activation held from forward to backward). The backward forms dWd = dY^T H first and frees
   H, runs cuBLAS dH = dY Wd and ONE pointwise pass (op gated_dgu) that writes dG, dU over G, U (reading
   three [M, F] tensors, writing two), then dX = dG Wg + dU Wu, dWg = dG^T x, frees dG, and dWu = dU^T x:
-  its last GEMM holds dU alone beside the gradients, where one [M, 2F] buffer would be held whole.
+  its last GEMM holds dU alone beside the gradients, where one [M, 2F] buffer would be held whole. A host-bound step
+  holds [G | U] as one buffer all the same where that keeps its peak at most an eager graph's
+  (stacked_pre_activations): one GEMM each for G | U, dX and [dWg; dWu], three cuBLAS calls fewer.
 - False (one [M, F] activation less per layer): G | U is one [M, 2F] buffer (one GEMM where the weights
   are stacked) and the backward runs its tuned choice of op gated_bwd, the fused kernel (dH = dY Wd with
   dG | dU written over G | U, and H, in its epilogue) or cuBLAS dH and one pass that also recomputes H
@@ -329,22 +331,22 @@ class MLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, *params_and_step):
-        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, step: TrainingStep)."""
-        *params, step = params_and_step
+        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, step: TrainingStep, form): form is step_form's, other
+        than THREE_NODES."""
+        *params, step, form = params_and_step
         padding = Padding.of(x, params[0])
         if padding is not None:  # unaligned d_model or d_ff: the step runs in the padded space
             params = padding.params(tuple(params), step.launches)
             x = padding.rows(x, padding.D)
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
-        save_hidden = step.save_hidden
-        separate = save_hidden and not stacked_pre_activations(x.shape[0], x.shape[1], w_gate.shape[0])
+        separate = form == TWO_BUFFERS
         pre, h, y = _training_forward(x, tuple(params), step, separate=separate)
         ctx.padding, ctx.launches = padding, step.launches
         ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
         saved = (x, w_gate, w_up, w_down)
-        if not save_hidden:
+        if form == RECOMPUTE_H:
             ctx.kept = None
             ctx.save_for_backward(*saved, pre)  # [G | U], overwritten by the backward with [dG | dU]
         else:  # G and U, or [G | U], then H
@@ -367,7 +369,7 @@ class MLPFunction(torch.autograd.Function):
             grads = _backward_from_kept_h(ctx, dys, x, _take_kept(ctx, saved), (w_gate, w_up, w_down), need)
         if padding is not None:
             grads = padding.grads(grads)
-        return (*grads, db_down, None)
+        return (*grads, db_down, None, None)
 
 
 def separate_weight_gradients(M: int, d_model: int, d_ff: int) -> bool:
@@ -470,14 +472,31 @@ class HiddenDownFunction(torch.autograd.Function):
         return dx, g if need[1] else None, u if need[2] else None, dw_down, db_down, None, None
 
 
+# The forms of a gated MLP's training step (step_form).
+RECOMPUTE_H = "recompute-h"  # save_hidden False: one [G | U] buffer kept, H recomputed by op gated_bwd's choice
+THREE_NODES = "three-nodes"  # H kept; each weight's gradient from an autograd node of its own
+ONE_BUFFER = "one-buffer"  # H kept, one MLPFunction over one [G | U] buffer
+TWO_BUFFERS = "two-buffers"  # H kept, one MLPFunction over G and U as two buffers
+
+
+def step_form(M: int, d_model: int, d_ff: int, save_hidden: bool) -> str:
+    """The form a training step of a gated MLP takes at the sizes it runs at (training.Padding's): the one place that
+    decides it, by the module's save_hidden, separate_weight_gradients and stacked_pre_activations."""
+    if not save_hidden:
+        return RECOMPUTE_H
+    if separate_weight_gradients(M, d_model, d_ff):
+        return THREE_NODES
+    return ONE_BUFFER if stacked_pre_activations(M, d_model, d_ff) else TWO_BUFFERS
+
+
 def mlp_training(x: torch.Tensor, params: tuple, step: TrainingStep) -> torch.Tensor:
-    """The training forward of a gated MLP (params: w_gate, b_gate, w_up, b_up, w_down, b_down): two
-    ProjectionFunctions and a HiddenDownFunction where the forward keeps H and separate_weight_gradients holds,
-    else the one MLPFunction."""
+    """The training forward of a gated MLP (params: w_gate, b_gate, w_up, b_up, w_down, b_down) in its step_form:
+    two ProjectionFunctions and a HiddenDownFunction (THREE_NODES), else the one MLPFunction."""
     w_gate = params[0]
     f, d = w_gate.shape
-    if not step.save_hidden or not separate_weight_gradients(x.shape[0], row_width(d), row_width(f)):
-        return MLPFunction.apply(x, *params, step)
+    form = step_form(x.shape[0], row_width(d), row_width(f), step.save_hidden)
+    if form != THREE_NODES:
+        return MLPFunction.apply(x, *params, step, form)
     padding = Padding.of(x, w_gate)
     run, x_run, live = params, x, None
     if padding is not None:  # the padded space's copies: data for the GEMMs, outside the graph

@@ -469,8 +469,10 @@ def test_a_host_bound_step_holds_g_and_u_as_one_buffer_where_the_weights_weigh_n
     """The rule at the sizes a step runs at: 1344 -> 2688 at M = 2048 (host-bound, d_model <= M) takes one [G | U]
     buffer; 2368 -> 4872 there (d_model above M: the buffer's extra weight-sized hold would pass an eager graph's
     peak) and every step with enough GEMM work to hide the host (M = 16384 here) keep two."""
-    from autofuse.training import stacked_pre_activations
+    from autofuse.training import ONE_BUFFER, RECOMPUTE_H, THREE_NODES, TWO_BUFFERS, stacked_pre_activations, step_form
 
+    assert step_form(2048, 1344, 2688, True) == ONE_BUFFER and step_form(2048, 2368, 4872, True) == TWO_BUFFERS
+    assert step_form(2048, 3200, 6656, True) == THREE_NODES and step_form(2048, 1344, 2688, False) == RECOMPUTE_H
     assert stacked_pre_activations(2048, 1344, 2688) and stacked_pre_activations(2048, 1088, 3232)
     assert not stacked_pre_activations(2048, 2368, 4872) and not stacked_pre_activations(1024, 1344, 2688)
     assert not any(stacked_pre_activations(16384, d, f) for d, f in ((1344, 2688), (2368, 4872), (1088, 3232)))
