@@ -171,6 +171,7 @@ def test_a_tuning_run_times_the_heuristic_then_the_gemv_starts_before_its_search
 
     starts = (_gemv(1, 1, block_n=8, block_k=32), _gemv(1, 2, block_n=16, block_k=16))
     monkeypatch.setattr(driver, "search_starts_for", lambda problem: starts)
+    monkeypatch.setattr(driver, "alternatives_for", lambda problem: ())
     key = Problem("down", N, K, 1, torch.float32, "none").key(1, current_environment(torch.device("cpu")))
     store = Store()
     tune_key(Job(key, 1, "t"), store, torch.device("cpu"), policy="random", trials=3)
@@ -178,6 +179,30 @@ def test_a_tuning_run_times_the_heuristic_then_the_gemv_starts_before_its_search
     heuristic = driver.heuristic_for(Problem("down", N, K, 1, torch.float32, "none"))
     assert {t.config for t in store.trials(key)} == {heuristic, *starts}
     assert all(t.status == "ok" for t in store.trials(key))
+
+
+def test_a_tuning_run_times_the_stored_kernel_and_first_uses_alternatives_before_the_searchs_starts(monkeypatch):
+    """A key's stored kernel (here a first-use check's record) and the configs a first-use check times beside the
+    heuristic's are among a run's first trials, ahead of the op's search starts: tuning never ends slower than what
+    first use chose, even with its trials spent on those starts."""
+    from autofuse.key import Problem, current_environment
+    from autofuse.store import Store, Winner
+    from autofuse.tune import driver
+    from autofuse.tune.driver import Job, tune_key
+
+    problem = Problem("down", N, K, 1, torch.float32, "none")
+    key = problem.key(1, current_environment(torch.device("cpu")))
+    checked = _gemv(1, 2, block_n=8, block_k=16)
+    alternative = _gemv(1, 1, block_n=16, block_k=32)
+    starts = (_gemv(1, 1, block_n=8, block_k=32), _gemv(1, 2, block_n=16, block_k=16))
+    monkeypatch.setattr(driver, "search_starts_for", lambda problem: starts)
+    monkeypatch.setattr(driver, "alternatives_for", lambda problem: (alternative,))
+    store = Store()
+    store.put_winner(Winner(key, checked, 1.0, 1.0, trials=1, policy="checked"))
+    tune_key(Job(key, 1, "t"), store, torch.device("cpu"), policy="random", trials=3)
+    heuristic = driver.heuristic_for(problem)
+    assert len({heuristic, checked, alternative}) == 3
+    assert {t.config for t in store.trials(key)} == {heuristic, checked, alternative}  # the starts had no trial left
 
 
 def test_the_gemv_starts_begin_with_the_first_use_config_and_fit_the_shape():

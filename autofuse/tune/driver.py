@@ -19,7 +19,7 @@ import torch
 
 from .. import ops, variants
 from ..choose import lookup
-from ..choose.heuristics import device_info, heuristic_for, search_starts_for
+from ..choose.heuristics import alternatives_for, device_info, heuristic_for, search_starts_for
 from ..choose.policy import current as current_policy
 from ..choose.winner import Outcome, choose_winner, fastest_trial, near_fastest
 from ..configs import KernelConfig, SearchSpace, Shape
@@ -201,12 +201,17 @@ def run_trials(job: Job, store: Store, device: torch.device, options: TuneOption
         space = options.space or key.spec.search_space(interpret)
         problem = SearchProblem(key.spec.operand_tiles, M, key.n, key.k, key.torch_dtype,
                                 space.searched(variants.applicable(key.spec, device_info(device), shape)))
-        # The search starts from the heuristic's config and the op's measured starting points (the GEMV's at
-        # decode's smallest M), where the space searches their variant.
+        # The search starts from the heuristic's config, the key's stored kernel (a first-use check's or an earlier
+        # tuning's) and the configs a first-use check times beside the heuristic's, so that a run never ends slower
+        # than what first use chose (6096 -> 26336 at M = 16 on an H100: a run of 30 trials with a time budget kept
+        # a split-K tile, 239.5 us graph-replayed, over the 16x64x256 tile first use had run, 229.4), then the op's
+        # measured starting points (the GEMV's at decode's smallest M), where the space searches their variant.
         def prepare(configs: list[KernelConfig]) -> None:  # compile the trials about to run, at once
             evaluator.precompile_all(configs[:budget.trials_left(len(configs))], _compile_threads())
 
-        starts = [c for c in dict.fromkeys((heuristic, *search_starts_for(at_m)))
+        stored = store.get_winner(key)
+        kept = (stored.config,) if stored is not None and isinstance(stored.config, KernelConfig) else ()
+        starts = [c for c in dict.fromkeys((heuristic, *kept, *alternatives_for(at_m), *search_starts_for(at_m)))
                   if c not in done and any(v.name == c.variant for v in problem.kinds)]
         if len(starts) > 1:
             prepare(starts)
