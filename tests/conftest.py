@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
 import pytest
 
 
+def pytest_xdist_auto_num_workers(config):
+    # `-n auto` (README's test command): one worker per CPU core on a CPU, where the interpreter makes each test
+    # CPU-bound; one alone where a GPU is visible, so that timed tests never share the card with another worker.
+    return 1 if torch.cuda.is_available() else None
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
