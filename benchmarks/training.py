@@ -14,7 +14,7 @@ fewest buffers any implementation must hold (the [M, 2F] pre-activations, reused
 gradient, and dH) and no pointwise work at all: a floor no implementation at cuBLAS's rate goes under.
 Time: do_bench median of --steps back-to-back forward+backward steps, per step (gradients accumulate; L2 flushed
 before each sample), and of the forward alone, the providers timed in turn for --rounds rounds (default 3; the
-median round reported). Peak
+median round reported); host_us: the host's time to issue one step, which a host-bound step's time is made of. Peak
 memory: torch.cuda.max_memory_allocated during one forward+backward, absolute (parameters, their
 .grad, the input and dY included, the same for every provider) and above what was allocated before
 it; autofuse is measured last, so its first-use checks' leftovers would count against it alone.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import time
 
 import harness
 import torch
@@ -113,8 +114,10 @@ def _times(fns: dict, params, x, dy, rounds: int = 3, steps: int = 4) -> dict:
     round: what a provider inherits from the one before it then falls on each provider alike over len(fns)
     rounds. Back-to-back steps, because inside a model the host queues a step's kernels while earlier ones run:
     a single isolated step would charge each provider its Python's latency before the first kernel, which a
-    real training step hides."""
-    samples = {name: ([], []) for name in fns}
+    real training step hides. Also, per provider, the host's time to issue one step (`host_us`: `steps` steps
+    queued back to back after a synchronize, the clock read before the GPU is waited for): where it reaches the
+    step's GPU time the step is host-bound, and its time is the host's."""
+    samples = {name: ([], [], []) for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -128,11 +131,17 @@ def _times(fns: dict, params, x, dy, rounds: int = 3, steps: int = 4) -> dict:
                                                             return_mode="median") / steps)
             samples[name][1].append(triton.testing.do_bench(lambda fn=fn: fn(x, *params), warmup=25, rep=150,
                                                             return_mode="median"))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            train_steps()
+            samples[name][2].append((time.perf_counter() - start) / steps * 1e6)
+            torch.cuda.synchronize()
             for p in params:
                 p.grad = None
             x.grad = None
-    return {name: dict(ms=statistics.median(step), forward_ms=statistics.median(forward), step_ms_rounds=step)
-            for name, (step, forward) in samples.items()}
+    return {name: dict(ms=statistics.median(step), forward_ms=statistics.median(forward), step_ms_rounds=step,
+                       host_us=statistics.median(host))
+            for name, (step, forward, host) in samples.items()}
 
 
 def _grads(fn, params, x, dy):
