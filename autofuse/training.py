@@ -462,10 +462,7 @@ class HiddenDownFunction(torch.autograd.Function):
         dys = _backward_dy(ctx, dy)
         del dy
         dw_down = _down_then_pass(ctx, dys, _take_kept(ctx, saved), g, u, w_down, need[3])
-        dx = None
-        if need[0]:
-            dx = torch.mm(g, w_gate)
-            dx.addmm_(u, w_up)
+        dx = _input_gradient(g, u, w_gate, w_up) if need[0] else None
         if padding is not None:
             dx = None if dx is None else dx[:, :padding.d]
             dw_down = None if dw_down is None else dw_down[:padding.d, :padding.f]
@@ -560,16 +557,19 @@ def _backward_from_kept_h(ctx, dys: list, x, kept: list, weights: tuple, need) -
     dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[5])
     dg, du = g, u
     del g, u  # dg and du are now the only references to those two buffers
-    dx = None
-    if need[0]:
-        dx = torch.mm(dg, w_gate)
-        dx.addmm_(du, w_up)
+    dx = _input_gradient(dg, du, w_gate, w_up) if need[0] else None
     db_gate = sum_rows(dg) if ctx.has_bias and need[2] else None
     db_up = sum_rows(du) if ctx.has_bias and need[4] else None
     dw_gate = torch.mm(dg.t(), x) if need[1] else None
     del dg
     dw_up = torch.mm(du.t(), x) if need[3] else None
     return dx, dw_gate, db_gate, dw_up, db_up, dw_down
+
+
+def _input_gradient(dg: torch.Tensor, du: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """dX = dG W_gate + dU W_up: two cuBLAS calls, the second accumulating into the first's result."""
+    dx = torch.mm(dg, w_gate)
+    return dx.addmm_(du, w_up)
 
 
 def _stacked_gradients(ctx, dgu: torch.Tensor, x, w_gate, w_up, need, dw_down) -> tuple:
@@ -583,8 +583,7 @@ def _stacked_gradients(ctx, dgu: torch.Tensor, x, w_gate, w_up, need, dw_down) -
         if w_gu is not None:  # the training layout: one GEMM over d_ff twice
             dx = torch.mm(dgu, w_gu)
         else:
-            dx = torch.mm(dg, w_gate)
-            dx.addmm_(du, w_up)
+            dx = _input_gradient(dg, du, w_gate, w_up)
     dw_gate = dw_up = None
     if need[1] or need[3]:
         dw = torch.mm(dgu.t(), x)  # one GEMM: [dW_gate; dW_up]
