@@ -58,7 +58,12 @@ def parse_device(device: object) -> torch.device:
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # a loop, not any() over a generator: called on every forward
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:

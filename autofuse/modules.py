@@ -14,7 +14,7 @@ from torch import nn
 
 from . import custom_ops, ops, traffic  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
-from .choose import LinearPlan, MLPPlan, pending, resolve_checked
+from .choose import LinearPlan, MLPPlan, generation, pending, resolve_checked
 from .device import capturing
 from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
@@ -32,7 +32,7 @@ from .layout import (
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
-from .training import LinearFunction, TrainingLaunches, TrainingStep, mlp_training
+from .training import LinearFunction, StepRun, TrainingLaunches, TrainingStep, mlp_training, step_run
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
 # call: `torch.compiler.is_compiling` is three guarded objects, `torch.ops.autofuse.mlp` five. Bound here, each
@@ -316,6 +316,7 @@ class FusedMLP(FusedModule):
         # is never called.
         factory = dict(bias=bias, dtype=dtype, device=device)
         self._training_table: dict[tuple, TrainingStep] = {}  # table key -> what its training forward runs
+        self._last_step: tuple | None = None  # (M, save_hidden, dtype, layout, generation, device, step)
         self._training_weights: dict[str, tuple] = {}  # padded weight copies, one set for every M (TrainingLaunches)
         self.gate_proj = nn.Linear(d_model, d_ff, **factory)
         self.up_proj = nn.Linear(d_model, d_ff, **factory)
@@ -387,17 +388,17 @@ class FusedMLP(FusedModule):
             self._check_parameters()
             return _MLP_OP(x.reshape(-1, self.d_model), list(params), activation, self.tuned).reshape(out_shape)
         if needs_grad(x, *params):
-            self._check_parameters()
+            self._check_parameters(params)
             if self._layout is not None and not capturing(wg.device):
                 params = self._lay_out_plain()
                 wg = params[0]
-            step = self._training_step(M, wg, bool(self.save_hidden))
+            run = self._training_run(M, wg, bool(self.save_hidden))
             x2d = as_rows(x, self.d_model)
             recorder = traffic.recorder
             if recorder is not None and recorder.due(self, M, True):
                 return recorder.timed(self, M, True, x.device,
-                                      lambda: as_shape(mlp_training(x2d, params, step), out_shape))
-            return as_shape(mlp_training(x2d, params, step), out_shape)
+                                      lambda: as_shape(mlp_training(x2d, params, run), out_shape))
+            return as_shape(mlp_training(x2d, params, run), out_shape)
         if self._laid_out_again(wg.device):
             params = self._params()
             wg = params[0]
@@ -448,8 +449,8 @@ class FusedMLP(FusedModule):
             raise AutofuseError("FusedMLP's gate_proj, up_proj and down_proj must stay nn.Linear-like modules "
                                 "holding a `weight` parameter") from None
 
-    def _check_parameters(self) -> None:
-        wg, _, wu, _, wd, _ = self._params()
+    def _check_parameters(self, params: tuple | None = None) -> None:
+        wg, _, wu, _, wd, _ = self._params() if params is None else params
         for w in (wu, wd):
             if w.dtype != wg.dtype or w.device != wg.device:
                 raise AutofuseError("gate_proj, up_proj and down_proj must share one dtype and device")
@@ -479,9 +480,25 @@ class FusedMLP(FusedModule):
         step = self._training_table[key] = TrainingStep(*configs, launches, save_hidden)
         return step
 
+    def _training_run(self, M: int, weight: torch.Tensor, save_hidden: bool) -> StepRun:
+        """The training forward's step at M (_training_step) with its form and padding (training.step_run). The
+        last one comes back without a key built while M, save_hidden, the weight's dtype and device, the layout
+        and what was read of tuned configs stay, and its step is no stand-in waiting for a check: a host-bound
+        step pays for every call made here."""
+        last = self._last_step
+        if (last is not None and last[0] == M and last[1] == save_hidden and last[2] is weight.dtype
+                and last[3] is self._layout and last[4] == generation() and last[5] == weight.device):
+            return last[6]
+        step = self._training_step(M, weight, save_hidden)
+        run = step_run(M, weight, step)
+        if step.launches is not None:
+            self._last_step = (M, save_hidden, weight.dtype, self._layout, generation(), weight.device, run)
+        return run
+
     def clear_config_table(self) -> None:
         super().clear_config_table()
         self._training_table.clear()
+        self._last_step = None
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation}"

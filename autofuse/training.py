@@ -118,6 +118,19 @@ class TrainingLaunches:
         self.M = M
         self.launches: dict[str, tuple] = {}  # name -> (BoundLaunch or None, the weights' addresses)
         self.weights = weights
+        self.stacked: tuple | None = None  # (gate's address, up's, dtype, stacked(gate, up)): stacked_weights
+
+    def stacked_weights(self, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
+        """stacked(w_gate, w_up), found again only where either weight's address or dtype moved. Sound: a view
+        kept here keeps its storage alive, so no other tensor can start at a kept address meanwhile; a kept None
+        (two buffers) costs at most one GEMM more a step, until an address moves."""
+        held = self.stacked
+        gate, up = w_gate.data_ptr(), w_up.data_ptr()
+        if held is not None and held[0] == gate and held[1] == up and held[2] is w_gate.dtype:
+            return held[3]
+        w_gu = stacked(w_gate, w_up)
+        self.stacked = (gate, up, w_gate.dtype, w_gu)
+        return w_gu
 
     def run(self, name: str, tensors: dict, weights: list, first: Callable[[], torch.Tensor]) -> None:
         """Launch `name` bound where it was bound at these weights; else run `first` (which writes the
@@ -148,7 +161,7 @@ class Padding:
         self.D, self.W = row_width(d_model), row_width(d_ff)
 
     @staticmethod
-    def of(x: torch.Tensor, w_gate: torch.Tensor) -> Padding | None:
+    def of(w_gate: torch.Tensor) -> Padding | None:
         f, d = w_gate.shape
         return Padding(d, f) if (row_width(d), row_width(f)) != (d, f) else None
 
@@ -210,7 +223,8 @@ class TrainingStep:
 # over 128-byte rows (d_model 2368, H100), and the step ran 3-5% faster at M = 8192 (0-1% at 2048). Rows of 6384
 # (12768 bytes, a multiple of 32) gained nothing: that step moved -1.8% to +2.0% between runs, so such rows stay
 # dense. The pointwise passes then run over whole rows (whole_rows), padding columns included: over the live
-# columns alone their masks keep Triton from loading 16 bytes at a time.
+# columns alone their masks keep Triton from loading 16 bytes at a time. A host-bound step keeps them dense
+# (StepRun.padded_rows).
 ALIGNED_ROW_BYTES = 32
 ACTIVATION_ROW_BYTES = 128
 
@@ -223,11 +237,14 @@ def _padded_width(width: int, like: torch.Tensor) -> int:
     return -(-width // per_row) * per_row
 
 
-def activation_buffer(M: int, width: int, like: torch.Tensor) -> torch.Tensor:
+def activation_buffer(M: int, width: int, like: torch.Tensor, padded_rows: bool = True) -> torch.Tensor:
     """An uninitialised [M, width] tensor like `like` whose rows start every ACTIVATION_ROW_BYTES bytes: a view of
-    the first `width` columns of wider storage where width elements are not a whole number of such rows."""
+    the first `width` columns of wider storage where width elements are not a whole number of such rows; dense
+    where not `padded_rows` (a host-bound step: StepRun.padded_rows)."""
+    if not padded_rows:
+        return like.new_empty((M, width))
     padded = _padded_width(width, like)
-    buffer = torch.empty((M, padded), dtype=like.dtype, device=like.device)
+    buffer = like.new_empty((M, padded))
     return buffer if padded == width else buffer[:, :width]
 
 
@@ -245,27 +262,31 @@ def whole_rows(t: torch.Tensor) -> torch.Tensor:
     return base
 
 
-def _training_forward(x, params: tuple, step: TrainingStep, separate: bool):
+def _training_forward(x, params: tuple, step: TrainingStep, separate: bool, w_gu: torch.Tensor | None,
+                      padded_rows: bool):
     """(pre-activations, H, Y) of x and params (w_gate, b_gate, w_up, b_up, w_down, b_down): cuBLAS for the
     pre-activations, then the pointwise H and the down projection (bound where possible). The pre-activations
-    are (G, U), two buffers, where `separate` (the backward then frees dG before its last GEMM); else [G | U],
-    one [M, 2F] buffer (what op gated_bwd's kernels read)."""
+    are (G, U), two buffers, where `separate` (the backward then frees dG before its last GEMM); else ([G | U],
+    G, U): one [M, 2F] buffer (what op gated_bwd's kernels read), formed by one GEMM where w_gu (stacked(w_gate,
+    w_up)) is not None, and its two halves. G, U and H are activation buffers with padded_rows."""
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
     M, F_ = x.shape[0], w_gate.shape[0]
     if separate:
-        g = project_into(activation_buffer(M, F_, x), x, w_gate, b_gate)
-        u = project_into(activation_buffer(M, F_, x), x, w_up, b_up)
-        h, y = _hidden_and_down(g, u, w_down, b_down, step, True)
+        g = project_into(activation_buffer(M, F_, x, padded_rows), x, w_gate, b_gate)
+        u = project_into(activation_buffer(M, F_, x, padded_rows), x, w_up, b_up)
+        h, y = _hidden_and_down(g, u, w_down, b_down, step, padded_rows)
         return (g, u), h, y
-    pre = pre_activations(x, w_gate, b_gate, w_up, b_up)
-    h, y = _hidden_and_down(pre[:, :F_], pre[:, F_:], w_down, b_down, step, False)
-    return pre, h, y
+    pre = pre_activations(x, w_gate, b_gate, w_up, b_up, w_gu)
+    g, u = pre[:, :F_], pre[:, F_:]
+    h, y = _hidden_and_down(g, u, w_down, b_down, step, False)
+    return (pre, g, u), h, y
 
 
 def _hidden_and_down(g, u, w_down, b_down, step: TrainingStep, buffers: bool):
     """(H, Y): H = act(G) * U by one pointwise pass and Y = H W_down^T + b_down by the tuned down projection, both
-    bound launches where the step has them at this M. Where G and U are activation buffers (`buffers`), H is one too
-    and the pass runs over the three's whole rows; else (the halves of [G | U]) H is dense."""
+    bound launches where the step has them at this M. Where G and U are activation buffers with padded rows
+    (`buffers`), H is one too and the pass runs over the three's whole rows; else (the halves of [G | U], or dense
+    buffers) H is dense."""
     activation, down_config, launches = step.activation, step.down_config, step.launches
     M, F_ = g.shape
     h = activation_buffer(M, F_, g) if buffers else g.new_empty((M, F_))
@@ -330,27 +351,37 @@ class MLPFunction(torch.autograd.Function):
     """y = down(act(gate(x)) * up(x)) for training; see the module docstring for what runs where."""
 
     @staticmethod
-    def forward(ctx, x, *params_and_step):
-        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, step: TrainingStep, form): form is step_form's, other
-        than THREE_NODES."""
-        *params, step, form = params_and_step
-        padding = Padding.of(x, params[0])
+    def forward(ctx, x, *params_and_run):
+        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, run: StepRun): run.form other than THREE_NODES."""
+        *params, (step, form, padding, padded_rows) = params_and_run
+        launches = step.launches
         if padding is not None:  # unaligned d_model or d_ff: the step runs in the padded space
-            params = padding.params(tuple(params), step.launches)
+            params = padding.params(tuple(params), launches)
             x = padding.rows(x, padding.D)
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         separate = form == TWO_BUFFERS
-        pre, h, y = _training_forward(x, tuple(params), step, separate=separate)
-        ctx.padding, ctx.launches = padding, step.launches
+        # The gate and up weights as one [2F, D] tensor where they are the halves of one buffer (the training
+        # layout): the forward's G | U and the backward's dX each read it by one GEMM.
+        w_gu = None
+        if not separate:
+            w_gu = stacked(w_gate, w_up) if launches is None else launches.stacked_weights(w_gate, w_up)
+        pre, h, y = _training_forward(x, tuple(params), step, separate, w_gu, padded_rows)
+        ctx.w_gu, ctx.padded_rows = w_gu, padded_rows and separate
+        ctx.padding, ctx.launches = padding, launches
         ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
         saved = (x, w_gate, w_up, w_down)
+        ctx.halves = None
         if form == RECOMPUTE_H:
             ctx.kept = None
-            ctx.save_for_backward(*saved, pre)  # [G | U], overwritten by the backward with [dG | dU]
-        else:  # G and U, or [G | U], then H
-            _keep_for_backward(ctx, saved, (*pre, h) if separate else (pre, h))
+            ctx.save_for_backward(*saved, pre[0])  # [G | U], overwritten by the backward with [dG | dU]
+        elif separate:  # G and U, then H
+            _keep_for_backward(ctx, saved, (*pre, h))
+        else:  # [G | U], then H; its halves, the forward's views, kept for the backward's pass where nothing else is
+            _keep_for_backward(ctx, saved, (pre[0], h))
+            if ctx.kept is not None:  # (saved-tensor hooks would not see them)
+                ctx.halves = pre[1:]
         return y if padding is None else y[:, :padding.d]
 
     @staticmethod
@@ -486,34 +517,57 @@ def step_form(M: int, d_model: int, d_ff: int, save_hidden: bool) -> str:
     return ONE_BUFFER if stacked_pre_activations(M, d_model, d_ff) else TWO_BUFFERS
 
 
-def mlp_training(x: torch.Tensor, params: tuple, step: TrainingStep) -> torch.Tensor:
-    """The training forward of a gated MLP (params: w_gate, b_gate, w_up, b_up, w_down, b_down) in its step_form:
-    two ProjectionFunctions and a HiddenDownFunction (THREE_NODES), else the one MLPFunction."""
-    w_gate = params[0]
+class StepRun(NamedTuple):
+    """What a training forward of a gated MLP runs at its M: the entry's TrainingStep, its step_form, the Padding of
+    its sizes (None where aligned) and whether its activation buffers' rows are padded (activation_buffer). Decided
+    by step_run once per M and entry (the module keeps the last)."""
+
+    step: TrainingStep
+    form: str
+    padding: Padding | None
+    padded_rows: bool
+
+
+def step_run(M: int, w_gate: torch.Tensor, step: TrainingStep) -> StepRun:
+    """A host-bound step (M d_model d_ff below DecisionPolicy.host_bound_step_macs) keeps its activations dense: the
+    padded rows' views and their whole rows cost its host about 140 us a step at 2368 -> 4872, M = 2048 (H100: a
+    torch.empty, a view and a base lookup each 12-22 us there) for 0-1% of GPU time."""
+    padding = Padding.of(w_gate)
     f, d = w_gate.shape
-    form = step_form(x.shape[0], row_width(d), row_width(f), step.save_hidden)
+    D, W = row_width(d), row_width(f)
+    return StepRun(step, step_form(M, D, W, step.save_hidden), padding,
+                   M * D * W >= current_policy().host_bound_step_macs)
+
+
+def mlp_training(x: torch.Tensor, params: tuple, run: StepRun) -> torch.Tensor:
+    """The training forward of a gated MLP (params: w_gate, b_gate, w_up, b_up, w_down, b_down) as `run` says:
+    two ProjectionFunctions and a HiddenDownFunction (form THREE_NODES), else the one MLPFunction."""
+    step, form, padding, _ = run  # three nodes: never host-bound (separate_weight_gradients), rows padded
     if form != THREE_NODES:
-        return MLPFunction.apply(x, *params, step, form)
-    padding = Padding.of(x, w_gate)
-    run, x_run, live = params, x, None
+        return MLPFunction.apply(x, *params, run)
+    f, d = params[0].shape
+    read, x_run, live = params, x, None  # what the GEMMs read
     if padding is not None:  # the padded space's copies: data for the GEMMs, outside the graph
         with torch.no_grad():
-            run = padding.params(tuple(params), step.launches)
+            read = padding.params(tuple(params), step.launches)
             x_run = padding.rows(x.detach(), padding.D)
         live = (f, d)
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
-    g = ProjectionFunction.apply(x_run, w_gate, b_gate, run[0], run[1], live)
-    u = ProjectionFunction.apply(x_run, w_up, b_up, run[2], run[3], live)
-    return HiddenDownFunction.apply(x, g, u, w_down, b_down, RunWeights(padding, run[0], run[2], run[4], run[5]), step)
+    g = ProjectionFunction.apply(x_run, w_gate, b_gate, read[0], read[1], live)
+    u = ProjectionFunction.apply(x_run, w_up, b_up, read[2], read[3], live)
+    return HiddenDownFunction.apply(x, g, u, w_down, b_down, RunWeights(padding, read[0], read[2], read[4], read[5]),
+                                    step)
 
 
 def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torch.Tensor, g: torch.Tensor,
-                    u: torch.Tensor) -> None:
+                    u: torch.Tensor, buffers: bool) -> None:
     """dG and dU written over g and u by op gated_dgu: a bound launch like the forward's passes where the entry
-    has launches at this M; over whole rows where all three are activation buffers padded alike (whole_rows)."""
-    whole = [whole_rows(t) for t in (dh, g, u)]
-    if len({t.shape for t in whole}) == 1:
-        dh, g, u = whole
+    has launches at this M; over whole rows where g and u are `buffers` (not the halves of one [G | U]) and all
+    three are activation buffers padded alike (whole_rows)."""
+    if buffers:
+        whole = [whole_rows(t) for t in (dh, g, u)]
+        if len({t.shape for t in whole}) == 1:
+            dh, g, u = whole
     if launches is None or launches.M != dh.shape[0]:
         gated_gradient_kept(dh, g, u, activation, out=(g, u))
         return
@@ -522,17 +576,19 @@ def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torc
 
 
 def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tensor, w_down: torch.Tensor,
-                    need_down: bool) -> torch.Tensor | None:
+                    need_down: bool, buffers: bool = True) -> torch.Tensor | None:
     """dWd = dY^T H (None where W_down needs no gradient), then H freed; cuBLAS dH = dY W_down, then dY freed, and
-    one pass writing dG, dU over G, U. dY and H come as the one item of `dys` and `hidden`, which are emptied here,
-    so that each buffer is freed once spent (dH then takes H's place)."""
+    one pass writing dG, dU over G, U (two activation buffers with padded rows; the halves of one, or dense buffers,
+    where not `buffers`, dH dense then too). dY and H
+    come as the one item of `dys` and `hidden`, which are emptied here, so that each buffer is freed once spent (dH
+    then takes H's place)."""
     h = hidden.pop()
     dy = dys.pop()
     dw_down = torch.mm(dy.t(), h) if need_down else None
     del h
-    dh = torch.mm(dy, w_down, out=activation_buffer(dy.shape[0], w_down.shape[1], dy))
+    dh = torch.mm(dy, w_down, out=activation_buffer(dy.shape[0], w_down.shape[1], dy, buffers))
     del dy
-    _gradients_over(ctx.launches, ctx.activation, dh, g, u)
+    _gradients_over(ctx.launches, ctx.activation, dh, g, u, buffers)
     return dw_down
 
 
@@ -549,12 +605,16 @@ def _backward_from_kept_h(ctx, dys: list, x, kept: list, weights: tuple, need) -
     del h
     if len(pre) == 1:
         gu = pre.pop()
-        F_ = w_gate.shape[0]
-        dw_down = _down_then_pass(ctx, dys, hidden, gu[:, :F_], gu[:, F_:], w_down, need[5])
+        halves = ctx.halves
+        ctx.halves = None
+        if halves is None:
+            F_ = w_gate.shape[0]
+            halves = gu[:, :F_], gu[:, F_:]
+        dw_down = _down_then_pass(ctx, dys, hidden, *halves, w_down, need[5], False)
         return _stacked_gradients(ctx, gu, x, w_gate, w_up, need, dw_down)
     g, u = pre
     pre.clear()
-    dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[5])
+    dw_down = _down_then_pass(ctx, dys, hidden, g, u, w_down, need[5], ctx.padded_rows)
     dg, du = g, u
     del g, u  # dg and du are now the only references to those two buffers
     dx = _input_gradient(dg, du, w_gate, w_up) if need[0] else None
@@ -574,16 +634,15 @@ def _input_gradient(dg: torch.Tensor, du: torch.Tensor, w_gate: torch.Tensor, w_
 
 def _stacked_gradients(ctx, dgu: torch.Tensor, x, w_gate, w_up, need, dw_down) -> tuple:
     """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) from [dG | dU] (one [M, 2F] buffer): one GEMM for dX where the
-    weights are stacked (else two), one for [dWg; dWu], one row sum for both biases."""
+    weights are stacked (ctx.w_gu, the forward's; else two), one for [dWg; dWu], one row sum for both biases."""
     F_ = w_gate.shape[0]
-    dg, du = dgu[:, :F_], dgu[:, F_:]
     dx = None
     if need[0]:
-        w_gu = stacked(w_gate, w_up)
+        w_gu = ctx.w_gu
         if w_gu is not None:  # the training layout: one GEMM over d_ff twice
             dx = torch.mm(dgu, w_gu)
         else:
-            dx = _input_gradient(dg, du, w_gate, w_up)
+            dx = _input_gradient(dgu[:, :F_], dgu[:, F_:], w_gate, w_up)
     dw_gate = dw_up = None
     if need[1] or need[3]:
         dw = torch.mm(dgu.t(), x)  # one GEMM: [dW_gate; dW_up]

@@ -688,8 +688,8 @@ def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_no
     made = []
     real = training.activation_buffer
 
-    def poisoned(M, width, like):
-        t = real(M, width, like)
+    def poisoned(M, width, like, padded_rows=True):
+        t = real(M, width, like, padded_rows)
         training.whole_rows(t).fill_(float("nan"))
         made.append(t)
         return t
@@ -707,6 +707,28 @@ def test_activation_rows_are_128_byte_aligned_and_their_padding_columns_reach_no
     ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
     eager = _grads(params, x, _mlp_fn(activation), dy)
     _check_grads(got, ref, eager, dtype)
+
+
+@pytest.mark.parametrize("M", [21, 160])  # two buffers, one
+def test_a_host_bound_step_keeps_its_activations_dense(M, device):
+    """Below DecisionPolicy.host_bound_step_macs (every size here, under the default policy) the step's G, U and H
+    are dense, not views of 128-byte rows (their views and base lookups cost the host more than the rows gain):
+    d_ff 72 in bfloat16 (144-byte rows) would be padded to 256-byte rows otherwise. The gradients stay the float64
+    reference's."""
+    from autofuse import training
+
+    module = autofuse.get_mlp(40, 72, activation="silu", bias=True, dtype=torch.bfloat16, device=device)
+    x = torch.randn(M, 40, dtype=torch.bfloat16, device=device)
+    run = training.step_run(M, module.gate_proj.weight, module._training_step(M, module.gate_proj.weight, True))
+    assert not run.padded_rows
+    kept = _kept_activations(module(x.clone().requires_grad_()))
+    assert all(t.stride(0) == 72 for t in kept[-1:]) and all(t.stride(0) in (72, 144) for t in kept)
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    dy = torch.randn(M, 40, dtype=torch.bfloat16, device=device)
+    params = _mlp_params(module)
+    got = _module_grads(module, x, dy, names)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("silu"), dy.double())
+    _check_grads(got, ref, _grads(params, x, _mlp_fn("silu"), dy), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -797,3 +819,47 @@ def test_a_2d_input_adds_no_view_node_and_a_3d_input_keeps_its_shape_and_gradien
                  dy3.reshape(-1, out_width).double())
     eager = _grads(params, x3.reshape(-1, width), fn, dy3.reshape(-1, out_width))
     _check_grads(flat, ref, eager, torch.float32)
+
+
+def test_a_training_step_at_an_unchanged_m_reuses_its_decisions_and_stacked_weights(device, monkeypatch):
+    """A host-bound step pays for every call its forward makes: at the same M, dtype and generation the module's
+    training forward builds no table key and decides no form again (its last StepRun), and the stacked [Wg; Wu]
+    view is found once while the weights' addresses stay. A new M is decided anew; a weight stored elsewhere (a new
+    buffer) is stacked again, and the step's gradients are the float64 reference's with the new values."""
+    from autofuse import training
+
+    module = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device=device)
+    steps, stacks = [], []
+    real_step, real_stacked = module._training_step, training.stacked
+    monkeypatch.setattr(module, "_training_step", lambda *a, **k: steps.append(a[0]) or real_step(*a, **k))
+    monkeypatch.setattr(training, "stacked", lambda *a: stacks.append(1) or real_stacked(*a))
+    x = torch.randn(160, 40, device=device)  # 160 rows against d_model 40: one [G | U] buffer
+    for _ in range(3):
+        module(x.clone().requires_grad_()).sum().backward()
+    assert steps == [160] and len(stacks) == 1
+    module(x[:150].clone().requires_grad_()).sum().backward()
+    assert steps == [160, 150]
+    with torch.no_grad():  # gate and up as the halves of a new buffer, other values
+        buffer = torch.randn(2, 72, 40, device=device) * 0.1
+        module.gate_proj.weight.data, module.up_proj.weight.data = buffer[0], buffer[1]
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    dy = torch.randn(150, 40, device=device)
+    got = _module_grads(module, x[:150], dy, names)
+    assert len(stacks) == 3  # at 150 rows, then again for the new buffer
+    params = _mlp_params(module)
+    ref = _grads({k: None if v is None else v.double() for k, v in params.items()}, x[:150].double(),
+                 _mlp_fn("silu"), dy.double())
+    _check_grads(got, ref, _grads(params, x[:150], _mlp_fn("silu"), dy), torch.float32)
+
+
+def test_a_training_step_is_decided_again_after_the_module_changes_dtype(device):
+    """The module's last StepRun is keyed on the weights' dtype: after .half() the step runs the float16 entry, and
+    its output is the float64 reference's within float16's rounding (inputs and weights rounded to 11 bits)."""
+    module = autofuse.get_mlp(40, 72, activation="gelu", dtype=torch.float32, device=device)
+    x = torch.randn(32, 40, device=device)
+    module(x.clone().requires_grad_()).sum().backward()
+    module.half()
+    y = module(x.half().requires_grad_())
+    assert y.dtype == torch.float16 and module._last_step[2] is torch.float16
+    params = {k: None if v is None else v.detach().double() for k, v in _mlp_params(module).items()}
+    torch.testing.assert_close(y.detach().double(), _mlp_fn("gelu")(x.half().double(), **params), rtol=2e-2, atol=2e-2)

@@ -64,12 +64,11 @@ def project_into(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.T
 
 
 def pre_activations(x: torch.Tensor, w_gate: torch.Tensor, b_gate: torch.Tensor | None, w_up: torch.Tensor,
-                    b_up: torch.Tensor | None) -> torch.Tensor:
+                    b_up: torch.Tensor | None, w_gu: torch.Tensor | None) -> torch.Tensor:
     """[G | U] = [x w_gate^T + b_gate | x w_up^T + b_up] ([M, 2F]): one cuBLAS GEMM where the weights (and
-    biases) are the halves of one buffer (`stacked`), else two writing the halves of one result (no
-    concatenated weight copy)."""
+    biases) are the halves of one buffer (w_gu, the caller's stacked(w_gate, w_up)), else (w_gu None) two writing
+    the halves of one result (no concatenated weight copy)."""
     F_ = w_gate.shape[0]
-    w_gu = stacked(w_gate, w_up)
     if w_gu is not None:
         if b_gate is None and b_up is None:
             return torch.mm(x, w_gu.t())
@@ -93,7 +92,7 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
 def _cublas_gated_act(ops: dict, activation: str) -> torch.Tensor:
     """cuBLAS for G and U into one [M, 2N] buffer, then ONE pointwise pass act(G) * U (op gated_act):
     what torch.compile generates for a gated MLP, and the training forward's own first half."""
-    gu = pre_activations(ops["x"], ops["wg"], ops.get("bg"), ops["wu"], ops.get("bu"))
+    gu = pre_activations(ops["x"], ops["wg"], ops.get("bg"), ops["wu"], ops.get("bu"), stacked(ops["wg"], ops["wu"]))
     F_ = ops["wg"].shape[0]
     return gated_activation(gu[:, :F_], gu[:, F_:], activation)
 
