@@ -132,17 +132,24 @@ def summarize(rows: list[dict]) -> dict:
                                                 min=min(autotuned, default=float("nan"))))
 
 
-def merge(files: list[str], out) -> None:
-    """One decode.json of the rows of `files` (parts of one sweep: same seed, ceilings each part's own)."""
+def merge(files: list[str], out: str | None) -> None:
+    """One decode.json of the rows of `files` (parts of one sweep: same seed and GPU, ceilings each part's own),
+    written under the parts' GPU with their run information (the first part's, every part's command), not the
+    merging machine's."""
     parts = [json.loads(open(name).read()) for name in files]
     if len({p["seed"] for p in parts}) != 1:
         raise SystemExit("decode.py --merge: the parts were drawn with different seeds")
+    runs = [p.get("run", {}) for p in parts]
+    if len({r.get("gpu") for r in runs}) != 1:
+        raise SystemExit("decode.py --merge: the parts ran on different GPUs")
     rows = [row for p in parts for row in p["rows"]]
     summary = summarize(rows)
-    harness.write(out, "decode.json", dict(seed=parts[0]["seed"], ceilings=[p["ceilings"] for p in parts],
-                                           liger=all(p["liger"] for p in parts), summary=summary, rows=rows,
-                                           seconds=sum(p["seconds"] for p in parts),
-                                           parts=[p.get("run", {}) for p in parts]))
+    run = {**runs[0], "command": " ; ".join(r.get("command", "?") for r in runs),
+           "merged_by": harness.run_info()["command"]}
+    harness.write(harness.out_dir(out, runs[0].get("gpu")), "decode.json",
+                  dict(seed=parts[0]["seed"], ceilings=[p["ceilings"] for p in parts],
+                       liger=all(p["liger"] for p in parts), summary=summary, rows=rows,
+                       seconds=sum(p["seconds"] for p in parts), parts=runs), run=run)
     print(json.dumps(summary), flush=True)
 
 
@@ -161,7 +168,7 @@ def main() -> None:
                         help="merge the rows of several decode.json files (parts of one sweep) and summarise them")
     args = parser.parse_args()
     if args.merge:
-        merge(args.merge, harness.out_dir(args.out))
+        merge(args.merge, args.out)
         return
     tokens = [int(t) for t in args.tokens.split(",")]
     gated, _ = draw_shapes(args.seed, args.mlps, 0)

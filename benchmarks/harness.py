@@ -32,9 +32,9 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def out_dir(out: str | None) -> Path:
-    """`out`, or results/<gpu slug>/; made if missing."""
-    folder = Path(out) if out else RESULTS / re.sub(r"[^a-z0-9]+", "-", gpu_name().lower()).strip("-")
+def out_dir(out: str | None, gpu: str | None = None) -> Path:
+    """`out`, or results/<slug of `gpu`, default this machine's>/; made if missing."""
+    folder = Path(out) if out else RESULTS / re.sub(r"[^a-z0-9]+", "-", (gpu or gpu_name()).lower()).strip("-")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -55,13 +55,13 @@ def run_info() -> dict:
                 command="python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]))
 
 
-def write(folder: Path, name: str, payload: dict) -> Path:
-    """payload, with the run's information under "run", as folder/name (written beside and renamed: a killed
-    run leaves the previous file whole)."""
+def write(folder: Path, name: str, payload: dict, run: dict | None = None) -> Path:
+    """payload, with the run's information (default: this process's, run_info) under "run", as folder/name
+    (written beside and renamed: a killed run leaves the previous file whole)."""
     path = folder / name
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump({"run": run_info(), **payload}, f, indent=1)
+        json.dump({"run": run_info() if run is None else run, **payload}, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
     print(f"wrote {path}", file=sys.stderr)
