@@ -390,7 +390,7 @@ class MLPFunction(torch.autograd.Function):
         _refuse_second_backward(ctx)
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
         padding = ctx.padding
-        need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, step)
+        need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, run)
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
         dys = _backward_dy(ctx, dy)
         del dy
@@ -400,7 +400,7 @@ class MLPFunction(torch.autograd.Function):
             grads = _backward_from_kept_h(ctx, dys, x, _take_kept(ctx, saved), (w_gate, w_up, w_down), need)
         if padding is not None:
             grads = padding.grads(grads)
-        return (*grads, db_down, None, None)
+        return (*grads, db_down, None)
 
 
 def separate_weight_gradients(M: int, d_model: int, d_ff: int) -> bool:

@@ -303,7 +303,7 @@ def test_the_training_forward_replays_its_bound_launches(device, dtype, monkeypa
               mlp.down_proj.bias)
     with torch.no_grad():  # the same training forward through the JIT, unbound
         step = dataclasses.replace(mlp._training_step(5, params[0]), launches=None)
-        _, _, expected = _training_forward(x, params, step, mlp.save_hidden, None)
+        _, _, expected = _training_forward(x, params, step, mlp.save_hidden, None, False)
     _assert_same(mlp(x.clone().requires_grad_()).detach(), expected, atomic=True)
 
 
