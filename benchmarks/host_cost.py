@@ -5,7 +5,10 @@
 Per call: wall time of N back-to-back calls / N (CUDA-synchronised before and after), median of
 rounds taken round-robin over the rows of a group so that host drift hits them alike. On the tiny
 shape the GPU never waits, so this is host time; on gemma-2b at M=1 it is the plain call's time
-(whichever of host and GPU is slower), shown beside the CUDA-graph-replayed GPU time.
+(whichever of host and GPU is slower), shown beside the CUDA-graph-replayed GPU time. A host-bound
+training step (1344 -> 2688, M = 2048: 270-291 us of GPU time on an H100) per step, forward + backward
+with gradients accumulating: eager's, autofuse's, and a bare autograd.Function issuing the same seven
+kernels (the floor of any Python Function's host), in the same rounds.
 """
 
 from __future__ import annotations
@@ -148,13 +151,59 @@ def gemma_rows(calls: int, rounds: int) -> dict:
     return rows
 
 
+class _BareStep(torch.autograd.Function):
+    """The seven kernels of a one-buffer SwiGLU training step, nothing else: G | U by one GEMM over the stacked
+    weights, H = silu(G) * U (torch ops), the down projection; dWd, dH, one pass, dX and [dWg; dWu]. The backward's
+    pass is one multiply standing in for the fused dG, dU pass (one launch, as autofuse's is), so the output and dWd
+    are the step's and dX, dWg and dWu are not: a measure of host work, not a training step to use."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down):
+        f = w_gate.shape[0]
+        w = w_gate.as_strided((2 * f, w_gate.shape[1]), w_gate.stride())
+        gu = torch.mm(x, w.t())
+        h = torch.mul(F.silu(gu[:, :f]), gu[:, f:])
+        ctx.save_for_backward(x, w, w_down)
+        ctx.kept = [gu, h]
+        return torch.mm(h, w_down.t())
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, w_down = ctx.saved_tensors
+        gu, h = ctx.kept
+        f = w.shape[0] // 2
+        dw_down = torch.mm(dy.t(), h)
+        dh = torch.mm(dy, w_down)
+        torch.mul(dh, gu[:, f:], out=gu[:, :f])
+        dw = torch.mm(gu.t(), x)
+        return torch.mm(gu, w), dw[:f], dw[f:], dw_down
+
+
+def training_rows(steps: int, rounds: int) -> dict:
+    d, f, M = 1344, 2688, 2048
+    mlp = autofuse.get_mlp(d, f, activation="silu", dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(M, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dy = torch.randn(M, d, dtype=torch.bfloat16, device="cuda")
+    stacked = torch.randn(2, f, d, dtype=torch.bfloat16, device="cuda") * d ** -0.5
+    w_gate, w_up = torch.nn.Parameter(stacked[0]), torch.nn.Parameter(stacked[1])
+    w_gate.data, w_up.data = stacked[0], stacked[1]  # the halves of one buffer, as the module keeps them
+    w_down = torch.nn.Parameter(torch.randn(d, f, dtype=torch.bfloat16, device="cuda") * f ** -0.5)
+    fns = {"training step 1344 -> 2688, M=2048: eager":
+           lambda: F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down).backward(dy),
+           "training step 1344 -> 2688, M=2048: autofuse": lambda: mlp(x).backward(dy),
+           "training step 1344 -> 2688, M=2048: bare autograd.Function": lambda: _BareStep.apply(
+               x, w_gate, w_up, w_down).backward(dy)}
+    return plain_call_us(fns, steps, rounds, warmup=10, rotate=True)
+
+
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     meta = dict(cpu=_cpu_name())
-    rows = {**tiny_rows(args.calls, args.rounds), **gemma_rows(args.calls // 4, args.rounds)}
+    rows = {**tiny_rows(args.calls, args.rounds), **gemma_rows(args.calls // 4, args.rounds),
+            **training_rows(max(args.calls // 20, 10), args.rounds)}
     for name, value in rows.items():
         print(f"{name:56s} {value:8.1f} us" if isinstance(value, float) else f"{name:56s} {value}", flush=True)
     harness.write(harness.out_dir(args.out), "host_cost.json", dict(meta=meta, rows=rows))
