@@ -327,6 +327,14 @@ class FusedMLP(FusedModule):
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
 
+    def _apply(self, fn, recurse=True):
+        # `.to()`, `.half()`: the training entries' keys name the old dtype or device, and their launches hold views
+        # of the old parameters (the stacked [Wg; Wu]) and padded copies of them, which would stay alive.
+        self._training_table.clear()
+        self._training_weights.clear()
+        self._last_step = None
+        return super()._apply(fn, recurse)
+
     def _lay_out(self) -> None:
         """Keeps the parameters in the storage layout.lay_out makes (padded where d_ff needs it,
         interleaved where asked): made here, and again after `.to()` / `.half()` (nn.Module._apply),

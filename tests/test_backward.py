@@ -853,12 +853,15 @@ def test_a_training_step_at_an_unchanged_m_reuses_its_decisions_and_stacked_weig
 
 
 def test_a_training_step_is_decided_again_after_the_module_changes_dtype(device):
-    """The module's last StepRun is keyed on the weights' dtype: after .half() the step runs the float16 entry, and
-    its output is the float64 reference's within float16's rounding (inputs and weights rounded to 11 bits)."""
+    """The module's last StepRun is keyed on the weights' dtype, and .half() drops the training entries (their
+    launches held views of the float32 weights): the step runs a float16 entry, and its output is the float64
+    reference's within float16's rounding (inputs and weights rounded to 11 bits)."""
     module = autofuse.get_mlp(40, 72, activation="gelu", dtype=torch.float32, device=device)
     x = torch.randn(32, 40, device=device)
     module(x.clone().requires_grad_()).sum().backward()
-    module.half()
+    assert module._training_table and module._last_step is not None
+    module.half()  # the float32 entries, their launches and the views of the float32 weights they held: dropped
+    assert not module._training_table and module._last_step is None and not module._training_weights
     y = module(x.half().requires_grad_())
     assert y.dtype == torch.float16 and module._last_step[2] is torch.float16
     params = {k: None if v is None else v.detach().double() for k, v in _mlp_params(module).items()}
