@@ -579,9 +579,8 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
                     need_down: bool, buffers: bool = True) -> torch.Tensor | None:
     """dWd = dY^T H (None where W_down needs no gradient), then H freed; cuBLAS dH = dY W_down, then dY freed, and
     one pass writing dG, dU over G, U (two activation buffers with padded rows; the halves of one, or dense buffers,
-    where not `buffers`, dH dense then too). dY and H
-    come as the one item of `dys` and `hidden`, which are emptied here, so that each buffer is freed once spent (dH
-    then takes H's place)."""
+    where not `buffers`, dH dense then too). dY and H come as the one item of `dys` and `hidden`, which are emptied
+    here, so that each buffer is freed once spent (dH then takes H's place)."""
     h = hidden.pop()
     dy = dys.pop()
     dw_down = torch.mm(dy.t(), h) if need_down else None
