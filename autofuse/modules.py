@@ -28,6 +28,7 @@ from .layout import (
     lay_out_linear,
     linear_sizes,
     padded_rows,
+    row_width,
 )
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
@@ -474,7 +475,10 @@ class FusedMLP(FusedModule):
         step = self._training_table.get(key)
         if step is not None:
             return step
-        plan = MLPPlan(self.d_model, self.d_ff, self.activation, self.gate_proj.bias is not None)
+        # The sizes the step runs at (training.Padding's): a check or a tuned record of the unpadded sizes times
+        # other GEMMs (3587 -> 8063 at M = 8192: cuBLAS's align-1 kernels there made a Triton down projection win,
+        # which then ran 865 us at the padded sizes where cuBLAS runs about 640; H100).
+        plan = MLPPlan(row_width(self.d_model), row_width(self.d_ff), self.activation, self.gate_proj.bias is not None)
         down = resolve_checked(plan.problem("down", M, weight.dtype, weight.device), self.tuned)
         backward = None if save_hidden else resolve_checked(plan.problem("gated_bwd", M, weight.dtype,
                                                                          weight.device), self.tuned)

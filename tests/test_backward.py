@@ -866,3 +866,27 @@ def test_a_training_step_is_decided_again_after_the_module_changes_dtype(device)
     assert y.dtype == torch.float16 and module._last_step[2] is torch.float16
     params = {k: None if v is None else v.detach().double() for k, v in _mlp_params(module).items()}
     torch.testing.assert_close(y.detach().double(), _mlp_fn("gelu")(x.half().double(), **params), rtol=2e-2, atol=2e-2)
+
+
+def test_a_padded_training_step_decides_its_gemms_at_the_sizes_it_runs(monkeypatch):
+    """An unaligned MLP trains in Padding's space: its down projection and its gated backward are checked and
+    looked up at the padded sizes, which are the GEMMs that run (at the unpadded ones cuBLAS's slow kernels made a
+    Triton config win that then ran the padded GEMM slower than cuBLAS), and `autofuse tune --train` keys the
+    backward at the same sizes."""
+    from autofuse.layout import row_width
+    from autofuse.ops import get as op_spec
+    from autofuse.shapes import MLPShape
+
+    module = autofuse.get_mlp(43, 75, activation="silu", dtype=torch.float32, device="cpu")
+    D, W = row_width(43), row_width(75)
+    assert (D, W) != (43, 75)
+    resolved = {}
+    real_resolve = autofuse.modules.resolve_checked
+    monkeypatch.setattr(autofuse.modules, "resolve_checked",
+                        lambda problem, *a, **k: resolved.setdefault(problem.op, (problem.n, problem.k))
+                        and real_resolve(problem, *a, **k))
+    module._training_step(37, module.gate_proj.weight, save_hidden=False)
+    assert resolved == {"down": (D, W), "gated_bwd": (W, D)}
+    shape = MLPShape("m", 43, 75, "silu", False)
+    assert op_spec("gated_bwd").dims(shape, 37)[:2] == (W, D)
+    assert op_spec("down").dims(shape, 37)[:2] == (D, W)

@@ -9,6 +9,7 @@ import torch
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
 from ..configs import INTERPRETER_SPACE, KernelConfig, SearchSpace
+from ..layout import row_width
 from ..opspec import Operand, OpSpec
 from .gated_grad import gated_from_dh, gated_gradient
 
@@ -133,6 +134,6 @@ GATED_BWD = OpSpec(
     make_operands=_make_operands,
     output_width=lambda n, k: 3 * n,
     serves="mlp",
-    dims=lambda s, M: (s.d_ff, s.d_model, s.activation),
+    dims=lambda s, M: (row_width(s.d_ff), row_width(s.d_model), s.activation),  # a training step's (training.Padding)
     training=True,
 )
