@@ -227,6 +227,10 @@ class OpSpec:
     # keyed_for(entry) -> whether a module of that shapes-file entry runs this op (None: every entry it serves)
     keyed_for: Callable | None = None
     dims: Dims | None = None
+    # The sizes a module's training step runs the op at (training.Padding's) where they may differ from dims' (the
+    # down projection: inference pads a width that is a multiple of 8 to one of 64, training leaves it); tuning for
+    # training keys the op there too (keyed_dims). None: dims' only.
+    training_dims: Dims | None = None
     max_m: int | None = None  # keyed and run only up to this M
     training: bool = False  # keyed only when tuning for training (--train)
     template_dir: Path | None = None  # None: autofuse's templates/; else searched first (ops added outside)
@@ -257,6 +261,14 @@ class OpSpec:
         choice: looked up in place, without building `candidates`."""
         run = self.library.get(name)
         return run if run is not None else _REGISTERED_LIBRARY.get(self.name, {})[name]
+
+    def keyed_dims(self, entry, M: int, train: bool) -> list[tuple[int, int, str]]:
+        """The (n, k, activation) this op is keyed at for a shapes-file entry (or traffic shape) at M: dims', and with
+        `train` training_dims' too where they differ."""
+        found = [self.dims(entry, M)]
+        if train and self.training_dims is not None and self.training_dims(entry, M) != found[0]:
+            found.append(self.training_dims(entry, M))
+        return found
 
     def runs_for(self, entry) -> bool:
         """Whether a module of this shapes-file entry (or traffic shape) runs this op (keyed_for; None: every one)."""

@@ -18,14 +18,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-
-
-
-
-
-
-
-
 def captured(fn: Callable[[], object], calls_per_graph: int) -> torch.cuda.CUDAGraph:
     """`calls_per_graph` back-to-back calls of fn captured in a CUDA graph, warmed up.
 
@@ -55,8 +47,6 @@ def _replay_us(graph: torch.cuda.CUDAGraph, calls_per_graph: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls_per_graph
 
 
-
-
 def graph_median_ms(fn: Callable[[], object], budget_ms: float = 100.0, min_replay_us: float = 50.0,
                     max_calls_per_graph: int = 10) -> float:
     """Median GPU time of one call replayed from a CUDA graph, at any size: as many back-to-back calls
@@ -80,8 +70,6 @@ def graph_side_by_side_ms(fns: dict[str, Callable[[], object]], budget_ms: float
         del single
     replays = max(5, min(100, int(budget_ms * 1e3 / max(one_us[n] * c for n, (_, c) in graphs.items()))))
     return {name: us / 1e3 for name, us in replayed_in_turn(graphs, replays).items()}
-
-
 
 
 def replayed_in_turn(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], replays: int) -> dict[str, float]:

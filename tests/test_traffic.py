@@ -162,6 +162,18 @@ def test_tuning_from_a_skewed_trace_tunes_exactly_its_hot_m_values(tmp_path):
     assert not any(job.key.op == "gated_bwd" for job, _ in jobs)  # inference traffic: no backward keys
 
 
+def test_training_traffic_keys_the_down_projection_at_the_training_steps_sizes_too():
+    """d_model 40 and d_ff 72 are multiples of 8, not of 16: inference runs the down projection at 64 x 128 (padded
+    storage), a training step at 40 x 72 (training.Padding leaves them); recorded training traffic keys both, and
+    the backward at the training step's sizes; inference traffic keys the inference sizes only."""
+    for train, expected in ((True, {(64, 128), (40, 72)}), (False, {(64, 128)})):
+        recorded = traffic.parse(_trace([_mlp_entry([[37, 100, 10, 9.0]], train=train)]), "fake timer")
+        jobs = from_traffic.jobs(from_traffic.plan(recorded).points, torch.device("cpu"))
+        assert {(job.key.n, job.key.k) for job, _ in jobs if job.key.op == "down"} == expected
+        backward = {(job.key.n, job.key.k) for job, _ in jobs if job.key.op == "gated_bwd"}
+        assert backward == ({(72, 40)} if train else set())
+
+
 def test_the_trial_budget_is_spread_by_time_share():
     recorded = traffic.parse(_trace([_mlp_entry([[1, 100, 10, 9.0], [64, 100, 10, 1.0]])]), "fake timer")
     planned = from_traffic.plan(recorded)

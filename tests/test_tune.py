@@ -322,6 +322,11 @@ def test_train_flag_tunes_the_backward_and_training_uses_it(tmp_path):
     assert winner.config is not None and winner.trials == 2  # under the interpreter any correct config wins
     mlp = autofuse.get_mlp(40, 72, activation="silu", dtype=torch.float32, device="cpu")
     assert mlp._training_step(37, mlp.gate_proj.weight).backward_config == winner.config
+    # d_ff 72 and d_model 40 are multiples of 8, not of 16: inference runs the down projection padded (64 x 128),
+    # a training step unpadded (40 x 72); --train tunes both, and the training step runs the second.
+    downs = {(w.key.n, w.key.k): w for w in Store().winners() if w.key.op == "down"}
+    assert set(downs) == {(64, 128), (40, 72)}
+    assert mlp._training_step(37, mlp.gate_proj.weight).down_config == downs[(40, 72)].config
     x = torch.randn(37, 40, requires_grad=True)
     mlp(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()

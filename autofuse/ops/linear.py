@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import input_width, linear_sizes, linear_width, run_width
+from ..layout import input_width, linear_sizes, linear_width, row_width, run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 from .bias_act import bias_activation
@@ -118,4 +118,5 @@ DOWN = dataclasses.replace(
     library={"eager": _eager},
     serves="mlp",
     dims=lambda s, M: (input_width(s.d_model), run_width(s.d_ff), "none"),  # what FusedMLP runs (layout.py)
+    training_dims=lambda s, M: (row_width(s.d_model), row_width(s.d_ff), "none"),  # its training step's (Padding)
 )

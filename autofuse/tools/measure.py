@@ -118,5 +118,3 @@ def round_robin(fns: dict[str, Callable[[], object]], sample: Callable[[Callable
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-
-

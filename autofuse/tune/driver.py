@@ -62,9 +62,9 @@ def jobs_for_shapes(shapes: ShapeSet, device: torch.device, train: bool = False,
             for entry in entries[spec.serves]:
                 if not spec.runs_for(entry):
                     continue
-                n, k, activation = spec.dims(entry, M)
-                key = Problem(spec.name, n, k, M, shapes.dtype, activation, entry.bias).key(M, env)
-                jobs.append(Job(key, M, f"{entry.name} {spec.name}"))
+                for n, k, activation in spec.keyed_dims(entry, M, train):
+                    key = Problem(spec.name, n, k, M, shapes.dtype, activation, entry.bias).key(M, env)
+                    jobs.append(Job(key, M, f"{entry.name} {spec.name}"))
     # One job per key: two shapes may share a projection.
     unique = {job.key: job for job in jobs if only is None or job.key.op in only}
     return list(unique.values())

@@ -122,11 +122,11 @@ def jobs(points: list[Point], device: torch.device, only: set[str] | None = None
                 continue
             if not spec.runs_for(item):  # its module never runs the op
                 continue
-            n, k, activation = spec.dims(item, point.run_m)
-            key = Problem(spec.name, n, k, point.run_m, DTYPES[shape.dtype], activation, shape.bias).key(
-                point.key_m, env)
             label = f"{shape.kind} {shape.dims[0]}->{shape.dims[1]} {spec.name}"
-            found.setdefault(key, (Job(key, point.run_m, label), point))
+            for n, k, activation in spec.keyed_dims(item, point.run_m, shape.train):
+                key = Problem(spec.name, n, k, point.run_m, DTYPES[shape.dtype], activation, shape.bias).key(
+                    point.key_m, env)
+                found.setdefault(key, (Job(key, point.run_m, label), point))
     return list(found.values())
 
 
