@@ -116,5 +116,3 @@ def round_robin(fns: dict[str, Callable[[], object]], sample: Callable[[Callable
         for name, fn in fns.items():
             samples[name].append(sample(fn))
     return {name: statistics.median(values) for name, values in samples.items()}
-
-
