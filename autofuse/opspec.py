@@ -266,8 +266,10 @@ class OpSpec:
         """The (n, k, activation) this op is keyed at for a shapes-file entry (or traffic shape) at M: dims', and with
         `train` training_dims' too where they differ."""
         found = [self.dims(entry, M)]
-        if train and self.training_dims is not None and self.training_dims(entry, M) != found[0]:
-            found.append(self.training_dims(entry, M))
+        if train and self.training_dims is not None:
+            trained = self.training_dims(entry, M)
+            if trained != found[0]:
+                found.append(trained)
         return found
 
     def runs_for(self, entry) -> bool:
