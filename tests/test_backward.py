@@ -890,3 +890,30 @@ def test_a_padded_training_step_decides_its_gemms_at_the_sizes_it_runs(monkeypat
     shape = MLPShape("m", 43, 75, "silu", False)
     assert op_spec("gated_bwd").dims(shape, 37)[:2] == (W, D)
     assert op_spec("down").dims(shape, 37)[:2] == (D, W)
+
+
+@pytest.mark.parametrize("save_hidden", [True, False], ids=["kept_h", "recompute_h"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_padded_step_whose_rows_fill_only_their_padding_gives_the_reference_gradients(dtype, save_hidden, device,
+                                                                                       monkeypatch):
+    """Padding.rows above ROWS_FILL_ALONE (a large step's x and dY) copies into new, uninitialised storage and zeroes
+    only the padding columns: the padded x and dY must still be exactly x and dY beside zeros, so the step's
+    gradients match the reference's; here forced at every size. Stale storage is made likely first: the allocator
+    hands back blocks a filled tensor of the same size just freed."""
+    from autofuse import training
+
+    monkeypatch.setattr(training, "ROWS_FILL_ALONE", 1)
+    module = autofuse.get_mlp(43, 75, activation="gelu_tanh", bias=True, dtype=dtype, device=device)
+    module.save_hidden = save_hidden
+    x = torch.randn(37, 43, dtype=dtype, device=device)
+    dy = torch.randn(37, 43, dtype=dtype, device=device)
+    padding = training.Padding(43, 75)
+    torch.full((37, padding.D), float("nan"), dtype=dtype, device=device)  # made and freed
+    padded = padding.rows(x, padding.D)
+    assert torch.equal(padded[:, :43], x) and not padded[:, 43:].any()
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    params = _mlp_params(module)
+    got = _module_grads(module, x, dy, names)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
+    eager = _grads(params, x, _mlp_fn("gelu_tanh"), dy)
+    _check_grads(got, ref, eager, dtype)
