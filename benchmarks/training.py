@@ -168,6 +168,18 @@ def held_out(seed: int, count: int, tokens: list[int]) -> list[tuple]:
     return shapes
 
 
+def only(shapes: list[tuple], points: str | None) -> list[tuple]:
+    """The shapes (name, d_model, d_ff, activation, M) that `points` names: comma-separated names (every M of that
+    shape) or name@M; None keeps them all. ValueError naming a point that matches none."""
+    if points is None:
+        return shapes
+    wanted = [p.strip() for p in points.split(",") if p.strip()]
+    unmatched = [p for p in wanted if not any(p in (s[0], f"{s[0]}@{s[4]}") for s in shapes)]
+    if unmatched:
+        raise ValueError(f"--only: no point {unmatched[0]!r} among {', '.join(sorted({s[0] for s in shapes}))}")
+    return [s for s in shapes if s[0] in wanted or f"{s[0]}@{s[4]}" in wanted]
+
+
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of timing, the providers in turn in each")
@@ -176,9 +188,15 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=0, metavar="N", help="N drawn shapes instead of the public")
     parser.add_argument("--seed", type=int, default=36)
     parser.add_argument("--tokens", default="2048,8192", help="the M of the drawn shapes")
+    parser.add_argument("--only", default=None, metavar="POINTS",
+                        help="comma-separated points to run, each a shape's name (drawn-3) or name@M (drawn-3@8192)")
     args = parser.parse_args()
     out = harness.out_dir(args.out)
     shapes = held_out(args.seed, args.held_out, [int(t) for t in args.tokens.split(",")]) if args.held_out else SHAPES
+    try:
+        shapes = only(shapes, args.only)
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
     torch.manual_seed(0)
     for name, d, f, activation, M in shapes:
