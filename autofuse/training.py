@@ -369,6 +369,7 @@ class MLPFunction(torch.autograd.Function):
         """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, run: StepRun): run.form other than THREE_NODES."""
         *params, (step, form, padding, padded_rows) = params_and_run
         launches = step.launches
+        checked = (params[0], params[2], params[4])  # the weights whose versions the backward checks
         if padding is not None:  # unaligned d_model or d_ff: the step runs in the padded space
             params = padding.params(tuple(params), launches)
             x = padding.rows(x, padding.D)
@@ -385,7 +386,12 @@ class MLPFunction(torch.autograd.Function):
         ctx.activation, ctx.backward_config = step.activation, step.backward_config
         ctx.has_bias = b_gate is not None
         ctx.spent = False
-        saved = (x, w_gate, w_up, w_down)
+        # Padded: the copies (Padding.params) are held by the module and written again by its next forward, so a
+        # second forward before this backward (two losses summed, a module used twice) would fail their version
+        # check though their values stay the parameters'; the parameters themselves are saved instead, checked
+        # as eager checks them, and the backward reads the copies from ctx.
+        ctx.run_weights = None if padding is None else (w_gate, w_up, w_down)
+        saved = (x, *checked)
         ctx.halves = None
         if form == RECOMPUTE_H:
             ctx.kept = None
@@ -403,6 +409,9 @@ class MLPFunction(torch.autograd.Function):
         _refuse_double_backward()
         _refuse_second_backward(ctx)
         x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
+        if ctx.run_weights is not None:
+            w_gate, w_up, w_down = ctx.run_weights
+            ctx.run_weights = None
         padding = ctx.padding
         need = ctx.needs_input_grad  # (x, w_gate, b_gate, w_up, b_up, w_down, b_down, run)
         db_down = sum_rows(dy) if ctx.has_bias and need[6] else None
@@ -472,13 +481,15 @@ class ProjectionFunction(torch.autograd.Function):
 
 class RunWeights(NamedTuple):
     """The weights a HiddenDownFunction's GEMMs read: the parameters, or their copies in the padded space (padding
-    not None). Passed as one argument, not as inputs: the gradients go to the parameters."""
+    not None), and the gate and up parameters themselves (`checked`: where the GEMMs read copies, the backward checks
+    their versions, as eager does). Passed as one argument, not as inputs: the gradients go to the parameters."""
 
     padding: Padding | None
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
     b_down: torch.Tensor | None
+    checked: tuple = ()
 
 
 class HiddenDownFunction(torch.autograd.Function):
@@ -488,12 +499,15 @@ class HiddenDownFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, g, u, w_down, b_down, run: RunWeights, step):
-        padding, w_gate_run, w_up_run, w_down_run, b_down_run = run
+        padding, w_gate_run, w_up_run, w_down_run, b_down_run, checked = run
         h, y = _hidden_and_down(g, u, w_down_run, b_down_run, step, True)
         ctx.padding, ctx.launches, ctx.activation = padding, step.launches, step.activation
         ctx.has_bias = b_down is not None
         ctx.spent = False
-        _keep_for_backward(ctx, (w_gate_run, w_up_run, w_down_run, g, u), (h,))  # H freed once dWd is formed
+        # Padded: the parameters saved for their version check, the copies read from ctx (MLPFunction.forward says why).
+        ctx.run_weights = None if padding is None else (w_gate_run, w_up_run, w_down_run)
+        weights = (w_gate_run, w_up_run, w_down_run) if padding is None else (*checked, w_down)
+        _keep_for_backward(ctx, (*weights, g, u), (h,))  # H freed once dWd is formed
         return y if padding is None else y[:, :padding.d]
 
     @staticmethod
@@ -501,6 +515,9 @@ class HiddenDownFunction(torch.autograd.Function):
         _refuse_double_backward()
         _refuse_second_backward(ctx)
         w_gate, w_up, w_down, g, u, *saved = ctx.saved_tensors
+        if ctx.run_weights is not None:
+            w_gate, w_up, w_down = ctx.run_weights
+            ctx.run_weights = None
         padding = ctx.padding
         need = ctx.needs_input_grad  # (x, g, u, w_down, b_down, ...)
         db_down = sum_rows(dy) if ctx.has_bias and need[4] else None
@@ -569,8 +586,8 @@ def mlp_training(x: torch.Tensor, params: tuple, run: StepRun) -> torch.Tensor:
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
     g = ProjectionFunction.apply(x_run, w_gate, b_gate, read[0], read[1], live)
     u = ProjectionFunction.apply(x_run, w_up, b_up, read[2], read[3], live)
-    return HiddenDownFunction.apply(x, g, u, w_down, b_down, RunWeights(padding, read[0], read[2], read[4], read[5]),
-                                    step)
+    return HiddenDownFunction.apply(x, g, u, w_down, b_down,
+                                    RunWeights(padding, read[0], read[2], read[4], read[5], (w_gate, w_up)), step)
 
 
 def _gradients_over(launches: TrainingLaunches | None, activation: str, dh: torch.Tensor, g: torch.Tensor,

@@ -917,3 +917,41 @@ def test_a_padded_step_whose_rows_fill_only_their_padding_gives_the_reference_gr
     ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
     eager = _grads(params, x, _mlp_fn("gelu_tanh"), dy)
     _check_grads(got, ref, eager, dtype)
+
+
+@pytest.mark.parametrize("form", ["two-buffers", "one-buffer", "three-nodes", "recompute-h"])
+def test_a_padded_module_takes_two_forwards_before_one_backward(form, device):
+    """A padded step's weight copies are the module's, written again by each forward; summing two forwards' losses
+    (or using a module twice in one graph) must still backpropagate, to the reference's gradients, and a parameter
+    changed in place between a forward and its backward must fail the version check as eager's does."""
+    from autofuse import training
+    from autofuse.choose.policy import current, use
+
+    M = {"two-buffers": 37, "one-buffer": 80, "three-nodes": 5, "recompute-h": 37}[form]
+    policy = dataclasses.replace(current(), host_bound_step_macs=0) if form == "three-nodes" else current()
+    with use(policy):
+        module = autofuse.get_mlp(43, 75, activation="silu", bias=True, dtype=torch.float32, device=device)
+        module.save_hidden = form != "recompute-h"
+        run = training.step_run(M, module.gate_proj.weight,
+                                module._training_step(M, module.gate_proj.weight, module.save_hidden))
+        assert run.padding is not None and run.form == form
+        x1, x2, dy1, dy2 = (torch.randn(M, 43, device=device) for _ in range(4))
+        names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+        leaves = [x1.clone().requires_grad_(), x2.clone().requires_grad_()]
+        module.zero_grad(set_to_none=True)
+        y1, y2 = module(leaves[0]), module(leaves[1])
+        ((y1 * dy1).sum() + (y2 * dy2).sum()).backward()
+        got = {"x1": leaves[0].grad, "x2": leaves[1].grad}
+        got.update({n: p.grad for n, p in zip(names, _param_tensors(module))})
+        params = {k: v.detach().double().requires_grad_() for k, v in _mlp_params(module).items()}
+        refs = [x1.double().requires_grad_(), x2.double().requires_grad_()]
+        fn = _mlp_fn("silu")
+        ((fn(refs[0], **params) * dy1.double()).sum() + (fn(refs[1], **params) * dy2.double()).sum()).backward()
+        ref = {"x1": refs[0].grad, "x2": refs[1].grad, **{n: params[n].grad for n in names}}
+        for name in ref:
+            assert relative_error(got[name], ref[name]) <= GRAD_BOUNDS[torch.float32], name
+        y = module(x1.clone().requires_grad_())
+        with torch.no_grad():
+            module.down_proj.weight.mul_(2)  # an optimizer step before the backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
