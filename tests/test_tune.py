@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -292,7 +293,9 @@ def test_cache_show_clear_and_kernel(tmp_path):
         assert show.exit_code == 0 and json.loads(show.output)["key"]["op"] == "gated_up"
     full_id = TuningKey.from_dict(json.loads(show.output)["key"]).id()  # the whole key id still works
     kernel = CliRunner().invoke(main, ["kernel", full_id])
-    assert kernel.exit_code == 0 and "def autofuse_gated_up_silu(" in kernel.output
+    # The winner of two trials under the interpreter is the tile or the GEMV variant (autofuse_gated_up_silu_gemv),
+    # as CPU timing falls: the kernel named for the op and activation either way.
+    assert kernel.exit_code == 0 and re.search(r"^def autofuse_gated_up_silu(_\w+)?\(", kernel.output, re.M)
     assert CliRunner().invoke(main, ["cache", "show", "op=nonsense"]).exit_code == 2
     assert "at least 4 characters" in CliRunner().invoke(main, ["cache", "show", "ab"]).output
     clear = CliRunner().invoke(main, ["cache", "clear", "--yes"])
