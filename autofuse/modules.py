@@ -15,7 +15,7 @@ from torch import nn
 from . import custom_ops, ops, traffic  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .choose import LinearPlan, MLPPlan, generation, pending, resolve_checked
-from .device import capturing
+from .device import capturing, check_device
 from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
 from .fused_module import FusedModule, allocated, as_rows, as_shape, check_dtype, check_size, needs_grad, parse_device
@@ -33,7 +33,16 @@ from .layout import (
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
 from .opspec import FP8_WEIGHTS, WEIGHT_FORMATS
-from .training import LinearFunction, StepRun, TrainingLaunches, TrainingStep, mlp_training, step_run
+from .training import (
+    LinearFunction,
+    StepRun,
+    TrainingLaunches,
+    TrainingStep,
+    linear_padded,
+    linear_run,
+    mlp_training,
+    step_run,
+)
 
 # Dynamo guards each object a compiled forward reaches through a global, link by link, on every compiled
 # call: `torch.compiler.is_compiling` is three guarded objects, `torch.ops.autofuse.mlp` five. Bound here, each
@@ -46,7 +55,8 @@ _MLP_OP = torch.ops.autofuse.mlp.default
 class FusedLinear(FusedModule):
     """y = act(x @ weight.T + bias) [+ residual] in one kernel. An in_features or out_features that is not a multiple
     of 8 (rows not 16-byte aligned) keeps the parameters as views of zero-padded storage and runs inference at the
-    padded sizes (layout.LinearLayout, layout.linear_width)."""
+    padded sizes (layout.LinearLayout, layout.linear_width); a training forward runs at those sizes too, on padded
+    copies of the plain parameters, where its GEMM is not host-bound (training.linear_padded, LinearRun)."""
 
     _pads = True  # lays its parameters out in padded storage where a size needs it (not FusedLinearFp8)
 
@@ -60,9 +70,17 @@ class FusedLinear(FusedModule):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.reset_parameters()
         self._layout: LinearLayout | None = None
+        self._training_weights: dict[str, tuple] = {}  # a padded training forward's copies (training.linear_run)
+        self._training_configs: dict[tuple, object] = {}  # its configs at the padded sizes, by (M, residual, ...)
         self._lay_out()
         if self._pads:
             self._register_state_dict_hook(contiguous_state)
+
+    def _apply(self, fn, recurse=True):
+        # `.to()`, `.half()`: the padded training copies and configs name the old dtype or device.
+        self._training_weights.clear()
+        self._training_configs.clear()
+        return super()._apply(fn, recurse)
 
     def _linear_params(self) -> tuple:
         parameters = self._parameters
@@ -136,13 +154,18 @@ class FusedLinear(FusedModule):
                 self._lay_out_plain()
                 weight, bias = self._linear_params()
             r2d = None if residual is None else as_rows(residual, self.out_features)
-            config = self._config_table(M, r2d is not None)["linear"].kernel
+            padded = linear_padded(M, self.out_features, self.in_features) if self._pads else None
+            if padded is None:
+                config, run = self._config_table(M, r2d is not None)["linear"].kernel, None
+            else:  # unaligned rows, a GEMM that is not host-bound: the padded space (training.LinearRun)
+                config = self._padded_training_config(M, padded, r2d is not None, weight)
+                run = linear_run(weight, bias, padded, self._training_weights)
             recorder = traffic.recorder
             x2d = as_rows(x, self.in_features)
             if recorder is not None and recorder.due(self, M, True):
                 return recorder.timed(self, M, True, x.device, lambda: as_shape(LinearFunction.apply(
-                    x2d, weight, bias, r2d, activation, config), out_shape))
-            return as_shape(LinearFunction.apply(x2d, weight, bias, r2d, activation, config), out_shape)
+                    x2d, weight, bias, r2d, activation, config, run), out_shape))
+            return as_shape(LinearFunction.apply(x2d, weight, bias, r2d, activation, config, run), out_shape)
         if self._laid_out_again(weight.device):
             weight, bias = self._linear_params()
         weights = [weight.data_ptr()] if bias is None else [weight.data_ptr(), bias.data_ptr()]  # launch.addresses
@@ -160,6 +183,24 @@ class FusedLinear(FusedModule):
             return recorder.timed(self, M, False, x.device,
                                   lambda: entry(x, weight, bias, residual, weights, M, out_shape))
         return entry(x, weight, bias, residual, weights, M, out_shape)
+
+    def _padded_training_config(self, M: int, padded: tuple[int, int], residual: bool, weight: torch.Tensor):
+        """The linear kernel's config (None: cuBLAS) for a padded training forward: checked and looked up at the
+        padded sizes it runs (a choice at the unpadded ones times other GEMMs: FusedMLP._training_step says how that
+        went), kept per (M, residual, dtype, device) while what was read of tuned configs stays."""
+        key = (M, residual, weight.dtype, weight.device, generation())
+        config = self._training_configs.get(key, self)
+        if config is not self:
+            return config
+        check_dtype(weight.dtype)
+        check_device(weight.device)
+        N, K = padded
+        plan = LinearPlan(K, N, self.activation, self.bias is not None, residual)
+        choice = resolve_checked(plan.problem(max(M, 1), weight.dtype, weight.device), self.tuned)
+        if not pending({"linear": choice}):
+            self._seen_generation()
+            self._training_configs[(M, residual, weight.dtype, weight.device, generation())] = choice.kernel
+        return choice.kernel
 
     def _check_residual(self, residual: object, x: torch.Tensor, out_shape: tuple) -> None:
         if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != out_shape:

@@ -42,7 +42,7 @@ from . import launch
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .choose.policy import current as current_policy
 from .configs import KernelConfig
-from .layout import row_width
+from .layout import linear_width, row_width
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_grad import gated_gradient_kept
@@ -78,33 +78,91 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
     return y if residual is None else y.add_(residual)
 
 
+class LinearRun(NamedTuple):
+    """A Linear's training forward in the padded space (linear_run): the weight and bias copied into buffers the
+    module holds, [N, K] and [N] with N, K = layout.linear_width of out_features (n) and in_features (k), zero beyond
+    the live region; x and a residual padded per call (pad_columns); the output and gradients the live region's."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    n: int
+    k: int
+
+
+def linear_padded(M: int, n: int, k: int) -> tuple[int, int] | None:
+    """(N, K) a FusedLinear's training forward of M rows runs at where out_features n or in_features k is unaligned
+    (layout.linear_width pads it) and the GEMM is not host-bound (M N K at least DecisionPolicy.host_bound_step_macs,
+    as the MLP's padded step: there the padded copies' calls cost less than unaligned rows cost cuBLAS, 3-4x at the
+    MLP's GEMMs); else None, and it runs at n, k."""
+    N, K = linear_width(n), linear_width(k)
+    if (N, K) == (n, k) or M * N * K < current_policy().host_bound_step_macs:
+        return None
+    return N, K
+
+
+def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, int], held: dict) -> LinearRun:
+    """The weight and bias copied into the padded buffers `held` keeps (made again where the dtype or device moved;
+    their padding stays zero: only the live region is written), as a LinearRun."""
+    n, k = weight.shape
+    buffers = held.get("padded")
+    if buffers is None or buffers[0].shape != sizes or buffers[0].dtype != weight.dtype or (
+            buffers[0].device != weight.device):
+        like = dict(dtype=weight.dtype, device=weight.device)
+        buffers = held["padded"] = (torch.zeros(sizes, **like),
+                                    None if bias is None else torch.zeros(sizes[0], **like))
+    padded_weight, padded_bias = buffers
+    padded_weight[:n, :k].copy_(weight)
+    if bias is not None:
+        padded_bias[:n].copy_(bias)
+    return LinearRun(padded_weight, padded_bias, n, k)
+
+
 class LinearFunction(torch.autograd.Function):
     """y = act(x @ w.T + b) [+ r] for training: Z = x @ w.T + b [+ r when there is no activation] by
-    the tuned kernel (config None: cuBLAS), then the activation; Z is kept when it has one."""
+    the tuned kernel (config None: cuBLAS), then the activation; Z is kept when it has one. With a LinearRun
+    the GEMMs run in the padded space: x, r and dY padded, the run's copies read (kept on ctx: the module writes
+    them again at its next forward, so the parameter is what is saved and version-checked, as in MLPFunction)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, activation, config):
+    def forward(ctx, x, weight, bias, residual, activation, config, run=None):
         ctx.activation = activation
         ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+        ctx.run = run
+        w, b, r = weight, bias, residual
+        if run is not None:
+            w, b = run.weight, run.bias
+            x = pad_columns(x, w.shape[1])
+            r = None if residual is None else pad_columns(residual, w.shape[0])
         if activation == "none":
             ctx.save_for_backward(x, weight)
-            return _project(x, weight, bias, residual, config)
-        z = _project(x, weight, bias, None, config)
-        ctx.save_for_backward(x, weight, z)
-        y = TORCH_ACTIVATIONS[activation](z)
-        return y if residual is None else y.add_(residual)
+            y = _project(x, w, b, r, config)
+        else:
+            z = _project(x, w, b, None, config)
+            ctx.save_for_backward(x, weight, z)
+            y = TORCH_ACTIVATIONS[activation](z)
+            y = y if r is None else y.add_(r)
+        return y if run is None else y[:, :run.n]
 
     @staticmethod
     def backward(ctx, dy):
         _refuse_double_backward()
         x, weight, *z = ctx.saved_tensors
-        dz = activation_backward(ctx.activation, dy, z[0]) if z else dy
-        need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config)
+        run = ctx.run
+        dz = dy
+        if run is not None:
+            weight = run.weight
+            dz = pad_columns(dy, weight.shape[0])
+        dz = activation_backward(ctx.activation, dz, z[0]) if z else dz
+        need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config, run)
         dx = torch.mm(dz, weight) if need[0] else None
         dw = torch.mm(dz.t(), x) if need[1] else None
         db = sum_rows(dz) if ctx.has_bias and need[2] else None
         dr = dy if ctx.has_residual and need[3] else None
-        return dx, dw, db, dr, None, None
+        if run is not None:  # the live region's
+            dx = None if dx is None else dx[:, :run.k]
+            dw = None if dw is None else dw[:run.n, :run.k]
+            db = None if db is None else db[:run.n]
+        return dx, dw, db, dr, None, None, None
 
 
 class TrainingLaunches:
@@ -144,8 +202,24 @@ class TrainingLaunches:
             self.launches[name] = (launch.only_launch(recorded), weights)
 
 
-# Padding.rows fills only the padding columns of a padded x or dY from this many elements on ([8192, 2048]).
+# pad_columns fills only the padding columns of a padded x or dY from this many elements on ([8192, 2048]).
 ROWS_FILL_ALONE = 1 << 24
+
+
+def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t ([M, live columns]) in a new [M, width] tensor, zero beyond its columns (t itself where it is that wide).
+    From ROWS_FILL_ALONE elements on, a copy into new storage and a fill of the padding columns alone: F.pad (what
+    smaller steps, whose time is the host's, keep: one call) fills all of [M, width] before copying, and those fills
+    were 37 us of a 3587 -> 8063 step at M = 8192, x's and dY's (H100 profile)."""
+    M, live = t.shape
+    if live == width:
+        return t
+    if M * width < ROWS_FILL_ALONE:
+        return F.pad(t, (0, width - live))
+    out = t.new_empty((M, width))
+    out[:, :live].copy_(t)
+    out[:, live:].zero_()
+    return out
 
 
 class Padding:
@@ -195,19 +269,7 @@ class Padding:
                 down, down_bias)
 
     def rows(self, t: torch.Tensor, width: int) -> torch.Tensor:
-        """t ([M, live columns]) in a new [M, width] tensor, zero beyond its columns. From ROWS_FILL_ALONE elements
-        on, a copy into new storage and a fill of the padding columns alone: F.pad (what smaller steps, whose time is
-        the host's, keep: one call) fills all of [M, width] before copying, and those fills were 37 us of a 3587 ->
-        8063 step at M = 8192, x's and dY's (H100 profile)."""
-        M, live = t.shape
-        if live == width:
-            return t
-        if M * width < ROWS_FILL_ALONE:
-            return F.pad(t, (0, width - live))
-        out = t.new_empty((M, width))
-        out[:, :live].copy_(t)
-        out[:, live:].zero_()
-        return out
+        return pad_columns(t, width)
 
     def grads(self, grads: tuple) -> tuple:
         """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) of the live region of the padded ones."""

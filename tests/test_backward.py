@@ -955,3 +955,75 @@ def test_a_padded_module_takes_two_forwards_before_one_backward(form, device):
             module.down_proj.weight.mul_(2)  # an optimizer step before the backward
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+
+
+@pytest.fixture
+def padded_linear_at_any_size():
+    """A Linear's training forward in the padded space at the tests' small sizes too (host_bound_step_macs 0)."""
+    from autofuse.choose.policy import current, use
+
+    with use(dataclasses.replace(current(), host_bound_step_macs=0)):
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
+@pytest.mark.parametrize("residual", [False, True], ids=["nores", "res"])
+def test_an_unaligned_linear_trains_in_the_padded_space(dtype, activation, residual, device, monkeypatch,
+                                                        padded_linear_at_any_size):
+    """in_features 43 and out_features 75 (rows not 16-byte aligned): the training forward copies the weight and bias
+    into padded buffers (64 x 128 here, layout.linear_width), runs the GEMMs there with the config checked at those
+    sizes, and gives the reference's gradients for x, the weight, the bias and the residual."""
+    from autofuse.layout import linear_width
+
+    N, K = linear_width(75), linear_width(43)
+    module = autofuse.get_linear(43, 75, bias=True, activation=activation, dtype=dtype, device=device)
+    problems = []
+    real_resolve = autofuse.modules.resolve_checked
+    monkeypatch.setattr(autofuse.modules, "resolve_checked", lambda problem, *a, **k: problems.append(
+        (problem.n, problem.k)) or real_resolve(problem, *a, **k))
+    x = torch.randn(37, 43, dtype=dtype, device=device)
+    dy = torch.randn(37, 75, dtype=dtype, device=device)
+    r = torch.randn(37, 75, dtype=dtype, device=device) if residual else None
+    params = {"w": module.weight, "b": module.bias}
+    if residual:
+        r_leaf = r.clone().requires_grad_()
+        got = _module_grads(module, x, dy, ["w", "b"], residual=r_leaf)
+        got["r"] = r_leaf.grad
+        params["r"] = r
+    else:
+        got = _module_grads(module, x, dy, ["w", "b"])
+    assert problems == [(N, K)]
+    assert module._training_weights["padded"][0].shape == (N, K)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _linear_fn(activation), dy.double())
+    eager = _grads(params, x, _linear_fn(activation), dy)
+    _check_grads(got, ref, eager, dtype)
+
+
+def test_a_padded_linear_takes_two_forwards_before_one_backward_and_checks_its_weight(device,
+                                                                                     padded_linear_at_any_size):
+    """Its copies are the module's, written again by each forward: two forwards then one backward give the sum of
+    their gradients; a weight changed in place before the backward fails the version check, as eager's does; a
+    step below the host-bound floor (the default policy at these sizes) runs unpadded and holds no copies."""
+    from autofuse.choose.policy import current, use
+
+    module = autofuse.get_linear(43, 75, bias=True, activation="gelu", dtype=torch.float32, device=device)
+    x1, x2 = torch.randn(37, 43, device=device), torch.randn(29, 43, device=device)
+    dy1, dy2 = torch.randn(37, 75, device=device), torch.randn(29, 75, device=device)
+    module.zero_grad(set_to_none=True)
+    ((module(x1) * dy1).sum() + (module(x2) * dy2).sum()).backward()
+    got = module.weight.grad.clone()
+    w = module.weight.detach().double().requires_grad_()
+    b = module.bias.detach().double().requires_grad_()
+    fn = _linear_fn("gelu")
+    ((fn(x1.double(), w, b) * dy1.double()).sum() + (fn(x2.double(), w, b) * dy2.double()).sum()).backward()
+    assert relative_error(got, w.grad) <= GRAD_BOUNDS[torch.float32]
+    y = module(x1)
+    with torch.no_grad():
+        module.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with use(dataclasses.replace(current(), host_bound_step_macs=1e30)):
+        plain = autofuse.get_linear(43, 75, bias=True, activation="gelu", dtype=torch.float32, device=device)
+        plain(x1.requires_grad_()).sum().backward()
+        assert plain._training_weights == {} and x1.grad is not None

@@ -40,7 +40,8 @@ Each default is a measured finding (docs/design.md states them with their number
   host two more autograd Functions a step (2368 -> 4872 at M = 2048, 2.4e10, ran 1.169 ms split against 0.860 as one
   node, while 2496 -> 6384, 3.3e10, 3200 -> 6655 and 3587 -> 8063 ran alike either way; H100, one process), and only
   below it does a step that keeps H hold G | U as one buffer (training.stacked_pre_activations), three cuBLAS calls
-  fewer a step.
+  fewer a step. A FusedLinear's training forward at unaligned sizes runs in the padded space only at or above it
+  (M N K: training.linear_padded), where its copies' calls are small beside the GEMMs.
 """
 
 from __future__ import annotations
