@@ -98,6 +98,17 @@ def _linear_fn(activation):
     return fn
 
 
+def _linear_module_grads(module, x, dy, r):
+    """(the module's gradients of x, w, b and, where r is given, the residual's; the parameters and r by name)."""
+    params = {"w": module.weight, "b": module.bias}
+    if r is None:
+        return _module_grads(module, x, dy, ["w", "b"]), params
+    r_leaf = r.clone().requires_grad_()
+    got = _module_grads(module, x, dy, ["w", "b"], residual=r_leaf)
+    got["r"] = r_leaf.grad
+    return got, {**params, "r": r}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", LINEAR_ACTIVATIONS)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -107,14 +118,7 @@ def test_linear_gradients(dtype, activation, bias, residual, device):
     x = torch.randn(37, 40, dtype=dtype, device=device)
     dy = torch.randn(37, 24, dtype=dtype, device=device)
     r = torch.randn(37, 24, dtype=dtype, device=device) if residual else None
-    params = {"w": module.weight, "b": module.bias}
-    if residual:
-        r_leaf = r.clone().requires_grad_()
-        got = _module_grads(module, x, dy, ["w", "b"], residual=r_leaf)
-        got["r"] = r_leaf.grad
-        params["r"] = r
-    else:
-        got = _module_grads(module, x, dy, ["w", "b"])
+    got, params = _linear_module_grads(module, x, dy, r)
     ref = _grads({k: v.double() if v is not None else None for k, v in params.items()}, x.double(),
                  _linear_fn(activation), dy.double())
     eager = _grads(params, x, _linear_fn(activation), dy)
@@ -985,14 +989,7 @@ def test_an_unaligned_linear_trains_in_the_padded_space(dtype, activation, resid
     x = torch.randn(37, 43, dtype=dtype, device=device)
     dy = torch.randn(37, 75, dtype=dtype, device=device)
     r = torch.randn(37, 75, dtype=dtype, device=device) if residual else None
-    params = {"w": module.weight, "b": module.bias}
-    if residual:
-        r_leaf = r.clone().requires_grad_()
-        got = _module_grads(module, x, dy, ["w", "b"], residual=r_leaf)
-        got["r"] = r_leaf.grad
-        params["r"] = r
-    else:
-        got = _module_grads(module, x, dy, ["w", "b"])
+    got, params = _linear_module_grads(module, x, dy, r)
     assert problems == [(N, K)]
     assert module._training_weights["padded"][0].shape == (N, K)
     ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _linear_fn(activation), dy.double())
