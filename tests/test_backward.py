@@ -68,6 +68,16 @@ def _module_grads(module, x, dy, names, residual=None):
     return grads
 
 
+def _check_mlp_module_grads(module, x, dy, activation, dtype) -> None:
+    """The module's gradients of x and every parameter against float64's and eager's (_check_grads)."""
+    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
+    params = _mlp_params(module)
+    got = _module_grads(module, x, dy, names)
+    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
+    eager = _grads(params, x, _mlp_fn(activation), dy)
+    _check_grads(got, ref, eager, dtype)
+
+
 def _param_tensors(module):
     if isinstance(module, autofuse.FusedMLP):
         return [module.gate_proj.weight, module.gate_proj.bias, module.up_proj.weight, module.up_proj.bias,
@@ -501,12 +511,7 @@ def test_a_kept_h_step_over_one_g_u_buffer_gives_the_reference_gradients(dtype, 
         assert [tuple(t.shape) for t in node.kept] == [(M, 2 * width), (M, width)]
     else:
         assert [tuple(t.shape) for t in node.kept] == [(M, width)] * 3
-    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
-    params = _mlp_params(module)
-    got = _module_grads(module, x, dy, names)
-    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn(activation), dy.double())
-    eager = _grads(params, x, _mlp_fn(activation), dy)
-    _check_grads(got, ref, eager, dtype)
+    _check_mlp_module_grads(module, x, dy, activation, dtype)
 
 
 @pytest.mark.parametrize("d_ff, d_model", [(72, 40), (75, 43)], ids=["aligned", "padded"])
@@ -670,12 +675,7 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
     assert out.shape == (M, d_model)
     if save_hidden:
         assert [tuple(t.shape) for t in _kept_activations(out)] == [(M, run_width(d_ff))] * 3  # G, U, H padded
-    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
-    params = _mlp_params(module)
-    got = _module_grads(module, x, dy, names)
-    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
-    eager = _grads(params, x, _mlp_fn("gelu_tanh"), dy)
-    _check_grads(got, ref, eager, dtype)
+    _check_mlp_module_grads(module, x, dy, "gelu_tanh", dtype)
     assert module.down_proj.weight.grad.is_contiguous()
 
 
@@ -915,12 +915,7 @@ def test_a_padded_step_whose_rows_fill_only_their_padding_gives_the_reference_gr
     torch.full((37, padding.D), float("nan"), dtype=dtype, device=device)  # made and freed
     padded = padding.rows(x, padding.D)
     assert torch.equal(padded[:, :43], x) and not padded[:, 43:].any()
-    names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
-    params = _mlp_params(module)
-    got = _module_grads(module, x, dy, names)
-    ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _mlp_fn("gelu_tanh"), dy.double())
-    eager = _grads(params, x, _mlp_fn("gelu_tanh"), dy)
-    _check_grads(got, ref, eager, dtype)
+    _check_mlp_module_grads(module, x, dy, "gelu_tanh", dtype)
 
 
 @pytest.mark.parametrize("form", ["two-buffers", "one-buffer", "three-nodes", "recompute-h"])
