@@ -102,7 +102,8 @@ def linear_padded(M: int, n: int, k: int) -> tuple[int, int] | None:
 
 def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, int], held: dict) -> LinearRun:
     """The weight and bias copied into the padded buffers `held` keeps (made again where the dtype or device moved;
-    their padding stays zero: only the live region is written), as a LinearRun."""
+    their padding stays zero: only the live region is written), as a LinearRun. Outside the graph: copied under
+    autograd, each step's copy would chain a CopySlices node onto the last step's."""
     n, k = weight.shape
     buffers = held.get("padded")
     if buffers is None or buffers[0].shape != sizes or buffers[0].dtype != weight.dtype or (
@@ -111,9 +112,10 @@ def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int
         buffers = held["padded"] = (torch.zeros(sizes, **like),
                                     None if bias is None else torch.zeros(sizes[0], **like))
     padded_weight, padded_bias = buffers
-    padded_weight[:n, :k].copy_(weight)
-    if bias is not None:
-        padded_bias[:n].copy_(bias)
+    with torch.no_grad():
+        padded_weight[:n, :k].copy_(weight)
+        if bias is not None:
+            padded_bias[:n].copy_(bias)
     return LinearRun(padded_weight, padded_bias, n, k)
 
 

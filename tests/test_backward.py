@@ -986,7 +986,8 @@ def test_an_unaligned_linear_trains_in_the_padded_space(dtype, activation, resid
     r = torch.randn(37, 75, dtype=dtype, device=device) if residual else None
     got, params = _linear_module_grads(module, x, dy, r)
     assert problems == [(N, K)]
-    assert module._training_weights["padded"][0].shape == (N, K)
+    copy = module._training_weights["padded"][0]
+    assert copy.shape == (N, K) and copy.grad_fn is None and not copy.requires_grad  # data, outside the graph
     ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _linear_fn(activation), dy.double())
     eager = _grads(params, x, _linear_fn(activation), dy)
     _check_grads(got, ref, eager, dtype)
