@@ -100,18 +100,25 @@ def linear_padded(M: int, n: int, k: int) -> tuple[int, int] | None:
     return N, K
 
 
+def held_zeros(held: dict | None, like: torch.Tensor, shapes: tuple) -> tuple:
+    """Zero-filled buffers of `shapes` (a None shape: None) in like's dtype and device, kept as held["padded"] and made
+    again where the first one's shape, dtype or device moved (without `held`, made on every call): the padded weight
+    copies of a training step, whose padding stays zero while only their live regions are written."""
+    buffers = None if held is None else held.get("padded")
+    first = None if buffers is None else buffers[0]
+    if first is None or first.shape != shapes[0] or first.dtype != like.dtype or first.device != like.device:
+        buffers = tuple(None if shape is None else like.new_zeros(shape) for shape in shapes)
+        if held is not None:
+            held["padded"] = buffers
+    return buffers
+
+
 def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, int], held: dict) -> LinearRun:
     """The weight and bias copied into the padded buffers `held` keeps (made again where the dtype or device moved;
     their padding stays zero: only the live region is written), as a LinearRun. Outside the graph: copied under
     autograd, each step's copy would chain a CopySlices node onto the last step's."""
     n, k = weight.shape
-    buffers = held.get("padded")
-    if buffers is None or buffers[0].shape != sizes or buffers[0].dtype != weight.dtype or (
-            buffers[0].device != weight.device):
-        like = dict(dtype=weight.dtype, device=weight.device)
-        buffers = held["padded"] = (torch.zeros(sizes, **like),
-                                    None if bias is None else torch.zeros(sizes[0], **like))
-    padded_weight, padded_bias = buffers
+    padded_weight, padded_bias = held_zeros(held, weight, (sizes, None if bias is None else sizes[:1]))
     with torch.no_grad():
         padded_weight[:n, :k].copy_(weight)
         if bias is not None:
@@ -249,16 +256,10 @@ class Padding:
         """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded, in buffers reused step after step where the
         entry has launches (their padding stays zero: only the live region is written)."""
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
-        held = None if launches is None else launches.weights.get("padded")
-        if held is None or held[0].dtype != w_gate.dtype or held[0].device != w_gate.device:
-            like = dict(dtype=w_gate.dtype, device=w_gate.device)
-            gate_up = torch.zeros((2, self.W, self.D), **like)
-            biases = torch.zeros((2, self.W), **like) if b_gate is not None else None
-            held = (gate_up, biases, torch.zeros((self.D, self.W), **like),
-                    torch.zeros(self.D, **like) if b_down is not None else None)
-            if launches is not None:
-                launches.weights["padded"] = held
-        gate_up, biases, down, down_bias = held
+        W, D = self.W, self.D
+        gate_up, biases, down, down_bias = held_zeros(
+            None if launches is None else launches.weights, w_gate,
+            ((2, W, D), (2, W) if b_gate is not None else None, (D, W), (D,) if b_down is not None else None))
         d, f = self.d, self.f
         gate_up[0, :f, :d].copy_(w_gate)
         gate_up[1, :f, :d].copy_(w_up)
@@ -269,9 +270,6 @@ class Padding:
             down_bias[:d].copy_(b_down)
         return (gate_up[0], None if biases is None else biases[0], gate_up[1], None if biases is None else biases[1],
                 down, down_bias)
-
-    def rows(self, t: torch.Tensor, width: int) -> torch.Tensor:
-        return pad_columns(t, width)
 
     def grads(self, grads: tuple) -> tuple:
         """(dx, dw_gate, db_gate, dw_up, db_up, dw_down) of the live region of the padded ones."""
@@ -422,7 +420,7 @@ def _backward_dy(ctx, dy: torch.Tensor) -> list:
     empties once dY is spent: a padded copy of dY ([M, D], which the engine's own dY does not keep alive) is then
     freed before the weight gradients' GEMMs, whose last one is the step's peak."""
     padding = ctx.padding
-    return [dy.contiguous() if padding is None else padding.rows(dy, padding.D)]
+    return [dy.contiguous() if padding is None else pad_columns(dy, padding.D)]
 
 
 class MLPFunction(torch.autograd.Function):
@@ -436,7 +434,7 @@ class MLPFunction(torch.autograd.Function):
         checked = (params[0], params[2], params[4])  # the weights whose versions the backward checks
         if padding is not None:  # unaligned d_model or d_ff: the step runs in the padded space
             params = padding.params(tuple(params), launches)
-            x = padding.rows(x, padding.D)
+            x = pad_columns(x, padding.D)
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         separate = form == TWO_BUFFERS
         # The gate and up weights as one [2F, D] tensor where they are the halves of one buffer (the training
@@ -645,7 +643,7 @@ def mlp_training(x: torch.Tensor, params: tuple, run: StepRun) -> torch.Tensor:
     if padding is not None:  # the padded space's copies: data for the GEMMs, outside the graph
         with torch.no_grad():
             read = padding.params(tuple(params), step.launches)
-            x_run = padding.rows(x.detach(), padding.D)
+            x_run = pad_columns(x.detach(), padding.D)
         live = (f, d)
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
     g = ProjectionFunction.apply(x_run, w_gate, b_gate, read[0], read[1], live)

@@ -767,10 +767,10 @@ def test_a_padded_dy_is_freed_before_the_weight_gradients_gemms(save_hidden, dev
     x = torch.randn(21, 43, device=device, requires_grad=True)
     out = module(x)
     padded, alive_at_mm = [], []
-    rows = training.Padding.rows
+    rows = training.pad_columns
 
-    def recording_rows(self, t, width):
-        result = rows(self, t, width)
+    def recording_rows(t, width):
+        result = rows(t, width)
         padded.append(weakref.ref(result))
         return result
     real_mm = torch.mm
@@ -778,7 +778,7 @@ def test_a_padded_dy_is_freed_before_the_weight_gradients_gemms(save_hidden, dev
     def recording_mm(a, b, **kwargs):
         alive_at_mm.append(padded[-1]() is not None if padded else None)
         return real_mm(a, b, **kwargs)
-    monkeypatch.setattr(training.Padding, "rows", recording_rows)
+    monkeypatch.setattr(training, "pad_columns", recording_rows)
     monkeypatch.setattr(torch, "mm", recording_mm)
     dy = torch.randn(21, 43, device=device)
     out.backward(dy)
@@ -900,7 +900,7 @@ def test_a_padded_training_step_decides_its_gemms_at_the_sizes_it_runs(monkeypat
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_padded_step_whose_rows_fill_only_their_padding_gives_the_reference_gradients(dtype, save_hidden, device,
                                                                                        monkeypatch):
-    """Padding.rows above ROWS_FILL_ALONE (a large step's x and dY) copies into new, uninitialised storage and zeroes
+    """pad_columns above ROWS_FILL_ALONE (a large step's x and dY) copies into new, uninitialised storage and zeroes
     only the padding columns: the padded x and dY must still be exactly x and dY beside zeros, so the step's
     gradients match the reference's; here forced at every size. Stale storage is made likely first: the allocator
     hands back blocks a filled tensor of the same size just freed."""
@@ -913,7 +913,7 @@ def test_a_padded_step_whose_rows_fill_only_their_padding_gives_the_reference_gr
     dy = torch.randn(37, 43, dtype=dtype, device=device)
     padding = training.Padding(43, 75)
     torch.full((37, padding.D), float("nan"), dtype=dtype, device=device)  # made and freed
-    padded = padding.rows(x, padding.D)
+    padded = training.pad_columns(x, padding.D)
     assert torch.equal(padded[:, :43], x) and not padded[:, 43:].any()
     _check_mlp_module_grads(module, x, dy, "gelu_tanh", dtype)
 
