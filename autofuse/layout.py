@@ -321,6 +321,57 @@ def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool =
     return MLPLayout(d_model, d_ff, interleaved, params)
 
 
+class TrainingLayout(_PaddedLayout):
+    """The storage lay_out_training() made for a gated MLP's training steps where d_ff's rows are unaligned and
+    d_model's are not (training.Padding's space, W = row_width(d_ff)): the gate and up weights the first d_ff rows
+    of the two [W, d_model] halves of one zero-filled [2, W, d_model] buffer (their biases of one [2, W]), the down
+    weight the transpose of the first d_ff rows of a zero-filled [W, d_model] buffer (strides (1, d_model)). Each
+    parameter is dense, so that optimizers step it as a plain tensor (CUDA's fused AdamW needs a parameter's, its
+    gradient's and its state's strides to match, which a dense tensor's state keeps), and widen() gives the
+    padded weights the step's GEMMs read as views: no copy a step, and no second set of weights held."""
+
+    def __init__(self, params: tuple) -> None:
+        self._layout = {i: (tuple(p.shape), p.stride(), p.storage_offset(), _wide_shape(i, p))
+                        for i, p in enumerate(params) if p is not None}
+        super().__init__(params)
+
+    def _views(self) -> dict:
+        return self._layout
+
+
+def _wide_shape(position: int, p: torch.Tensor) -> tuple:
+    """The padded shape of parameter `position` of (wg, bg, wu, bu, wd, bd) in TrainingLayout's storage."""
+    if position in (0, 2):
+        return (row_width(p.shape[0]), p.shape[1])
+    if position in (1, 3):
+        return (row_width(p.shape[0]),)
+    if position == 4:
+        return (p.shape[0], row_width(p.shape[1]))
+    return tuple(p.shape)
+
+
+def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> TrainingLayout | None:
+    """Re-lays a gated MLP's parameters into the storage TrainingLayout describes, their values kept; None where
+    it does not apply: d_ff's rows aligned already (no padding), d_model's not (a weight whose rows and columns are
+    both unaligned has no dense view of padded storage: the step copies it), or the meta device."""
+    d_ff, d_model = gate.weight.shape
+    width = row_width(d_ff)
+    if width == d_ff or row_width(d_model) != d_model or gate.weight.device.type == "meta":
+        return None
+    with torch.inference_mode(False):
+        gate_up = gate.weight.new_zeros((2, width, d_model))
+        _relay(gate.weight, gate_up, lambda s: s[0, :d_ff])
+        _relay(up.weight, gate_up, lambda s: s[1, :d_ff])
+        biases = [p for p in (gate.bias, up.bias) if p is not None]
+        if biases:
+            storage = biases[0].new_zeros((2, width))
+            for half, p in enumerate((gate.bias, up.bias)):
+                if p is not None:
+                    _relay(p, storage, lambda s, half=half: s[half, :d_ff])
+        _relay(down.weight, down.weight.new_zeros((width, d_model)), lambda s: s[:d_ff].t())
+    return TrainingLayout((gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias))
+
+
 def contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """A state_dict hook of a module holding such a layout: its entries are saved as plain tensors of their
     own (views with gaps, or the halves of the training layout's one gate-and-up buffer: safetensors refuses

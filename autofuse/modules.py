@@ -23,9 +23,11 @@ from .launch import addresses
 from .layout import (
     LinearLayout,
     MLPLayout,
+    TrainingLayout,
     contiguous_state,
     lay_out,
     lay_out_linear,
+    lay_out_training,
     linear_sizes,
     padded_rows,
     row_width,
@@ -366,6 +368,9 @@ class FusedMLP(FusedModule):
         # A d_ff whose rows are not 16-byte aligned, or interleaved gate and up weights: the parameters
         # are views of storage laid out for the kernels (layout.py).
         self._layout: MLPLayout | None = None
+        # Training at an unaligned d_ff (and aligned d_model): the parameters as dense views of the padded storage
+        # the step's GEMMs read (layout.TrainingLayout), made by _lay_out_plain.
+        self._training_layout: TrainingLayout | None = None
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
 
@@ -387,6 +392,7 @@ class FusedMLP(FusedModule):
             return  # the forward says what is wrong
         if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
             return
+        self._training_layout = None
         self._layout = lay_out(self.gate_proj, self.up_proj, self.down_proj, self.interleaved)
 
     @property
@@ -444,11 +450,12 @@ class FusedMLP(FusedModule):
                 wg = params[0]
             run = self._training_run(M, wg, bool(self.save_hidden))
             x2d = as_rows(x, self.d_model)
+            training_layout = self._training_layout
             recorder = traffic.recorder
             if recorder is not None and recorder.due(self, M, True):
                 return recorder.timed(self, M, True, x.device,
-                                      lambda: as_shape(mlp_training(x2d, params, run), out_shape))
-            return as_shape(mlp_training(x2d, params, run), out_shape)
+                                      lambda: as_shape(mlp_training(x2d, params, run, training_layout), out_shape))
+            return as_shape(mlp_training(x2d, params, run, training_layout), out_shape)
         if self._laid_out_again(wg.device):
             params = self._params()
             wg = params[0]
@@ -473,7 +480,14 @@ class FusedMLP(FusedModule):
         which are dense; a view with gaps has no dense twin). The gate and up weights (and biases) become
         the two halves of one [2 d_ff, ...] buffer, each half dense, so that the training step's up
         projection and input gradient run as one GEMM each (ops.gated_up.stacked). The same parameter
-        objects keep their values; the inference layout is made again at the next inference forward."""
+        objects keep their values; the inference layout is made again at the next inference forward. Where the
+        step runs padded at an unaligned d_ff (training.Padding) and d_model is aligned, they become dense views of
+        the padded storage its GEMMs read instead (layout.lay_out_training), which the step then copies nothing into."""
+        self._training_layout = lay_out_training(self.gate_proj, self.up_proj, self.down_proj)
+        if self._training_layout is not None:
+            self._layout = None
+            self._plain_for_training = True
+            return self._params()
         wg, bg, wu, bu, wd, bd = self._params()
         with torch.no_grad(), torch.inference_mode(False):
             for gate, up in ((wg, wu), (bg, bu)):

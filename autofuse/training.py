@@ -42,7 +42,7 @@ from . import launch
 from .activations import TORCH_ACTIVATIONS, activation_backward
 from .choose.policy import current as current_policy
 from .configs import KernelConfig
-from .layout import linear_width, row_width
+from .layout import TrainingLayout, linear_width, row_width
 from .ops.gated_act import gated_activation
 from .ops.gated_bwd import LIBRARY_BACKWARDS, gated_backward
 from .ops.gated_grad import gated_gradient_kept
@@ -240,8 +240,11 @@ class Padding:
     up parameters themselves at an aligned d_model (d_ff-wide G, U and H in activation buffers, whose rows start
     128 bytes apart; the down weight alone copied and read through its first d_ff columns) held a third of the
     copies and stepped 3.3-3.9x slower (3200 -> 6655, 1088 -> 3221, 3587 -> 8063 at M = 2048 and 8192, H100): an
-    odd N or K keeps cuBLAS off its fast kernels too. The padded weights are copied once a step into buffers kept on
-    the table entry, gate and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
+    odd N or K keeps cuBLAS off its fast kernels too. Where d_model is aligned, the parameters themselves are dense
+    views of padded storage (layout.TrainingLayout, made by the module's first training forward) and the step reads
+    that storage: nothing copied, no weight held twice. Else (rows and columns of a weight both unaligned, or
+    parameters replaced since) the padded weights are copied once a step into buffers kept on the table entry, gate
+    and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
 
     def __init__(self, d_model: int, d_ff: int) -> None:
         self.d, self.f = d_model, d_ff
@@ -252,9 +255,15 @@ class Padding:
         f, d = w_gate.shape
         return Padding(d, f) if (row_width(d), row_width(f)) != (d, f) else None
 
-    def params(self, params: tuple, launches: TrainingLaunches | None) -> tuple:
-        """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded, in buffers reused step after step where the
-        entry has launches (their padding stays zero: only the live region is written)."""
+    def params(self, params: tuple, launches: TrainingLaunches | None, layout: TrainingLayout | None = None) -> tuple:
+        """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded: views of the parameters' own storage where they are
+        still laid out as `layout` (the module's TrainingLayout) made them, else copies in buffers reused step
+        after step where the entry has launches (their padding stays zero: only the live region is written).
+        Called outside autograd (the views must not be graph nodes)."""
+        if layout is not None:
+            wide = layout.widen(params, launch.addresses(params))
+            if wide is not None:
+                return wide
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         W, D = self.W, self.D
         gate_up, biases, down, down_bias = held_zeros(
@@ -428,12 +437,13 @@ class MLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, *params_and_run):
-        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, run: StepRun): run.form other than THREE_NODES."""
-        *params, (step, form, padding, padded_rows) = params_and_run
+        """apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, run: StepRun, layout: TrainingLayout | None):
+        run.form other than THREE_NODES."""
+        *params, (step, form, padding, padded_rows), layout = params_and_run
         launches = step.launches
         checked = (params[0], params[2], params[4])  # the weights whose versions the backward checks
         if padding is not None:  # unaligned d_model or d_ff: the step runs in the padded space
-            params = padding.params(tuple(params), launches)
+            params = padding.params(tuple(params), launches, layout)
             x = pad_columns(x, padding.D)
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
         separate = form == TWO_BUFFERS
@@ -485,7 +495,7 @@ class MLPFunction(torch.autograd.Function):
             grads = _backward_from_kept_h(ctx, dys, x, _take_kept(ctx, saved), (w_gate, w_up, w_down), need)
         if padding is not None:
             grads = padding.grads(grads)
-        return (*grads, db_down, None)
+        return (*grads, db_down, None, None)
 
 
 def separate_weight_gradients(M: int, d_model: int, d_ff: int) -> bool:
@@ -632,17 +642,18 @@ def step_run(M: int, w_gate: torch.Tensor, step: TrainingStep) -> StepRun:
                    M * D * W >= current_policy().host_bound_step_macs)
 
 
-def mlp_training(x: torch.Tensor, params: tuple, run: StepRun) -> torch.Tensor:
+def mlp_training(x: torch.Tensor, params: tuple, run: StepRun, layout: TrainingLayout | None = None) -> torch.Tensor:
     """The training forward of a gated MLP (params: w_gate, b_gate, w_up, b_up, w_down, b_down) as `run` says:
-    two ProjectionFunctions and a HiddenDownFunction (form THREE_NODES), else the one MLPFunction."""
+    two ProjectionFunctions and a HiddenDownFunction (form THREE_NODES), else the one MLPFunction. `layout`: the
+    module's TrainingLayout, whose views a padded step reads in place of copies (Padding.params)."""
     step, form, padding, _ = run  # three nodes: never host-bound (separate_weight_gradients), rows padded
     if form != THREE_NODES:
-        return MLPFunction.apply(x, *params, run)
+        return MLPFunction.apply(x, *params, run, layout)
     f, d = params[0].shape
     read, x_run, live = params, x, None  # what the GEMMs read
     if padding is not None:  # the padded space's copies: data for the GEMMs, outside the graph
         with torch.no_grad():
-            read = padding.params(tuple(params), step.launches)
+            read = padding.params(tuple(params), step.launches, layout)
             x_run = pad_columns(x.detach(), padding.D)
         live = (f, d)
     w_gate, b_gate, w_up, b_up, w_down, b_down = params
@@ -676,12 +687,21 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
     here, so that each buffer is freed once spent (dH then takes H's place)."""
     h = hidden.pop()
     dy = dys.pop()
-    dw_down = torch.mm(dy.t(), h) if need_down else None
+    dw_down = down_weight_gradient(dy, h, w_down) if need_down else None
     del h
     dh = torch.mm(dy, w_down, out=activation_buffer(dy.shape[0], w_down.shape[1], dy, buffers))
     del dy
     _gradients_over(ctx.launches, ctx.activation, dh, g, u, buffers)
     return dw_down
+
+
+def down_weight_gradient(dy: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """dWd = dY^T H ([D, W]) laid out as the down weight the step read: where that is a transposed view (the
+    TrainingLayout's, strides (1, D)), formed as (H^T dY)^T, so that its live region has the parameter's strides
+    and autograd keeps it as .grad without a copy into the parameter's layout; else dense."""
+    if w_down.stride(0) == 1 and w_down.shape[1] > 1:
+        return torch.mm(h.t(), dy).t()
+    return torch.mm(dy.t(), h)
 
 
 def _backward_from_kept_h(ctx, dys: list, x, kept: list, weights: tuple, need) -> tuple:
@@ -758,6 +778,6 @@ def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -
     else:  # a library path (None: eager), where tuning or a check chose one for this shape
         library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
         dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-    dw_down = torch.mm(dy.t(), h) if need[5] else None
+    dw_down = down_weight_gradient(dy, h, w_down) if need[5] else None
     del h, dy  # first, so that the [M, F] H is freed before the next GEMMs allocate
     return _stacked_gradients(ctx, dgu, x, w_gate, w_up, need, dw_down)

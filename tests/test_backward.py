@@ -559,16 +559,17 @@ def test_where_weight_gradients_outweigh_activations_each_is_added_and_freed_bef
 
 def test_a_padded_training_step_holds_one_copy_of_the_weights_at_every_token_count(device, monkeypatch,
                                                                                    nodes_at_any_size):
-    """An unaligned d_ff trains over padded copies of the weights, kept step after step: one set per module, whatever
-    the token counts (each is a table entry of its own), and dropped when inference lays the parameters out again."""
+    """An unaligned d_ff and d_model train over padded copies of the weights (no dense view of padded storage holds a
+    weight whose rows and columns are both unaligned), kept step after step: one set per module, whatever the token
+    counts (each is a table entry of its own), and dropped when inference lays the parameters out again."""
     from autofuse import training
 
     module = autofuse.get_mlp(43, 75, activation="silu", dtype=torch.float32, device=device)
     used = []
     real = training.Padding.params
 
-    def recording(self, params, launches):
-        padded = real(self, params, launches)
+    def recording(self, params, launches, layout=None):
+        padded = real(self, params, launches, layout)
         used.append(padded[0].data_ptr())
         return padded
     monkeypatch.setattr(training.Padding, "params", recording)
@@ -676,7 +677,87 @@ def test_training_at_an_unaligned_width_runs_padded_with_the_reference_gradients
     if save_hidden:
         assert [tuple(t.shape) for t in _kept_activations(out)] == [(M, run_width(d_ff))] * 3  # G, U, H padded
     _check_mlp_module_grads(module, x, dy, "gelu_tanh", dtype)
-    assert module.down_proj.weight.grad.is_contiguous()
+    for p in module.parameters():  # dense gradients laid out as their parameters, what optimizers step
+        assert p.grad.stride() == p.stride() and _dense(p.grad)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill numel consecutive slots (row- or column-major, no gaps)."""
+    if t.dim() == 1:
+        return t.stride() == (1,)
+    (inner, inner_stride), (_, outer_stride) = sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1])
+    return inner_stride == 1 and outer_stride == inner
+
+
+@pytest.mark.parametrize("save_hidden", [True, False], ids=["keep-h", "recompute-h"])
+@pytest.mark.parametrize("M", [21, 160])  # weight gradients in nodes of their own at 21 rows, one node at 160
+def test_an_unaligned_d_ff_trains_on_the_parameters_own_padded_storage(save_hidden, M, device, monkeypatch,
+                                                                        nodes_at_any_size):
+    """d_ff 75 beside an aligned d_model: the training forward lays the parameters out as dense views of the padded
+    storage the step's GEMMs read (layout.TrainingLayout: gate and up the first rows of the halves of one zero-filled
+    [2, 128, 40] buffer, the down weight the transpose of the first rows of a [128, 40] one), so the step copies no
+    weight and holds none twice; the gradients are the reference's, laid out as their parameters; state_dict saves
+    plain tensors; inference afterwards lays them out for its kernels and computes the same function. A parameter
+    replaced through .data leaves that storage: the step then copies, with the same gradients."""
+    from autofuse import training
+
+    module = autofuse.get_mlp(40, 75, activation="silu", bias=True, dtype=torch.float32, device=device,
+                              save_hidden=save_hidden)
+    read = []
+    real = training.Padding.params
+
+    def recording(self, params, launches, layout=None):
+        padded = real(self, params, launches, layout)
+        read.append(padded)
+        return padded
+    monkeypatch.setattr(training.Padding, "params", recording)
+    x = torch.randn(M, 40, device=device)
+    dy = torch.randn(M, 40, device=device)
+    _check_mlp_module_grads(module, x, dy, "silu", torch.float32)
+    wg, wu, wd = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+    assert wg.is_contiguous() and wu.is_contiguous() and wd.stride() == (1, 40) and _dense(wd)
+    gate_up = read[-1][0].untyped_storage()
+    assert wu.untyped_storage().data_ptr() == wg.untyped_storage().data_ptr() == gate_up.data_ptr()
+    assert read[-1][4].untyped_storage().data_ptr() == wd.untyped_storage().data_ptr()
+    assert tuple(read[-1][0].shape) == (128, 40) and tuple(read[-1][4].shape) == (40, 128)
+    assert not module._training_weights  # no copies
+    for p in module.parameters():
+        assert p.grad.stride() == p.stride()
+    for name, value in module.state_dict().items():
+        assert value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * 4, name
+    params = {k: v.detach().clone() for k, v in _mlp_params(module).items()}
+    with torch.no_grad():
+        y = module(x)
+    assert module._training_layout is None and module._layout is not None
+    assert relative_error(y, _mlp_fn("silu")(x.double(), **{k: v.double() for k, v in params.items()})) <= 1e-5
+    module.zero_grad()
+    _check_mlp_module_grads(module, x, dy, "silu", torch.float32)  # laid out for training again
+    assert module._training_layout is not None and not module._training_weights
+    with torch.no_grad():
+        module.down_proj.weight.data = module.down_proj.weight.detach().clone()
+    module.zero_grad()
+    _check_mlp_module_grads(module, x, dy, "silu", torch.float32)
+    assert module._training_weights  # copies, the down weight no longer a view of the layout's storage
+
+
+@pytest.mark.parametrize("optimizer", ["foreach", "fused"])
+def test_optimizers_step_a_module_on_its_training_layout_like_a_plain_one(optimizer, device):
+    """AdamW (foreach, and fused, which needs a parameter's, gradient's and state's strides to match) steps a module
+    whose parameters are views of the training layout's padded storage exactly as eager PyTorch's MLP of the same
+    parameters: three steps, then the parameters compared."""
+    torch.manual_seed(0)
+    module = autofuse.get_mlp(64, 100, activation="silu", bias=True, dtype=torch.float32, device=device)
+    plain = {k: torch.nn.Parameter(v.detach().clone()) for k, v in _mlp_params(module).items()}
+    x = torch.randn(33, 64, device=device)
+    opts = [torch.optim.AdamW(m, lr=1e-2, **{optimizer: True}) for m in (module.parameters(), plain.values())]
+    for _ in range(3):
+        for opt, forward in zip(opts, (module, lambda x: _mlp_fn("silu")(x, **plain))):
+            forward(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert module._training_layout is not None and module.down_proj.weight.stride() == (1, 64)
+    for name, value in _mlp_params(module).items():
+        torch.testing.assert_close(value.detach(), plain[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -872,7 +953,7 @@ def test_a_training_step_is_decided_again_after_the_module_changes_dtype(device)
     torch.testing.assert_close(y.detach().double(), _mlp_fn("gelu")(x.half().double(), **params), rtol=2e-2, atol=2e-2)
 
 
-def test_a_padded_training_step_decides_its_gemms_at_the_sizes_it_runs(monkeypatch):
+def test_a_padded_training_step_decides_its_gemms_at_the_sizes_it_runs(monkeypatch, device):
     """An unaligned MLP trains in Padding's space: its down projection and its gated backward are checked and
     looked up at the padded sizes, which are the GEMMs that run (at the unpadded ones cuBLAS's slow kernels made a
     Triton config win that then ran the padded GEMM slower than cuBLAS), and `autofuse tune --train` keys the
@@ -881,7 +962,7 @@ def test_a_padded_training_step_decides_its_gemms_at_the_sizes_it_runs(monkeypat
     from autofuse.ops import get as op_spec
     from autofuse.shapes import MLPShape
 
-    module = autofuse.get_mlp(43, 75, activation="silu", dtype=torch.float32, device="cpu")
+    module = autofuse.get_mlp(43, 75, activation="silu", dtype=torch.float32, device=device)
     D, W = row_width(43), row_width(75)
     assert (D, W) != (43, 75)
     resolved = {}
