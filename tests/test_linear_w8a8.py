@@ -83,12 +83,12 @@ def test_its_library_paths_compute_the_same_quantized_product(device, n, k):
     w8, scale = quantize_fp8(torch.randn(n, k, device=device) / k**0.5)
     b, r = (torch.randn(n, device=device, dtype=torch.bfloat16), torch.randn(M, n, device=device, dtype=torch.bfloat16))
     operands = {"x": x, "w": w8, "s": scale, "b": b, "r": r}
-    assert list(LINEAR_W8A8.library_for("gelu", True, True)) == ["eager", "scaled_mm"]
+    assert list(LINEAR_W8A8.library_for("gelu", True, True)) == ["eager", "scaled_mm", "scaled_mm_unit"]
     x8, sx = quantize_rows(x)
     ref = linear_reference(dequantize_fp8(x8, sx, torch.float64), dequantize_fp8(w8, scale, torch.float64), b, r,
                            "gelu")
-    for name in ("eager", "scaled_mm"):
-        if name == "scaled_mm" and x.is_cuda and k % 16:
+    for name in ("eager", "scaled_mm", "scaled_mm_unit"):
+        if name != "eager" and x.is_cuda and k % 16:
             # torch._scaled_mm takes multiples of 16 only: the candidate says so in one line, and a check leaves
             # it out (test_a_library_candidate_that_cannot_run_a_key_is_left_out_of_its_check).
             with pytest.raises(ValueError, match="multiples of 16"):
@@ -116,7 +116,8 @@ def test_a_library_candidate_that_cannot_run_a_key_is_left_out_of_its_check(devi
     finally:
         ops.unregister_library("linear_w8a8", "cannot_run")
     assert "eager" in times and "cannot_run" not in times
-    assert "scaled_mm" in times  # K = 72 too: torch._scaled_mm reads the weights' padded storage
+    # K = 72 too: torch._scaled_mm reads the weights' padded storage
+    assert "scaled_mm" in times and "scaled_mm_unit" in times
 
 
 def test_an_fp8_module_races_scaled_mm_at_every_size_over_its_padded_weights(device):
@@ -124,7 +125,7 @@ def test_an_fp8_module_races_scaled_mm_at_every_size_over_its_padded_weights(dev
     from autofuse.layout import padded_whole
 
     ragged = autofuse.get_linear(K, N, activation="gelu", dtype=torch.bfloat16, weights="w8a8", device=device)
-    assert ragged._libraries(False) == {"linear": ("eager", "scaled_mm")}
+    assert ragged._libraries(False) == {"linear": ("eager", "scaled_mm", "scaled_mm_unit")}
     mlp = autofuse.get_mlp(64, 72, activation="silu", dtype=torch.bfloat16, weights="w8a8", device=device)
     assert all("scaled_mm" in names for names in mlp._libraries(False).values())
     # [24, 72] held in zero-filled [32, 80] storage: what torch._scaled_mm (multiples of 16 only) multiplies.
@@ -142,14 +143,25 @@ def test_an_fp8_module_races_scaled_mm_at_every_size_over_its_padded_weights(dev
 
 
 @pytest.mark.gpu
-def test_scaled_mm_over_padded_weights_matches_the_quantized_float64_product(device):
-    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_mm_over_padded_weights_matches_the_quantized_float64_product(device, dtype):
+    """Both _scaled_mm paths over weights held in padded storage: rowwise scales in cuBLAS's epilogue, and unit
+    scales with the scales, the bias, the activation and the residual applied in one pass (op scaled_bias_act)."""
+    x = torch.randn(M, K, device=device, dtype=dtype)
     w8, scale = quantize_weight(torch.randn(N, K, device=device) / K**0.5)
-    y = scaled_mm(x, w8, scale)
-    assert y.shape == (M, N)
+    b, r = torch.randn(N, device=device, dtype=dtype), torch.randn(M, N, device=device, dtype=dtype)
     expected = dequantized_rows(x, torch.float64) @ dequantize_fp8(w8, scale, torch.float64).T
     # One bf16 rounding of a float32 accumulation: within 2**-8 of the largest output.
-    torch.testing.assert_close(y.double(), expected, rtol=0, atol=2**-8 * expected.abs().max().item())
+    if dtype == torch.bfloat16:
+        y = scaled_mm(x, w8, scale)
+        assert y.shape == (M, N)
+        torch.testing.assert_close(y.double(), expected, rtol=0, atol=2**-8 * expected.abs().max().item())
+    operands = {"x": x, "w": w8, "s": scale, "b": b, "r": r}
+    unit = LINEAR_W8A8.library["scaled_mm_unit"](operands, "gelu")
+    ref = linear_reference(dequantized_rows(x, torch.float64), dequantize_fp8(w8, scale, torch.float64), b, r, "gelu")
+    assert unit.shape == (M, N) and unit.dtype == dtype
+    # The unscaled products rounded once to bfloat16 (float32 for the other dtypes), then the result once more.
+    assert ((unit.double() - ref).norm() / ref.norm()).item() < 2 * 2**-8
 
 
 def test_a_w8a8_key_is_tuned_with_its_error_against_the_unquantized_values_reported(tmp_path, device):
@@ -182,7 +194,8 @@ def test_get_linear_w8a8_runs_the_w8a8_op_and_matches_the_quantized_reference(de
     assert torch.equal(out, again)
     plan = module._plan(False, M)
     # K = 72 too: torch._scaled_mm multiplies the weights' padded storage
-    assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager", "scaled_mm"}
+    assert plan.op == "linear_w8a8" and set(module._libraries(False)["linear"]) == {"eager", "scaled_mm",
+                                                                                       "scaled_mm_unit"}
     with pytest.raises(autofuse.AutofuseError, match="weights must be one of 'dense', 'fp8', 'w8a8'"):
         autofuse.fuse(torch.nn.Sequential(), weights="int8")
 
@@ -221,12 +234,13 @@ def test_w8a8_gated_up_matches_the_float64_product_of_the_quantized_values(devic
                                                                        for w in (wg, wu)), *biases, activation)
         operands = {"x": x, "wg": wg[0], "sg": wg[1], "wu": wu[0], "su": wu[1], "bg": biases[0], "bu": biases[1]}
         assert_matches_reference(out, ref, GATED_UP_W8A8.library["eager"](operands, activation))
-        if x.is_cuda:  # K = 72: torch._scaled_mm takes multiples of 16 only, and says so
-            with pytest.raises(ValueError, match="multiples of 16"):
-                GATED_UP_W8A8.library["scaled_mm"](operands, activation)
-            continue
-        scaled = GATED_UP_W8A8.library["scaled_mm"](operands, activation)
-        assert ((scaled.double() - ref).norm() / ref.norm()).item() < 4 * 2**-8
+        for name in ("scaled_mm", "scaled_mm_unit"):
+            if x.is_cuda:  # K = 72: torch._scaled_mm takes multiples of 16 only, and says so
+                with pytest.raises(ValueError, match="multiples of 16"):
+                    GATED_UP_W8A8.library[name](operands, activation)
+                continue
+            scaled = GATED_UP_W8A8.library[name](operands, activation)
+            assert ((scaled.double() - ref).norm() / ref.norm()).item() < 4 * 2**-8, name
 
 
 def test_a_w8a8_mlp_runs_the_w8a8_ops_and_a_fused_model_generates(device):
@@ -252,3 +266,22 @@ def test_a_w8a8_mlp_runs_the_w8a8_ops_and_a_fused_model_generates(device):
     assert len(report.replaced) == 2 and all(what.endswith("silu w8a8") for _, what in report.replaced)
     ids = torch.randint(0, 128, (1, 5), device=device)
     assert model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (1, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_the_unit_scaled_gated_up_matches_the_float64_product_of_the_quantized_values(device, dtype, bias):
+    """gated_up_w8a8's library path scaled_mm_unit at sizes _scaled_mm takes: G and U unscaled, then the scales and
+    the biases applied in one pass with act(G) * U (op scaled_gated_act)."""
+    x = torch.randn(33, 64, device=device, dtype=dtype)
+    wg, wu = (quantize_weight(torch.randn(96, 64, device=device) / 8) for _ in range(2))
+    biases = tuple(torch.randn(96, device=device).to(dtype) for _ in range(2)) if bias else (None, None)
+    operands = {"x": x, "wg": wg[0], "sg": wg[1], "wu": wu[0], "su": wu[1], "bg": biases[0], "bu": biases[1]}
+    out = GATED_UP_W8A8.library["scaled_mm_unit"](operands, "silu")
+    x8, sx = quantize_rows(x)
+    ref = gated_reference(dequantize_fp8(x8, sx, torch.float64), *(dequantize_fp8(*w, torch.float64) for w in (wg, wu)),
+                          *biases, "silu")
+    assert out.dtype == dtype and out.shape == (33, 96)
+    # The unscaled products rounded once to bfloat16 (float32 for the other dtypes), then H once more.
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2 * 2**-8

@@ -141,7 +141,7 @@ def test_registry_refuses_a_second_op_of_one_name_and_unknown_names():
     with pytest.raises(autofuse.AutofuseError, match="unknown op 'conv'"):
         ops.get("conv")
     assert ops.names(tunable=False) == ("gated_act", "gated_grad", "gated_dgu", "pairs_act", "bias_act", "rms_norm",
-                                          "quantize_rows")
+                                          "quantize_rows", "scaled_gated_act", "scaled_bias_act")
     with pytest.raises(ValueError, match="first library candidate must be 'eager'"):
         dataclasses.replace(TOY, library={"fast": _eager})
 

@@ -30,6 +30,7 @@ from .linear_w8a8 import DOWN_W8A8, LINEAR_W8A8
 from .mlp import MLP
 from .quantize_rows import QUANTIZE_ROWS
 from .rms_norm import RMS_NORM
+from .scaled_act import SCALED_BIAS_ACT, SCALED_GATED_ACT
 
 __all__ = ["OpSpec", "Operand", "get", "names", "register", "register_library", "show_kernel", "unregister",
            "unregister_library"]
@@ -82,7 +83,7 @@ def specs() -> tuple[OpSpec, ...]:
 
 for _spec in (LINEAR, DOWN, GATED_UP, MLP, GATED_BWD, GATED_ACT, GATED_GRAD, GATED_DGU, GATED_PAIRS,
               PAIRS_ACT, BIAS_ACT, RMS_NORM, QUANTIZE_ROWS, LINEAR_FP8, DOWN_FP8, GATED_UP_FP8, LINEAR_W8A8,
-              DOWN_W8A8, GATED_UP_W8A8):
+              DOWN_W8A8, GATED_UP_W8A8, SCALED_GATED_ACT, SCALED_BIAS_ACT):
     register(_spec)
 
 

@@ -17,8 +17,9 @@ from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 from .gated_up import GATED_UP
 from .linear_fp8 import check_weights, dequantize_fp8, quantize_weight
-from .linear_w8a8 import dequantized_rows, scaled_mm_quantized, scaled_mm_width
+from .linear_w8a8 import dequantized_rows, scaled_mm_quantized, scaled_mm_width, unit_scaled_mm
 from .quantize_rows import launch_quantize_rows
+from .scaled_act import scaled_gated_activation
 
 OPERANDS = (
     Operand("x", "[M, K]", "mk"),
@@ -141,6 +142,19 @@ def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
     return gated_activation(gate, up, activation)
 
 
+def _scaled_mm_unit_w8a8(ops: dict, activation: str) -> torch.Tensor:
+    """torch._scaled_mm with unit scales for G and U (linear_w8a8.unit_scaled_mm), then one pass applying the rows'
+    and the weights' scales, the biases and act(G) * U (op scaled_gated_act); off CUDA, the same values through
+    eager's ops."""
+    x = ops["x"]
+    if not x.is_cuda:
+        return _eager_w8a8(ops, activation)
+    x8, sx = launch_quantize_rows(x, scaled_mm_width(ops["wg"]))  # once, for both products
+    gate, up = (unit_scaled_mm(x8, ops[w], x.dtype) for w in ("wg", "wu"))
+    biases = None if ops.get("bg") is None else (ops["bg"], ops["bu"])
+    return scaled_gated_activation(gate, up, (sx, ops["sg"], ops["su"]), biases, activation, x.dtype)
+
+
 def _reference_w8a8(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
     """float64, from the quantized activations and weights: the function the kernel computes."""
     return _reference({**ops, "x": dequantized_rows(ops["x"], torch.float64)}, activation, dtype)
@@ -152,6 +166,6 @@ GATED_UP_W8A8 = dataclasses.replace(
     doc="a gated MLP's gated up-projection with x quantized to fp8 per row inside it and Wg, Wu in fp8",
     run=_run_w8a8,
     weights="w8a8",
-    library={"eager": _eager_w8a8, "scaled_mm": _scaled_mm_w8a8},
+    library={"eager": _eager_w8a8, "scaled_mm": _scaled_mm_w8a8, "scaled_mm_unit": _scaled_mm_unit_w8a8},
     reference=_reference_w8a8,
 )

@@ -8,7 +8,8 @@ then the K loop quantizes each X tile as it is loaded.
 It computes another function than the weight-only op (the activations are rounded to e4m3 too): keyed apart (op
 linear_w8a8), checked against the float64 product of the quantized activations and weights, and reported against
 the unquantized ones beside it. Its library paths: eager PyTorch on the same quantized values, and on a CUDA GPU
-torch._scaled_mm (fp8 x fp8 with rowwise scales) plus one pointwise pass.
+torch._scaled_mm (fp8 x fp8) with rowwise scales plus one pointwise pass, or with unit scales plus one pass that
+applies the scales too (ops/scaled_act.py says why both race).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..layout import aligned_width, padded_whole
 from .bias_act import bias_activation
 from .linear_fp8 import DOWN_FIELDS, LINEAR_FP8, dequantize_fp8, launch_linear, quantize_fp8
 from .quantize_rows import launch_quantize_rows
+from .scaled_act import raw_dtype, scaled_bias_activation
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +93,32 @@ def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sc
     return y if whole.shape[0] == n else y[:, :n]
 
 
+def unit_scaled_mm(x8: torch.Tensor, w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x8 @ w8.T unscaled ([M, N], in scaled_act.raw_dtype(dtype)) through torch._scaled_mm with unit (tensorwise)
+    scales, x8 quantized per row ([M, scaled_mm_width(w8)]); over w8's padded storage where N or K is not a
+    multiple of 16, as scaled_mm_quantized. The scales apply in the pass after it (ops/scaled_act.py)."""
+    n, k = w8.shape
+    whole = w8 if scaled_mm_fits(n, k) else padded_whole(w8)
+    if whole is None or x8.shape[1] != whole.shape[1]:
+        raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W [{n}, {k}] is not held in padded "
+                         f"storage, or x's quantized rows ({x8.shape[1]} wide) do not meet it")
+    one = torch.ones((), dtype=torch.float32, device=x8.device)
+    y = torch._scaled_mm(x8, whole.t(), scale_a=one, scale_b=one, out_dtype=raw_dtype(dtype))
+    return y if whole.shape[0] == n else y[:, :n]
+
+
+def _scaled_mm_unit(ops: dict, activation: str) -> torch.Tensor:
+    """unit_scaled_mm of x's quantized rows and the weight, then one pass applying both scales, the bias, the
+    activation and the residual (op scaled_bias_act). Off CUDA, where _scaled_mm does not run, the same values
+    through eager's ops."""
+    x = ops["x"]
+    if not x.is_cuda:
+        return _eager(ops, activation)
+    x8, sx = launch_quantize_rows(x, scaled_mm_width(ops["w"]))
+    return scaled_bias_activation(unit_scaled_mm(x8, ops["w"], x.dtype), sx, ops["s"], ops.get("b"), ops.get("r"),
+                                  activation, x.dtype)
+
+
 def _scaled_mm(ops: dict, activation: str) -> torch.Tensor:
     """scaled_mm of x and the weights, then one pointwise pass act(Y + b) [+ R] (op bias_act). Off CUDA, where
     _scaled_mm does not run, the same values through eager's ops."""
@@ -113,7 +141,7 @@ LINEAR_W8A8 = dataclasses.replace(
     doc="act(x8 sx (W8 s)^T + b) [+ residual] in one kernel, x quantized to fp8 per row inside it, W in fp8",
     run=_run,
     weights="w8a8",
-    library={"eager": _eager, "scaled_mm": _scaled_mm},
+    library={"eager": _eager, "scaled_mm": _scaled_mm, "scaled_mm_unit": _scaled_mm_unit},
     reference=_reference,
 )
 
