@@ -322,32 +322,21 @@ def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool =
 
 
 class TrainingLayout(_PaddedLayout):
-    """The storage lay_out_training() made for a gated MLP's training steps where d_ff's rows are unaligned and
-    d_model's are not (training.Padding's space, W = row_width(d_ff)): the gate and up weights the first d_ff rows
-    of the two [W, d_model] halves of one zero-filled [2, W, d_model] buffer (their biases of one [2, W]), the down
-    weight the transpose of the first d_ff rows of a zero-filled [W, d_model] buffer (strides (1, d_model)). Each
-    parameter is dense, so that optimizers step it as a plain tensor (CUDA's fused AdamW needs a parameter's, its
-    gradient's and its state's strides to match, which a dense tensor's state keeps), and widen() gives the
-    padded weights the step's GEMMs read as views: no copy a step, and no second set of weights held."""
+    """The storage a training forward lays a module's parameters out in where its step runs in a padded space
+    (training.Padding, training.LinearRun) and each weight has a dense view of zero-filled padded storage: its rows
+    aligned (the weight the first rows of a buffer of padded rows) or its columns (the transpose of the first rows of
+    a buffer laid out the other way round, strides (1, rows)). Dense, so that optimizers step them as plain tensors
+    (CUDA's fused AdamW needs a parameter's, its gradient's and its state's strides to match, which a dense tensor's
+    state keeps), and widen() gives the padded weights the step's GEMMs read as views of that storage: no copy a
+    step, and no second set of weights held. lay_out_training (a gated MLP's) and lay_out_linear_training make it."""
 
-    def __init__(self, params: tuple) -> None:
-        self._layout = {i: (tuple(p.shape), p.stride(), p.storage_offset(), _wide_shape(i, p))
-                        for i, p in enumerate(params) if p is not None}
+    def __init__(self, params: tuple, wide_shapes: tuple) -> None:
+        self._layout = {i: (tuple(p.shape), p.stride(), p.storage_offset(), wide)
+                        for i, (p, wide) in enumerate(zip(params, wide_shapes)) if p is not None}
         super().__init__(params)
 
     def _views(self) -> dict:
         return self._layout
-
-
-def _wide_shape(position: int, p: torch.Tensor) -> tuple:
-    """The padded shape of parameter `position` of (wg, bg, wu, bu, wd, bd) in TrainingLayout's storage."""
-    if position in (0, 2):
-        return (row_width(p.shape[0]), p.shape[1])
-    if position in (1, 3):
-        return (row_width(p.shape[0]),)
-    if position == 4:
-        return (p.shape[0], row_width(p.shape[1]))
-    return tuple(p.shape)
 
 
 def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> TrainingLayout | None:
@@ -369,7 +358,28 @@ def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> Trainin
                 if p is not None:
                     _relay(p, storage, lambda s, half=half: s[half, :d_ff])
         _relay(down.weight, down.weight.new_zeros((width, d_model)), lambda s: s[:d_ff].t())
-    return TrainingLayout((gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias))
+    params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
+    wide = ((width, d_model), (width,), (width, d_model), (width,), (d_model, width), (d_model,))
+    return TrainingLayout(params, wide)
+
+
+def lay_out_linear_training(weight: nn.Parameter, bias: nn.Parameter | None) -> TrainingLayout | None:
+    """Re-lays a Linear's parameters ([n, k] and [n]) into the storage TrainingLayout describes, at the sizes its
+    padded training step runs (N, K = linear_width of n and k), values kept: where k is aligned, the weight the first
+    n rows of a zero-filled [N, k] buffer (the bias of an [N] one); where n is, the transpose of the first k rows of a
+    zero-filled [K, n] buffer. None where neither or both are aligned, or on the meta device."""
+    n, k = weight.shape
+    N, K = linear_width(n), linear_width(k)
+    if (N == n) == (K == k) or weight.device.type == "meta":
+        return None
+    with torch.inference_mode(False):
+        if K == k:
+            _relay(weight, weight.new_zeros((N, k)), lambda s: s[:n])
+            if bias is not None:
+                _relay(bias, bias.new_zeros((N,)), lambda s: s[:n])
+        else:
+            _relay(weight, weight.new_zeros((K, n)), lambda s: s[:k].t())
+    return TrainingLayout((weight, bias), ((N, K), (N,)))
 
 
 def contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -27,6 +27,7 @@ from .layout import (
     contiguous_state,
     lay_out,
     lay_out_linear,
+    lay_out_linear_training,
     lay_out_training,
     linear_sizes,
     padded_rows,
@@ -57,8 +58,9 @@ _MLP_OP = torch.ops.autofuse.mlp.default
 class FusedLinear(FusedModule):
     """y = act(x @ weight.T + bias) [+ residual] in one kernel. An in_features or out_features that is not a multiple
     of 8 (rows not 16-byte aligned) keeps the parameters as views of zero-padded storage and runs inference at the
-    padded sizes (layout.LinearLayout, layout.linear_width); a training forward runs at those sizes too, on padded
-    copies of the plain parameters, where its GEMM is not host-bound (training.linear_padded, LinearRun)."""
+    padded sizes (layout.LinearLayout, layout.linear_width); a training forward runs at those sizes too where its
+    GEMM is not host-bound (training.linear_padded, LinearRun): on the parameters' own padded storage where one of
+    the two sizes is aligned (layout.TrainingLayout), else on padded copies of them."""
 
     _pads = True  # lays its parameters out in padded storage where a size needs it (not FusedLinearFp8)
 
@@ -72,6 +74,9 @@ class FusedLinear(FusedModule):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.reset_parameters()
         self._layout: LinearLayout | None = None
+        # Training at one unaligned size: the parameters as dense views of the padded storage the step's GEMM reads
+        # (layout.TrainingLayout), made by _lay_out_plain.
+        self._training_layout: TrainingLayout | None = None
         self._training_weights: dict[str, tuple] = {}  # a padded training forward's copies (training.linear_run)
         self._training_configs: dict[tuple, object] = {}  # its configs at the padded sizes, by (M, residual, ...)
         self._lay_out()
@@ -96,6 +101,7 @@ class FusedLinear(FusedModule):
         params = self._linear_params()
         if self._layout is not None and self._layout.widen(params, addresses(params)) is not None:
             return
+        self._training_layout = None
         self._layout = lay_out_linear(*params)
 
     def _sizes_run(self, M: int) -> tuple[int, int]:
@@ -112,7 +118,14 @@ class FusedLinear(FusedModule):
 
     def _lay_out_plain(self) -> None:
         """Before a training forward: the parameters as plain dense tensors again, as optimizers expect them (see
-        FusedMLP._lay_out_plain); the padded layout is made again at the next inference forward."""
+        FusedMLP._lay_out_plain); the padded layout is made again at the next inference forward. Where one of the
+        two sizes is unaligned, dense views of the padded storage its padded step reads instead
+        (layout.lay_out_linear_training)."""
+        self._training_layout = lay_out_linear_training(*self._linear_params())
+        if self._training_layout is not None:
+            self._layout = None
+            self._plain_for_training = True
+            return
         with torch.no_grad(), torch.inference_mode(False):
             for p in self._linear_params():
                 if p is not None and p.untyped_storage().nbytes() != p.numel() * p.element_size():
@@ -161,7 +174,7 @@ class FusedLinear(FusedModule):
                 config, run = self._config_table(M, r2d is not None)["linear"].kernel, None
             else:  # unaligned rows, a GEMM that is not host-bound: the padded space (training.LinearRun)
                 config = self._padded_training_config(M, padded, r2d is not None, weight)
-                run = linear_run(weight, bias, padded, self._training_weights)
+                run = linear_run(weight, bias, padded, self._training_weights, self._training_layout)
             recorder = traffic.recorder
             x2d = as_rows(x, self.in_features)
             if recorder is not None and recorder.due(self, M, True):

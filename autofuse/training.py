@@ -113,11 +113,18 @@ def held_zeros(held: dict | None, like: torch.Tensor, shapes: tuple) -> tuple:
     return buffers
 
 
-def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, int], held: dict) -> LinearRun:
-    """The weight and bias copied into the padded buffers `held` keeps (made again where the dtype or device moved;
-    their padding stays zero: only the live region is written), as a LinearRun. Outside the graph: copied under
-    autograd, each step's copy would chain a CopySlices node onto the last step's."""
+def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, int], held: dict,
+               layout: TrainingLayout | None = None) -> LinearRun:
+    """The padded weight and bias as a LinearRun: views of the parameters' own storage where they are still laid out
+    as `layout` (the module's TrainingLayout) made them, else copies in the padded buffers `held` keeps (made again
+    where the dtype or device moved; their padding stays zero: only the live region is written). Outside the graph:
+    copied under autograd, each step's copy would chain a CopySlices node onto the last step's."""
     n, k = weight.shape
+    if layout is not None:
+        with torch.no_grad():
+            wide = layout.widen((weight, bias), launch.addresses((weight, bias)))
+        if wide is not None and tuple(wide[0].shape) == tuple(sizes):
+            return LinearRun(wide[0], wide[1], n, k)
     padded_weight, padded_bias = held_zeros(held, weight, (sizes, None if bias is None else sizes[:1]))
     with torch.no_grad():
         padded_weight[:n, :k].copy_(weight)
@@ -164,7 +171,7 @@ class LinearFunction(torch.autograd.Function):
         dz = activation_backward(ctx.activation, dz, z[0]) if z else dz
         need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config, run)
         dx = torch.mm(dz, weight) if need[0] else None
-        dw = torch.mm(dz.t(), x) if need[1] else None
+        dw = weight_gradient(dz, x, weight) if need[1] else None
         db = sum_rows(dz) if ctx.has_bias and need[2] else None
         dr = dy if ctx.has_residual and need[3] else None
         if run is not None:  # the live region's
@@ -687,7 +694,7 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
     here, so that each buffer is freed once spent (dH then takes H's place)."""
     h = hidden.pop()
     dy = dys.pop()
-    dw_down = down_weight_gradient(dy, h, w_down) if need_down else None
+    dw_down = weight_gradient(dy, h, w_down) if need_down else None
     del h
     dh = torch.mm(dy, w_down, out=activation_buffer(dy.shape[0], w_down.shape[1], dy, buffers))
     del dy
@@ -695,13 +702,13 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
     return dw_down
 
 
-def down_weight_gradient(dy: torch.Tensor, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """dWd = dY^T H ([D, W]) laid out as the down weight the step read: where that is a transposed view (the
-    TrainingLayout's, strides (1, D)), formed as (H^T dY)^T, so that its live region has the parameter's strides
-    and autograd keeps it as .grad without a copy into the parameter's layout; else dense."""
-    if w_down.stride(0) == 1 and w_down.shape[1] > 1:
-        return torch.mm(h.t(), dy).t()
-    return torch.mm(dy.t(), h)
+def weight_gradient(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dW = dZ^T X ([N, K]) laid out as the weight the step read: where that is a transposed view (a
+    layout.TrainingLayout's, strides (1, N)), formed as (X^T dZ)^T, so that its live region has the parameter's
+    strides and autograd keeps it as .grad without a copy into the parameter's layout; else dense."""
+    if weight.stride(0) == 1 and weight.shape[1] > 1:
+        return torch.mm(x.t(), dz).t()
+    return torch.mm(dz.t(), x)
 
 
 def _backward_from_kept_h(ctx, dys: list, x, kept: list, weights: tuple, need) -> tuple:
@@ -778,6 +785,6 @@ def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -
     else:  # a library path (None: eager), where tuning or a check chose one for this shape
         library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
         dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-    dw_down = down_weight_gradient(dy, h, w_down) if need[5] else None
+    dw_down = weight_gradient(dy, h, w_down) if need[5] else None
     del h, dy  # first, so that the [M, F] H is freed before the next GEMMs allocate
     return _stacked_gradients(ctx, dgu, x, w_gate, w_up, need, dw_down)

@@ -1101,3 +1101,48 @@ def test_a_padded_linear_takes_two_forwards_before_one_backward_and_checks_its_w
         plain = autofuse.get_linear(43, 75, bias=True, activation="gelu", dtype=torch.float32, device=device)
         plain(x1.requires_grad_()).sum().backward()
         assert plain._training_weights == {} and x1.grad is not None
+
+
+@pytest.mark.parametrize("in_features, out_features", [(48, 75), (43, 80)], ids=["rows", "transposed"])
+@pytest.mark.parametrize("padded_step", [True, False], ids=["padded", "host-bound"])
+def test_a_linear_with_one_unaligned_size_trains_on_its_own_padded_storage(in_features, out_features, padded_step,
+                                                                          device):
+    """One size unaligned: the training forward lays the weight out as a dense view of zero-filled padded storage
+    (out_features 75: its first rows of an [N, 48] buffer; in_features 43: the transpose of the first rows of a
+    [K, 80] one) that the padded step reads without a copy; the gradients are the reference's, laid out as their
+    parameters (so that optimizers step them); state_dict saves plain tensors; a host-bound step runs unpadded on
+    the same parameters; AdamW, foreach and fused, steps the module as a plain Linear of the same values."""
+    from autofuse.choose.policy import current, use
+
+    policy = dataclasses.replace(current(), host_bound_step_macs=0 if padded_step else 1e30)
+    with use(policy):
+        module = autofuse.get_linear(in_features, out_features, bias=True, activation="gelu", dtype=torch.float32,
+                                     device=device)
+        plain = {k: torch.nn.Parameter(v.detach().clone()) for k, v in (("w", module.weight), ("b", module.bias))}
+        x = torch.randn(37, in_features, device=device)
+        dy = torch.randn(37, out_features, device=device)
+        r = torch.randn(37, out_features, device=device)
+        got, params = _linear_module_grads(module, x, dy, r)
+        assert module._training_layout is not None and not module._training_weights  # no copies
+        assert (module.weight.stride() == (1, out_features)) == (in_features == 43)
+        for p in (module.weight, module.bias):
+            assert p.grad.stride() == p.stride() and _dense(p) and _dense(p.grad)
+        ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _linear_fn("gelu"), dy.double())
+        _check_grads(got, ref, _grads(params, x, _linear_fn("gelu"), dy), torch.float32)
+        for name, value in module.state_dict().items():
+            assert value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * 4, name
+        module.zero_grad(set_to_none=True)
+        for optimizer in ("foreach", "fused"):
+            opts = [torch.optim.AdamW(m, lr=1e-2, **{optimizer: True}) for m in (module.parameters(), plain.values())]
+            for _ in range(2):
+                for opt, forward in zip(opts, (module, lambda x: _linear_fn("gelu")(x, **plain))):
+                    forward(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            torch.testing.assert_close(module.weight.detach(), plain["w"].detach(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(module.bias.detach(), plain["b"].detach(), rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            y = module(x)
+        assert module._training_layout is None
+        expected = _linear_fn("gelu")(x.double(), plain["w"].detach().double(), plain["b"].detach().double())
+        assert relative_error(y, expected) <= 1e-5
