@@ -75,18 +75,26 @@ def scaled_mm_width(w8: torch.Tensor) -> int:
     return aligned_width(w8.shape[1])
 
 
-def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                        dtype: torch.dtype) -> torch.Tensor:
-    """(x8 * sx[:, None]) @ (w8 * scale[:, None]).T in `dtype` ([M, N]) through torch._scaled_mm, x already quantized
-    per row ([M, scaled_mm_width(w8)]): one quantization serves a gated MLP's gate and up projections. Where N or K is
-    not a multiple of 16 (sizes torch._scaled_mm refuses), the product runs over w8's padded storage, its zero rows
-    and columns included (layout.padded_whole), and returns a view of the first N columns; ValueError where w8 is not
-    so held, or x8 is not that wide."""
+def _whole(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
+    """The [N', K'] weight torch._scaled_mm multiplies for w8 ([N, K]): w8 itself where N and K are multiples of 16,
+    else its padded storage (layout.padded_whole), zero rows and columns included; ValueError where w8 is not so held
+    or x8's quantized rows are not K' wide."""
     n, k = w8.shape
     whole = w8 if scaled_mm_fits(n, k) else padded_whole(w8)
     if whole is None or x8.shape[1] != whole.shape[1]:
         raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W [{n}, {k}] is not held in padded "
                          f"storage, or x's quantized rows ({x8.shape[1]} wide) do not meet it")
+    return whole
+
+
+def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """(x8 * sx[:, None]) @ (w8 * scale[:, None]).T in `dtype` ([M, N]) through torch._scaled_mm, x already quantized
+    per row ([M, scaled_mm_width(w8)]): one quantization serves a gated MLP's gate and up projections. Where N or K is
+    not a multiple of 16 (sizes torch._scaled_mm refuses), the product runs over w8's padded storage (_whole) and
+    returns a view of the first N columns."""
+    n = w8.shape[0]
+    whole = _whole(x8, w8)
     if whole.shape[0] != n:
         scale = torch.nn.functional.pad(scale, (0, whole.shape[0] - n), value=1.0)
     y = torch._scaled_mm(x8, whole.t(), scale_a=sx[:, None], scale_b=scale[None, :], out_dtype=dtype)
@@ -96,12 +104,9 @@ def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sc
 def unit_scaled_mm(x8: torch.Tensor, w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x8 @ w8.T unscaled ([M, N], in scaled_act.raw_dtype(dtype)) through torch._scaled_mm with unit (tensorwise)
     scales, x8 quantized per row ([M, scaled_mm_width(w8)]); over w8's padded storage where N or K is not a
-    multiple of 16, as scaled_mm_quantized. The scales apply in the pass after it (ops/scaled_act.py)."""
-    n, k = w8.shape
-    whole = w8 if scaled_mm_fits(n, k) else padded_whole(w8)
-    if whole is None or x8.shape[1] != whole.shape[1]:
-        raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W [{n}, {k}] is not held in padded "
-                         f"storage, or x's quantized rows ({x8.shape[1]} wide) do not meet it")
+    multiple of 16 (_whole). The scales apply in the pass after it (ops/scaled_act.py)."""
+    n = w8.shape[0]
+    whole = _whole(x8, w8)
     one = torch.ones((), dtype=torch.float32, device=x8.device)
     y = torch._scaled_mm(x8, whole.t(), scale_a=one, scale_b=one, out_dtype=raw_dtype(dtype))
     return y if whole.shape[0] == n else y[:, :n]
