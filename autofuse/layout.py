@@ -323,16 +323,20 @@ def lay_out(gate: nn.Linear, up: nn.Linear, down: nn.Linear, interleaved: bool =
 
 class TrainingLayout(_PaddedLayout):
     """The storage a training forward lays a module's parameters out in where its step runs in a padded space
-    (training.Padding, training.LinearRun) and each weight has a dense view of zero-filled padded storage: its rows
-    aligned (the weight the first rows of a buffer of padded rows) or its columns (the transpose of the first rows of
-    a buffer laid out the other way round, strides (1, rows)). Dense, so that optimizers step them as plain tensors
-    (CUDA's fused AdamW needs a parameter's, its gradient's and its state's strides to match, which a dense tensor's
-    state keeps), and widen() gives the padded weights the step's GEMMs read as views of that storage: no copy a
-    step, and no second set of weights held. lay_out_training (a gated MLP's) and lay_out_linear_training make it."""
+    (training.Padding, training.LinearRun): a weight whose rows are aligned and whose row count is not becomes the
+    first rows of a zero-filled buffer of padded rows, a contiguous tensor as before, and widen() gives the padded
+    weights the step's GEMMs read as views of that storage (no copy a step, no second copy held); the other
+    parameters stay plain and widen() gives them as they are. Contiguous, never a transposed view: fused AdamW steps
+    a parameter whose gradient's or state's strides differ from its own wrongly and silently (a state saved from a
+    contiguous weight, loaded into a transposed one, moved a step by 0.01; torch 2.13, CPU), so the parameters keep
+    the strides any checkpoint's optimizer state has. lay_out_training (a gated MLP's gate and up weights) and
+    lay_out_linear_training (a Linear's weight where only out_features is unaligned) make it."""
 
     def __init__(self, params: tuple, wide_shapes: tuple) -> None:
+        """params: all of the module's, in its order; wide_shapes: each one's padded shape, None for one that stays
+        plain."""
         self._layout = {i: (tuple(p.shape), p.stride(), p.storage_offset(), wide)
-                        for i, (p, wide) in enumerate(zip(params, wide_shapes)) if p is not None}
+                        for i, (p, wide) in enumerate(zip(params, wide_shapes)) if p is not None and wide is not None}
         super().__init__(params)
 
     def _views(self) -> dict:
@@ -340,9 +344,11 @@ class TrainingLayout(_PaddedLayout):
 
 
 def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> TrainingLayout | None:
-    """Re-lays a gated MLP's parameters into the storage TrainingLayout describes, their values kept; None where
-    it does not apply: d_ff's rows aligned already (no padding), d_model's not (a weight whose rows and columns are
-    both unaligned has no dense view of padded storage: the step copies it), or the meta device."""
+    """Re-lays a gated MLP's parameters into the storage TrainingLayout describes, their values kept: the gate and up
+    weights the first d_ff rows of the halves of one zero-filled [2, W, d_model] buffer (their biases of one [2, W]),
+    the down projection's plain and contiguous (its [d_model, d_ff] rows are unaligned: the step copies it); None
+    where it does not apply: d_ff's rows aligned already (no padding), d_model's not (the gate and up rows would be
+    unaligned too), or the meta device."""
     d_ff, d_model = gate.weight.shape
     width = row_width(d_ff)
     if width == d_ff or row_width(d_model) != d_model or gate.weight.device.type == "meta":
@@ -357,29 +363,29 @@ def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> Trainin
             for half, p in enumerate((gate.bias, up.bias)):
                 if p is not None:
                     _relay(p, storage, lambda s, half=half: s[half, :d_ff])
-        _relay(down.weight, down.weight.new_zeros((width, d_model)), lambda s: s[:d_ff].t())
+        for p in (down.weight, down.bias):
+            plain = p is None or (p.is_contiguous() and p.untyped_storage().nbytes() == p.numel() * p.element_size())
+            if not plain:  # a view of inference's padded storage
+                with torch.no_grad():
+                    p.data = p.data.clone(memory_format=torch.contiguous_format)
     params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
-    wide = ((width, d_model), (width,), (width, d_model), (width,), (d_model, width), (d_model,))
-    return TrainingLayout(params, wide)
+    return TrainingLayout(params, ((width, d_model), (width,), (width, d_model), (width,), None, None))
 
 
 def lay_out_linear_training(weight: nn.Parameter, bias: nn.Parameter | None) -> TrainingLayout | None:
-    """Re-lays a Linear's parameters ([n, k] and [n]) into the storage TrainingLayout describes, at the sizes its
-    padded training step runs (N, K = linear_width of n and k), values kept: where k is aligned, the weight the first
-    n rows of a zero-filled [N, k] buffer (the bias of an [N] one); where n is, the transpose of the first k rows of a
-    zero-filled [K, n] buffer. None where neither or both are aligned, or on the meta device."""
+    """Re-lays a Linear's parameters ([n, k] and [n]) into the storage TrainingLayout describes where only n is
+    unaligned (N = linear_width(n), the size its padded training step runs at), values kept: the weight the first n
+    rows of a zero-filled [N, k] buffer, the bias of an [N] one. None elsewhere (an unaligned k leaves the weight's
+    rows unaligned: the step copies it), or on the meta device."""
     n, k = weight.shape
-    N, K = linear_width(n), linear_width(k)
-    if (N == n) == (K == k) or weight.device.type == "meta":
+    N = linear_width(n)
+    if N == n or linear_width(k) != k or weight.device.type == "meta":
         return None
     with torch.inference_mode(False):
-        if K == k:
-            _relay(weight, weight.new_zeros((N, k)), lambda s: s[:n])
-            if bias is not None:
-                _relay(bias, bias.new_zeros((N,)), lambda s: s[:n])
-        else:
-            _relay(weight, weight.new_zeros((K, n)), lambda s: s[:k].t())
-    return TrainingLayout((weight, bias), ((N, K), (N,)))
+        _relay(weight, weight.new_zeros((N, k)), lambda s: s[:n])
+        if bias is not None:
+            _relay(bias, bias.new_zeros((N,)), lambda s: s[:n])
+    return TrainingLayout((weight, bias), ((N, k), (N,)))
 
 
 def contiguous_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

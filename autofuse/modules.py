@@ -59,8 +59,8 @@ class FusedLinear(FusedModule):
     """y = act(x @ weight.T + bias) [+ residual] in one kernel. An in_features or out_features that is not a multiple
     of 8 (rows not 16-byte aligned) keeps the parameters as views of zero-padded storage and runs inference at the
     padded sizes (layout.LinearLayout, layout.linear_width); a training forward runs at those sizes too where its
-    GEMM is not host-bound (training.linear_padded, LinearRun): on the parameters' own padded storage where one of
-    the two sizes is aligned (layout.TrainingLayout), else on padded copies of them."""
+    GEMM is not host-bound (training.linear_padded, LinearRun): on the weight's own padded storage where only
+    out_features is unaligned (layout.TrainingLayout), else on padded copies."""
 
     _pads = True  # lays its parameters out in padded storage where a size needs it (not FusedLinearFp8)
 
@@ -74,8 +74,8 @@ class FusedLinear(FusedModule):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.reset_parameters()
         self._layout: LinearLayout | None = None
-        # Training at one unaligned size: the parameters as dense views of the padded storage the step's GEMM reads
-        # (layout.TrainingLayout), made by _lay_out_plain.
+        # Training at an unaligned out_features alone: the weight as the first rows of the padded storage the step's
+        # GEMM reads (layout.TrainingLayout), made by _lay_out_plain.
         self._training_layout: TrainingLayout | None = None
         self._training_weights: dict[str, tuple] = {}  # a padded training forward's copies (training.linear_run)
         self._training_configs: dict[tuple, object] = {}  # its configs at the padded sizes, by (M, residual, ...)
@@ -118,8 +118,8 @@ class FusedLinear(FusedModule):
 
     def _lay_out_plain(self) -> None:
         """Before a training forward: the parameters as plain dense tensors again, as optimizers expect them (see
-        FusedMLP._lay_out_plain); the padded layout is made again at the next inference forward. Where one of the
-        two sizes is unaligned, dense views of the padded storage its padded step reads instead
+        FusedMLP._lay_out_plain); the padded layout is made again at the next inference forward. Where only
+        out_features is unaligned, the first rows of the padded storage its padded step reads instead
         (layout.lay_out_linear_training)."""
         self._training_layout = lay_out_linear_training(*self._linear_params())
         if self._training_layout is not None:
@@ -381,8 +381,8 @@ class FusedMLP(FusedModule):
         # A d_ff whose rows are not 16-byte aligned, or interleaved gate and up weights: the parameters
         # are views of storage laid out for the kernels (layout.py).
         self._layout: MLPLayout | None = None
-        # Training at an unaligned d_ff (and aligned d_model): the parameters as dense views of the padded storage
-        # the step's GEMMs read (layout.TrainingLayout), made by _lay_out_plain.
+        # Training at an unaligned d_ff (and aligned d_model): the gate and up weights as the first rows of the padded
+        # storage the step's GEMMs read (layout.TrainingLayout), made by _lay_out_plain.
         self._training_layout: TrainingLayout | None = None
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
@@ -494,8 +494,9 @@ class FusedMLP(FusedModule):
         the two halves of one [2 d_ff, ...] buffer, each half dense, so that the training step's up
         projection and input gradient run as one GEMM each (ops.gated_up.stacked). The same parameter
         objects keep their values; the inference layout is made again at the next inference forward. Where the
-        step runs padded at an unaligned d_ff (training.Padding) and d_model is aligned, they become dense views of
-        the padded storage its GEMMs read instead (layout.lay_out_training), which the step then copies nothing into."""
+        step runs padded at an unaligned d_ff (training.Padding) and d_model is aligned, the gate and up weights
+        become the first rows of the padded storage its GEMMs read instead (layout.lay_out_training), the down
+        weight plain."""
         self._training_layout = lay_out_training(self.gate_proj, self.up_proj, self.down_proj)
         if self._training_layout is not None:
             self._layout = None

@@ -247,9 +247,9 @@ class Padding:
     up parameters themselves at an aligned d_model (d_ff-wide G, U and H in activation buffers, whose rows start
     128 bytes apart; the down weight alone copied and read through its first d_ff columns) held a third of the
     copies and stepped 3.3-3.9x slower (3200 -> 6655, 1088 -> 3221, 3587 -> 8063 at M = 2048 and 8192, H100): an
-    odd N or K keeps cuBLAS off its fast kernels too. Where d_model is aligned, the parameters themselves are dense
-    views of padded storage (layout.TrainingLayout, made by the module's first training forward) and the step reads
-    that storage: nothing copied, no weight held twice. Else (rows and columns of a weight both unaligned, or
+    odd N or K keeps cuBLAS off its fast kernels too. Where d_model is aligned, the gate and up parameters
+    themselves are the first rows of padded storage (layout.TrainingLayout, made by the module's first training
+    forward) that the step reads in place, and the down weight alone is copied. Else (d_model unaligned, or
     parameters replaced since) the padded weights are copied once a step into buffers kept on the table entry, gate
     and up as the two halves of one, so that their addresses stay and one GEMM covers both."""
 
@@ -263,20 +263,22 @@ class Padding:
         return Padding(d, f) if (row_width(d), row_width(f)) != (d, f) else None
 
     def params(self, params: tuple, launches: TrainingLaunches | None, layout: TrainingLayout | None = None) -> tuple:
-        """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded: views of the parameters' own storage where they are
-        still laid out as `layout` (the module's TrainingLayout) made them, else copies in buffers reused step
-        after step where the entry has launches (their padding stays zero: only the live region is written).
-        Called outside autograd (the views must not be graph nodes)."""
-        if layout is not None:
-            wide = layout.widen(params, launch.addresses(params))
-            if wide is not None:
-                return wide
+        """(w_gate, b_gate, w_up, b_up, w_down, b_down) padded, in buffers reused step after step where the entry
+        has launches (their padding stays zero: only the live region is written); the gate and up weights and biases
+        as views of the parameters' own storage where they are still laid out as `layout` (the module's
+        TrainingLayout) made them, the down weight then copied alone. Called outside autograd (the views must not be
+        graph nodes)."""
         w_gate, b_gate, w_up, b_up, w_down, b_down = params
+        wide = None if layout is None else layout.widen(params, launch.addresses(params))
         W, D = self.W, self.D
+        d, f = self.d, self.f
+        if wide is not None:  # gate and up read in place (D == d here); the down weight copied alone
+            down, = held_zeros(None if launches is None else launches.weights, w_down, ((D, W),))
+            down[:d, :f].copy_(w_down)
+            return (*wide[:4], down, b_down)
         gate_up, biases, down, down_bias = held_zeros(
             None if launches is None else launches.weights, w_gate,
             ((2, W, D), (2, W) if b_gate is not None else None, (D, W), (D,) if b_down is not None else None))
-        d, f = self.d, self.f
         gate_up[0, :f, :d].copy_(w_gate)
         gate_up[1, :f, :d].copy_(w_up)
         down[:d, :f].copy_(w_down)
@@ -703,9 +705,9 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
 
 
 def weight_gradient(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dW = dZ^T X ([N, K]) laid out as the weight the step read: where that is a transposed view (a
-    layout.TrainingLayout's, strides (1, N)), formed as (X^T dZ)^T, so that its live region has the parameter's
-    strides and autograd keeps it as .grad without a copy into the parameter's layout; else dense."""
+    """dW = dZ^T X ([N, K]) laid out as the weight the step read: where that is a transposed view (strides (1, N)),
+    formed as (X^T dZ)^T, so that its live region has the weight's strides and autograd keeps it as .grad without a
+    copy into the parameter's layout; else dense."""
     if weight.stride(0) == 1 and weight.shape[1] > 1:
         return torch.mm(x.t(), dz).t()
     return torch.mm(dz.t(), x)

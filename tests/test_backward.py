@@ -693,12 +693,12 @@ def _dense(t: torch.Tensor) -> bool:
 @pytest.mark.parametrize("M", [21, 160])  # weight gradients in nodes of their own at 21 rows, one node at 160
 def test_an_unaligned_d_ff_trains_on_the_parameters_own_padded_storage(save_hidden, M, device, monkeypatch,
                                                                         nodes_at_any_size):
-    """d_ff 75 beside an aligned d_model: the training forward lays the parameters out as dense views of the padded
-    storage the step's GEMMs read (layout.TrainingLayout: gate and up the first rows of the halves of one zero-filled
-    [2, 128, 40] buffer, the down weight the transpose of the first rows of a [128, 40] one), so the step copies no
-    weight and holds none twice; the gradients are the reference's, laid out as their parameters; state_dict saves
-    plain tensors; inference afterwards lays them out for its kernels and computes the same function. A parameter
-    replaced through .data leaves that storage: the step then copies, with the same gradients."""
+    """d_ff 75 beside an aligned d_model: the training forward lays the gate and up weights out as the first rows of
+    the halves of one zero-filled [2, 128, 40] buffer that the step's GEMMs read in place (layout.TrainingLayout),
+    every parameter contiguous, and the step copies the down weight alone; the gradients are the reference's, laid
+    out as their parameters; state_dict saves plain tensors; inference afterwards lays them out for its kernels and
+    computes the same function. A parameter replaced through .data leaves that storage: the step then copies all
+    three, with the same gradients."""
     from autofuse import training
 
     module = autofuse.get_mlp(40, 75, activation="silu", bias=True, dtype=torch.float32, device=device,
@@ -714,13 +714,13 @@ def test_an_unaligned_d_ff_trains_on_the_parameters_own_padded_storage(save_hidd
     x = torch.randn(M, 40, device=device)
     dy = torch.randn(M, 40, device=device)
     _check_mlp_module_grads(module, x, dy, "silu", torch.float32)
-    wg, wu, wd = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
-    assert wg.is_contiguous() and wu.is_contiguous() and wd.stride() == (1, 40) and _dense(wd)
+    assert all(p.is_contiguous() for p in module.parameters())
+    wg, wu = module.gate_proj.weight, module.up_proj.weight
     gate_up = read[-1][0].untyped_storage()
     assert wu.untyped_storage().data_ptr() == wg.untyped_storage().data_ptr() == gate_up.data_ptr()
-    assert read[-1][4].untyped_storage().data_ptr() == wd.untyped_storage().data_ptr()
     assert tuple(read[-1][0].shape) == (128, 40) and tuple(read[-1][4].shape) == (40, 128)
-    assert not module._training_weights  # no copies
+    copies = module._training_weights["padded"]
+    assert len(copies) == 1 and copies[0] is read[-1][4]  # the down weight's copy alone
     for p in module.parameters():
         assert p.grad.stride() == p.stride()
     for name, value in module.state_dict().items():
@@ -732,12 +732,12 @@ def test_an_unaligned_d_ff_trains_on_the_parameters_own_padded_storage(save_hidd
     assert relative_error(y, _mlp_fn("silu")(x.double(), **{k: v.double() for k, v in params.items()})) <= 1e-5
     module.zero_grad()
     _check_mlp_module_grads(module, x, dy, "silu", torch.float32)  # laid out for training again
-    assert module._training_layout is not None and not module._training_weights
+    assert module._training_layout is not None and len(module._training_weights["padded"]) == 1
     with torch.no_grad():
-        module.down_proj.weight.data = module.down_proj.weight.detach().clone()
+        module.up_proj.weight.data = module.up_proj.weight.detach().clone()
     module.zero_grad()
     _check_mlp_module_grads(module, x, dy, "silu", torch.float32)
-    assert module._training_weights  # copies, the down weight no longer a view of the layout's storage
+    assert len(module._training_weights["padded"]) == 4  # all copied: the up weight left the layout's storage
 
 
 @pytest.mark.parametrize("optimizer", ["foreach", "fused"])
@@ -755,7 +755,7 @@ def test_optimizers_step_a_module_on_its_training_layout_like_a_plain_one(optimi
             forward(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    assert module._training_layout is not None and module.down_proj.weight.stride() == (1, 64)
+    assert module._training_layout is not None and all(p.is_contiguous() for p in module.parameters())
     for name, value in _mlp_params(module).items():
         torch.testing.assert_close(value.detach(), plain[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
 
@@ -1103,15 +1103,15 @@ def test_a_padded_linear_takes_two_forwards_before_one_backward_and_checks_its_w
         assert plain._training_weights == {} and x1.grad is not None
 
 
-@pytest.mark.parametrize("in_features, out_features", [(48, 75), (43, 80)], ids=["rows", "transposed"])
+@pytest.mark.parametrize("in_features, out_features", [(48, 75), (43, 80)], ids=["rows", "unaligned-k"])
 @pytest.mark.parametrize("padded_step", [True, False], ids=["padded", "host-bound"])
-def test_a_linear_with_one_unaligned_size_trains_on_its_own_padded_storage(in_features, out_features, padded_step,
-                                                                          device):
-    """One size unaligned: the training forward lays the weight out as a dense view of zero-filled padded storage
-    (out_features 75: its first rows of an [N, 48] buffer; in_features 43: the transpose of the first rows of a
-    [K, 80] one) that the padded step reads without a copy; the gradients are the reference's, laid out as their
-    parameters (so that optimizers step them); state_dict saves plain tensors; a host-bound step runs unpadded on
-    the same parameters; AdamW, foreach and fused, steps them as plain tensors of the same values and gradients."""
+def test_a_linear_with_unaligned_rows_trains_on_its_own_padded_storage(in_features, out_features, padded_step,
+                                                                       device):
+    """out_features 75 beside an aligned in_features: the training forward lays the weight out as the first rows of a
+    zero-filled [N, 48] buffer, still contiguous, that the padded step reads without a copy (in_features 43 leaves
+    its rows unaligned: copies, and the parameters stay plain); the gradients are the reference's, laid out as their
+    parameters; state_dict saves plain tensors; a host-bound step runs unpadded on the same parameters; AdamW,
+    foreach and fused, steps them as plain tensors of the same values and gradients."""
     from autofuse.choose.policy import current, use
 
     policy = dataclasses.replace(current(), host_bound_step_macs=0 if padded_step else 1e30)
@@ -1123,8 +1123,10 @@ def test_a_linear_with_one_unaligned_size_trains_on_its_own_padded_storage(in_fe
         dy = torch.randn(37, out_features, device=device)
         r = torch.randn(37, out_features, device=device)
         got, params = _linear_module_grads(module, x, dy, r)
-        assert module._training_layout is not None and not module._training_weights  # no copies
-        assert (module.weight.stride() == (1, out_features)) == (in_features == 43)
+        laid_out = in_features == 48
+        assert (module._training_layout is not None) == laid_out
+        assert bool(module._training_weights) == (padded_step and not laid_out)  # copies only where not laid out
+        assert module.weight.is_contiguous()
         for p in (module.weight, module.bias):
             assert p.grad.stride() == p.stride() and _dense(p) and _dense(p.grad)
         ref = _grads({k: v.double() for k, v in params.items()}, x.double(), _linear_fn("gelu"), dy.double())
