@@ -79,9 +79,10 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
 
 
 class LinearRun(NamedTuple):
-    """A Linear's training forward in the padded space (linear_run): the weight and bias copied into buffers the
-    module holds, [N, K] and [N] with N, K = layout.linear_width of out_features (n) and in_features (k), zero beyond
-    the live region; x and a residual padded per call (pad_columns); the output and gradients the live region's."""
+    """A Linear's training forward in the padded space (linear_run): the weight and bias, [N, K] and [N] with N, K =
+    layout.linear_width of out_features (n) and in_features (k), zero beyond the live region (views of the
+    parameters' own storage on the module's TrainingLayout, else copies in buffers the module holds); x and a
+    residual padded per call (pad_columns); the output and gradients the live region's."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -123,7 +124,7 @@ def linear_run(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int
     if layout is not None:
         with torch.no_grad():
             wide = layout.widen((weight, bias), launch.addresses((weight, bias)))
-        if wide is not None and tuple(wide[0].shape) == tuple(sizes):
+        if wide is not None:  # laid out at linear_width(n) rows, k columns: the sizes linear_padded gives
             return LinearRun(wide[0], wide[1], n, k)
     padded_weight, padded_bias = held_zeros(held, weight, (sizes, None if bias is None else sizes[:1]))
     with torch.no_grad():
@@ -171,7 +172,7 @@ class LinearFunction(torch.autograd.Function):
         dz = activation_backward(ctx.activation, dz, z[0]) if z else dz
         need = ctx.needs_input_grad  # (x, weight, bias, residual, activation, config, run)
         dx = torch.mm(dz, weight) if need[0] else None
-        dw = weight_gradient(dz, x, weight) if need[1] else None
+        dw = torch.mm(dz.t(), x) if need[1] else None
         db = sum_rows(dz) if ctx.has_bias and need[2] else None
         dr = dy if ctx.has_residual and need[3] else None
         if run is not None:  # the live region's
@@ -696,21 +697,12 @@ def _down_then_pass(ctx, dys: list, hidden: list, g: torch.Tensor, u: torch.Tens
     here, so that each buffer is freed once spent (dH then takes H's place)."""
     h = hidden.pop()
     dy = dys.pop()
-    dw_down = weight_gradient(dy, h, w_down) if need_down else None
+    dw_down = torch.mm(dy.t(), h) if need_down else None
     del h
     dh = torch.mm(dy, w_down, out=activation_buffer(dy.shape[0], w_down.shape[1], dy, buffers))
     del dy
     _gradients_over(ctx.launches, ctx.activation, dh, g, u, buffers)
     return dw_down
-
-
-def weight_gradient(dz: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dW = dZ^T X ([N, K]) laid out as the weight the step read: where that is a transposed view (strides (1, N)),
-    formed as (X^T dZ)^T, so that its live region has the weight's strides and autograd keeps it as .grad without a
-    copy into the parameter's layout; else dense."""
-    if weight.stride(0) == 1 and weight.shape[1] > 1:
-        return torch.mm(x.t(), dz).t()
-    return torch.mm(dz.t(), x)
 
 
 def _backward_from_kept_h(ctx, dys: list, x, kept: list, weights: tuple, need) -> tuple:
@@ -787,6 +779,6 @@ def _backward_recomputing_h(ctx, dys: list, x, gu, w_gate, w_up, w_down, need) -
     else:  # a library path (None: eager), where tuning or a check chose one for this shape
         library = LIBRARY_BACKWARDS["eager" if config is None else config.name]
         dgu, h = library(dy, gu, w_down, ctx.activation, out=(gu, None))
-    dw_down = weight_gradient(dy, h, w_down) if need[5] else None
+    dw_down = torch.mm(dy.t(), h) if need[5] else None
     del h, dy  # first, so that the [M, F] H is freed before the next GEMMs allocate
     return _stacked_gradients(ctx, dgu, x, w_gate, w_up, need, dw_down)
