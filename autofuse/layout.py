@@ -346,7 +346,8 @@ class TrainingLayout(_PaddedLayout):
 def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> TrainingLayout | None:
     """Re-lays a gated MLP's parameters into the storage TrainingLayout describes, their values kept: the gate and up
     weights the first d_ff rows of the halves of one zero-filled [2, W, d_model] buffer (their biases of one [2, W]),
-    the down projection's plain and contiguous (its [d_model, d_ff] rows are unaligned: the step copies it); None
+    the down projection's left as they are, contiguous by then (its [d_model, d_ff] rows are unaligned: the step
+    copies it; FusedMLP._lay_out_plain makes it contiguous before, so that the layout records its storage); None
     where it does not apply: d_ff's rows aligned already (no padding), d_model's not (the gate and up rows would be
     unaligned too), or the meta device."""
     d_ff, d_model = gate.weight.shape
@@ -363,11 +364,6 @@ def lay_out_training(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> Trainin
             for half, p in enumerate((gate.bias, up.bias)):
                 if p is not None:
                     _relay(p, storage, lambda s, half=half: s[half, :d_ff])
-        for p in (down.weight, down.bias):
-            plain = p is None or (p.is_contiguous() and p.untyped_storage().nbytes() == p.numel() * p.element_size())
-            if not plain:  # a view of inference's padded storage
-                with torch.no_grad():
-                    p.data = p.data.clone(memory_format=torch.contiguous_format)
     params = (gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias)
     return TrainingLayout(params, ((width, d_model), (width,), (width, d_model), (width,), None, None))
 

@@ -497,20 +497,18 @@ class FusedMLP(FusedModule):
         step runs padded at an unaligned d_ff (training.Padding) and d_model is aligned, the gate and up weights
         become the first rows of the padded storage its GEMMs read instead (layout.lay_out_training), the down
         weight plain."""
-        self._training_layout = lay_out_training(self.gate_proj, self.up_proj, self.down_proj)
-        if self._training_layout is not None:
-            self._layout = None
-            self._plain_for_training = True
-            return self._params()
         wg, bg, wu, bu, wd, bd = self._params()
         with torch.no_grad(), torch.inference_mode(False):
-            for gate, up in ((wg, wu), (bg, bu)):
-                if gate is not None and up is not None and gate is not up and stacked(gate, up) is None:
-                    buffer = torch.cat([gate.data.reshape(1, *gate.shape), up.data.reshape(1, *up.shape)])
-                    gate.data, up.data = buffer[0], buffer[1]
             for p in (wd, bd):
                 if p is not None and not p.is_contiguous():
                     p.data = p.data.contiguous()
+        self._training_layout = lay_out_training(self.gate_proj, self.up_proj, self.down_proj)
+        if self._training_layout is None:
+            with torch.no_grad(), torch.inference_mode(False):
+                for gate, up in ((wg, wu), (bg, bu)):
+                    if gate is not None and up is not None and gate is not up and stacked(gate, up) is None:
+                        buffer = torch.cat([gate.data.reshape(1, *gate.shape), up.data.reshape(1, *up.shape)])
+                        gate.data, up.data = buffer[0], buffer[1]
         self._layout = None
         self._plain_for_training = True
         return self._params()
