@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from ..configs import KernelConfig
+from ..device import capturing
 from ..layout import aligned_width, padded_whole
 from .bias_act import bias_activation
 from .linear_fp8 import DOWN_FIELDS, LINEAR_FP8, dequantize_fp8, launch_linear, quantize_fp8
@@ -101,13 +102,28 @@ def scaled_mm_quantized(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sc
     return y if whole.shape[0] == n else y[:, :n]
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1 on `device`, unit_scaled_mm's tensorwise scale: kept per device rather than made (a fill launched)
+    per call, except one made while a CUDA graph captures, whose value is written only when the graph replays."""
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        with torch.inference_mode(False):
+            one = torch.ones((), dtype=torch.float32, device=device)
+        if not capturing(device):
+            _UNIT_SCALES[device] = one
+    return one
+
+
 def unit_scaled_mm(x8: torch.Tensor, w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x8 @ w8.T unscaled ([M, N], in scaled_act.raw_dtype(dtype)) through torch._scaled_mm with unit (tensorwise)
     scales, x8 quantized per row ([M, scaled_mm_width(w8)]); over w8's padded storage where N or K is not a
     multiple of 16 (_whole). The scales apply in the pass after it (ops/scaled_act.py)."""
     n = w8.shape[0]
     whole = _whole(x8, w8)
-    one = torch.ones((), dtype=torch.float32, device=x8.device)
+    one = _unit_scale(x8.device)
     y = torch._scaled_mm(x8, whole.t(), scale_a=one, scale_b=one, out_dtype=raw_dtype(dtype))
     return y if whole.shape[0] == n else y[:, :n]
 
