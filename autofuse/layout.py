@@ -106,14 +106,40 @@ def padded_rows(t: torch.Tensor) -> torch.Tensor:
 
 def padded_whole(t: torch.Tensor) -> torch.Tensor | None:
     """The [aligned_width(N), aligned_width(K)] storage behind a padded_rows view `t` ([N, K]), or None where `t` is
-    not one (its rows not aligned_width(K) apart from the storage's start, or the storage too short). Its padding
-    is zero as padded_rows made it: nothing writes there."""
+    not one (its rows not aligned_width(K) apart from the start of the storage or of a whole such block of it, as
+    stack_padded stacks two, or the storage too short). Its padding is zero as padded_rows or stack_padded made it:
+    nothing writes there."""
     n, k = t.shape
     rows, width = aligned_width(n), aligned_width(k)
-    if (t.stride() != (width, 1) or t.storage_offset() != 0
-            or t.untyped_storage().nbytes() < rows * width * t.element_size()):
+    offset = t.storage_offset()
+    if (t.stride() != (width, 1) or offset % (rows * width)
+            or t.untyped_storage().nbytes() < (offset + rows * width) * t.element_size()):
         return None
     return t.as_strided((rows, width), (width, 1))
+
+
+def stack_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b ([N, K] alike) copied into the two halves of one zero-filled storage, each half a padded_rows one
+    ([aligned_width(N), aligned_width(K)]): (a', b'), views that stacked_padded finds stacked."""
+    n, k = a.shape
+    rows = aligned_width(n)
+    joint = a.new_zeros((2 * rows, aligned_width(k)))
+    stacked = joint[:n, :k], joint[rows:rows + n, :k]
+    stacked[0].copy_(a)
+    stacked[1].copy_(b)
+    return stacked
+
+
+def stacked_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The [2 aligned_width(N), aligned_width(K)] storage whose halves hold padded_rows views a and b ([N, K] alike),
+    b's right after a's (stack_padded), or None where they are not so held."""
+    whole_a, whole_b = padded_whole(a), padded_whole(b)
+    if (whole_a is None or whole_b is None or a.shape != b.shape or a.dtype != b.dtype
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or whole_b.storage_offset() != whole_a.storage_offset() + whole_a.numel()):
+        return None
+    rows, width = whole_a.shape
+    return a.as_strided((2 * rows, width), (width, 1))
 
 
 def input_width(d_model: int) -> int:

@@ -32,6 +32,8 @@ from .layout import (
     linear_sizes,
     padded_rows,
     row_width,
+    stack_padded,
+    stacked_padded,
 )
 from .ops.gated_up import stacked
 from .ops.linear_fp8 import Fp8Weight, check_fp8_device, quantize_fp8, quantize_weight
@@ -614,6 +616,21 @@ class FusedMLPFp8(FusedModule):
         self.down_proj = FusedLinearFp8(d_ff, d_model, **factory)
         # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
         self.register_buffer("_activations", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        self._stack_gate_up()
+
+    def _stack_gate_up(self) -> None:
+        """The gate and up projections' fp8 weights as the halves of one padded storage (layout.stack_padded), where
+        they are not so held yet: one torch._scaled_mm then multiplies both (gated_up_w8a8's library path
+        scaled_mm_unit_stacked). load_state_dict and requantize() write into them in place."""
+        gate, up = self.gate_proj._buffers, self.up_proj._buffers
+        if stacked_padded(gate["weight_fp8"], up["weight_fp8"]) is None:
+            gate["weight_fp8"], up["weight_fp8"] = stack_padded(gate["weight_fp8"], up["weight_fp8"])
+
+    def _apply(self, fn, recurse=True):
+        # A move to another device pads each projection's weights apart (FusedLinearFp8._apply): stacked again.
+        module = super()._apply(fn, recurse)
+        self._stack_gate_up()
+        return module
 
     def _params(self) -> tuple:
         """(wg, bg, wu, bu, wd, bd), each weight an Fp8Weight, read from the projections' buffer and parameter

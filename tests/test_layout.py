@@ -285,6 +285,24 @@ def test_padded_rows_hold_a_weight_in_whole_16_by_16_blocks_of_zero_filled_stora
     assert padded_whole(w) is None and padded_whole(view[1:]) is None  # rows off the storage's start
 
 
+def test_two_padded_weights_stack_as_the_halves_of_one_storage():
+    """stack_padded copies two weights into one zero-filled storage whose halves are padded_rows storages, each a
+    padded_whole of its own; stacked_padded finds the joint [2 rows, width] storage, and nothing else."""
+    from autofuse.layout import padded_rows, padded_whole, stack_padded, stacked_padded
+
+    a, b = torch.randn(24, 72), torch.randn(24, 72)
+    sa, sb = stack_padded(a, b)
+    assert torch.equal(sa, a) and torch.equal(sb, b) and sb.storage_offset() == 32 * 80
+    assert padded_whole(sb).shape == (32, 80) and padded_rows(sb) is sb
+    joint = stacked_padded(sa, sb)
+    assert joint.shape == (64, 80) and torch.equal(joint[:24, :72], a) and torch.equal(joint[32:56, :72], b)
+    assert not joint[24:32].any() and not joint[56:].any() and not joint[:, 72:].any()
+    assert stacked_padded(sb, sa) is None  # b's half before a's
+    assert stacked_padded(padded_rows(a), padded_rows(b)) is None  # two storages
+    assert stacked_padded(sa, stack_padded(a, b)[1]) is None
+    assert padded_whole(sb[1:]) is None  # rows off a block's start
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("residual", [False, True], ids=["nores", "res"])

@@ -271,17 +271,66 @@ def test_a_w8a8_mlp_runs_the_w8a8_ops_and_a_fused_model_generates(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_the_unit_scaled_gated_up_matches_the_float64_product_of_the_quantized_values(device, dtype, bias):
-    """gated_up_w8a8's library path scaled_mm_unit at sizes _scaled_mm takes: G and U unscaled, then the scales and
-    the biases applied in one pass with act(G) * U (op scaled_gated_act)."""
+@pytest.mark.parametrize("path, stacked", [("scaled_mm_unit", False), ("scaled_mm_unit_stacked", True),
+                                           ("scaled_mm_unit_stacked", False)])
+def test_the_unit_scaled_gated_up_matches_the_float64_product_of_the_quantized_values(device, dtype, bias, path,
+                                                                                       stacked):
+    """gated_up_w8a8's library paths scaled_mm_unit and scaled_mm_unit_stacked (one GEMM over the weights' joint
+    storage where they are so held, else two) at sizes _scaled_mm takes, 100 rows padded to 112 in the storage: G and
+    U unscaled, then the scales and the biases applied in one pass with act(G) * U (op scaled_gated_act)."""
+    from autofuse.layout import stack_padded
+
     x = torch.randn(33, 64, device=device, dtype=dtype)
-    wg, wu = (quantize_weight(torch.randn(96, 64, device=device) / 8) for _ in range(2))
-    biases = tuple(torch.randn(96, device=device).to(dtype) for _ in range(2)) if bias else (None, None)
+    wg, wu = (quantize_weight(torch.randn(100, 64, device=device) / 8) for _ in range(2))
+    if stacked:
+        (wg8, wu8) = stack_padded(wg[0], wu[0])
+        wg, wu = (wg8, wg[1]), (wu8, wu[1])
+    biases = tuple(torch.randn(100, device=device).to(dtype) for _ in range(2)) if bias else (None, None)
     operands = {"x": x, "wg": wg[0], "sg": wg[1], "wu": wu[0], "su": wu[1], "bg": biases[0], "bu": biases[1]}
-    out = GATED_UP_W8A8.library["scaled_mm_unit"](operands, "silu")
+    out = GATED_UP_W8A8.library[path](operands, "silu")
     x8, sx = quantize_rows(x)
     ref = gated_reference(dequantize_fp8(x8, sx, torch.float64), *(dequantize_fp8(*w, torch.float64) for w in (wg, wu)),
                           *biases, "silu")
-    assert out.dtype == dtype and out.shape == (33, 96)
+    assert out.dtype == dtype and out.shape == (33, 100)
     # The unscaled products rounded once to bfloat16 (float32 for the other dtypes), then H once more.
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2 * 2**-8
+
+
+def _emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm's function in float64, for a CPU (where it does not run): (a s_a) @ (b s_b) in out_dtype."""
+    return ((a.double() * scale_a.double()) @ (b.double() * scale_b.double())).to(out_dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_a_w8a8_mlp_holds_its_gate_and_up_weights_stacked_for_one_gemm(device, monkeypatch, bias):
+    """FusedMLPFp8 keeps the gate and up projections' fp8 weights as the halves of one padded storage, through
+    load_state_dict and moves, its state_dict unchanged; the stacked library path's one GEMM over it gives G and U
+    equal to the two GEMMs' (torch._scaled_mm in float64 where there is no GPU)."""
+    import autofuse
+    from autofuse.layout import stacked_padded
+    from autofuse.ops.gated_up_fp8 import unit_products
+
+    mlp = autofuse.get_mlp(72, 100, activation="silu", bias=bias, dtype=torch.float32, device=device, weights="w8a8")
+    g, u = mlp.gate_proj, mlp.up_proj
+    assert stacked_padded(g.weight_fp8, u.weight_fp8) is not None
+    state = mlp.state_dict()
+    assert state["up_proj.weight_fp8"].shape == (100, 72) and state["up_proj.weight_fp8"].is_contiguous()
+    other = autofuse.get_mlp(72, 100, activation="silu", bias=bias, dtype=torch.float32, device=device,
+                             weights="w8a8")
+    other.load_state_dict(state)
+    other.half().to(device)
+    assert stacked_padded(other.gate_proj.weight_fp8, other.up_proj.weight_fp8) is not None
+    assert torch.equal(other.up_proj.weight_fp8.float(), u.weight_fp8.float())
+    if device == "cpu":
+        monkeypatch.setattr(torch, "_scaled_mm", _emulated_scaled_mm)
+    operands = {"x": torch.randn(9, 72, device=device), "wg": g.weight_fp8, "sg": g.weight_scale,
+                "wu": u.weight_fp8, "su": u.weight_scale, "bg": g.bias, "bu": u.bias}
+    one, two = unit_products(operands, stacked=True), unit_products(operands, stacked=False)
+    assert one[0].shape == two[0].shape == one[1].shape == (9, 100)
+    # One GEMM or two: each output element the same dot product, equal on the CPU (float64, then one rounding); on a
+    # GPU cuBLAS may pick another kernel for the wider GEMM, and Hopper's fp8 tensor cores keep partial sums in a
+    # reduced precision (about 2^-13 relative), so the order of the 72 products' sums may show there.
+    tolerance = 0.0 if device == "cpu" else 2**-10
+    for stacked, apart in zip(one[:2], two[:2]):
+        torch.testing.assert_close(stacked, apart, rtol=tolerance, atol=tolerance * apart.abs().amax().item())
+    assert "scaled_mm_unit_stacked" in GATED_UP_W8A8.library_for("silu", bias, False)
