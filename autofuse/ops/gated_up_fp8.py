@@ -17,7 +17,7 @@ from ..opspec import Operand
 from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
 from .gated_up import GATED_UP
-from .linear_fp8 import check_weights, dequantize_fp8, quantize_weight
+from .linear_fp8 import check_weights, dequantize_fp8, quantize_fp8
 from .linear_w8a8 import dequantized_rows, scaled_mm_quantized, scaled_mm_width, unit_scaled_mm
 from .quantize_rows import launch_quantize_rows
 from .scaled_act import scaled_gated_activation
@@ -94,7 +94,7 @@ def _original_reference(ops: dict, activation: str) -> torch.Tensor:
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
     """The weights held as FusedMLPFp8 holds them: the halves of one padded storage (layout.stack_padded)."""
     wg_original, wu_original = rand(n, k) * k**-0.5, rand(n, k) * k**-0.5
-    (wg, sg), (wu, su) = quantize_weight(wg_original), quantize_weight(wu_original)
+    (wg, sg), (wu, su) = quantize_fp8(wg_original), quantize_fp8(wu_original)
     wg, wu = stack_padded(wg, wu)
     return {"x": rand(M, k), "wg": wg, "wu": wu, "sg": sg, "su": su, "bg": rand(n) if bias else None,
             "bu": rand(n) if bias else None, "wg_original": wg_original, "wu_original": wu_original}
@@ -145,14 +145,14 @@ def _scaled_mm_w8a8(ops: dict, activation: str) -> torch.Tensor:
     return gated_activation(gate, up, activation)
 
 
-def _scaled_mm_unit_w8a8(ops: dict, activation: str) -> torch.Tensor:
-    """torch._scaled_mm with unit scales for G and U (linear_w8a8.unit_scaled_mm), then one pass applying the rows'
-    and the weights' scales, the biases and act(G) * U (op scaled_gated_act); off CUDA, the same values through
-    eager's ops."""
+def _scaled_mm_unit_w8a8(ops: dict, activation: str, stacked: bool = False) -> torch.Tensor:
+    """torch._scaled_mm with unit scales for G and U (unit_products), then one pass applying the rows' and the
+    weights' scales, the biases and act(G) * U (op scaled_gated_act); off CUDA, the same values through eager's
+    ops."""
     x = ops["x"]
     if not x.is_cuda:
         return _eager_w8a8(ops, activation)
-    gate, up, scales, biases = unit_products(ops, stacked=False)
+    gate, up, scales, biases = unit_products(ops, stacked)
     return scaled_gated_activation(gate, up, scales, biases, activation, x.dtype)
 
 
@@ -161,11 +161,7 @@ def _scaled_mm_unit_stacked_w8a8(ops: dict, activation: str) -> torch.Tensor:
     weights are the halves of one padded storage (layout.stacked_padded, as FusedMLPFp8 holds them); else from two.
     One GEMM twice as wide: 711.9 against 800.4 us at 1024 x 6480 by 2 x 27648, 208.2 against 219.2 at 1024 x 3456
     by 2 x 17344, but 338.0 against 314.4 at 16384 x 2176 by 2 x 2560 (H100): a candidate beside the two, raced."""
-    x = ops["x"]
-    if not x.is_cuda:
-        return _eager_w8a8(ops, activation)
-    gate, up, scales, biases = unit_products(ops, stacked=True)
-    return scaled_gated_activation(gate, up, scales, biases, activation, x.dtype)
+    return _scaled_mm_unit_w8a8(ops, activation, stacked=True)
 
 
 def unit_products(ops: dict, stacked: bool) -> tuple:
