@@ -1,13 +1,17 @@
 """MLPs with fp8 weights (weight-only, and W8A8) against the best bf16 peer, on shapes nobody tuned.
 
   python benchmarks/fp8.py [--out DIR] [--mlps 6] [--seed 39] [--tokens 1,2,4,8,16,64,256,1024,4096,16384]
+                           [--max-autotune-tokens M,...] [--plain-tokens M,...] [--only I,...]
   python benchmarks/fp8.py --hf-decode [--out DIR] [--batches 1,16] [--layers 16] [--prompt 64] [--tune]
 
 Gated MLPs drawn with a seeded generator (never_slower.py's: d_model 512-8192, d_ff 1-8x d_model, some not
 multiples of 8 or 64), bf16 activations. Per shape and M: CUDA-graph-replayed GPU time of the bf16 peers (eager
 PyTorch, torch.compile, Liger where installed, autofuse's bf16 MLP) and of autofuse's MLPs with fp8 weights
 (get_mlp(weights="fp8") and weights="w8a8", the bf16 module's weights quantized), the providers replayed in turn in
-this process, and at M <= 16 the plain (un-graphed) call's time too (never_slower.measure).
+this process, and at M <= 16 the plain (un-graphed) call's time too (never_slower.measure). --max-autotune-tokens:
+torch.compile max-autotune-no-cudagraphs joins the bf16 peers at those M (compiled per M, static shapes; each
+autotunes anew, tens of seconds a point). --plain-tokens: the plain calls are timed at those M as well (at large M a
+plain call of six launches may wait on the host). --only: those of the drawn MLPs (indices), to split a run.
 Run it with an empty user cache: every fp8 config then comes from a first-use check. Reported per point: the best
 bf16 peer of eager / torch.compile / Liger over each fp8 MLP, the same against autofuse's bf16 MLP, and each MLP's
 relative error against the bf16 model's output (eager bf16). Needs a GPU of
@@ -39,7 +43,7 @@ import autofuse
 from autofuse.ops.gated_act import gated_activation
 from autofuse.ops.linear_w8a8 import scaled_mm, scaled_mm_fits
 
-PEERS = ("eager", "torch.compile", "liger")
+PEERS = ("eager", "torch.compile", "max-autotune", "liger")
 
 
 def fp8_twin(module, weights: str):
@@ -208,6 +212,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=39)
     parser.add_argument("--mlps", type=int, default=6)
     parser.add_argument("--tokens", default="1,2,4,8,16,64,256,1024,4096,16384")
+    parser.add_argument("--max-autotune-tokens", default="", help="M at which torch.compile max-autotune runs too")
+    parser.add_argument("--plain-tokens", default="", help="M above 16 at which plain calls are timed too")
+    parser.add_argument("--only", default=None, help="indices of the drawn MLPs to run (default: all)")
     parser.add_argument("--hf-decode", action="store_true", help="the Hugging Face decode step instead (see above)")
     parser.add_argument("--batches", default="1,16", help="--hf-decode: batch sizes")
     parser.add_argument("--layers", type=int, default=16, help="--hf-decode: decoder layers")
@@ -223,12 +230,21 @@ def main() -> None:
         return
     out = harness.out_dir(args.out)
     tokens = [int(t) for t in args.tokens.split(",")]
+    autotune_at = {int(t) for t in args.max_autotune_tokens.split(",") if t}
+    plain_at = {int(t) for t in args.plain_tokens.split(",") if t}
     gated, _ = draw_shapes(args.seed, args.mlps, 0)
+    indices = range(len(gated)) if args.only is None else [int(i) for i in args.only.split(",")]
+    if any(not 0 <= i < len(gated) for i in indices):
+        parser.error(f"--only takes indices below --mlps ({len(gated)})")
+    # One compiled function per M for max-autotune (static shapes), plus torch.compile's default one.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
     liger = liger_gate()
     rows = []
     start = time.perf_counter()
     with torch.no_grad():
-        for shape in gated:
+        for i in indices:
+            shape = gated[i]
             providers = mlp_providers(shape, liger)
             for weights in ("fp8", "w8a8"):
                 providers[f"autofuse-{weights}"] = fp8_twin(providers["autofuse"], weights)
@@ -236,13 +252,26 @@ def main() -> None:
             if scaled_mm is not None:
                 providers["scaled_mm-w8a8"] = scaled_mm
             for M in tokens:
-                row = dict(**shape, **measure(providers, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS))
+                fns = dict(providers)
+                if M in autotune_at:
+                    # Compiled for this M alone (static shapes): what Inductor's max-autotune makes of one shape.
+                    fns["max-autotune"] = torch.compile(providers["eager"], mode="max-autotune-no-cudagraphs",
+                                                        dynamic=False)
+                row = dict(name=f"drawn-mlp-{i}", **shape,
+                           **measure(fns, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS,
+                                     plain=True if M in plain_at else None))
                 us = row["us"]
                 row["ratio_w8a8"] = us[row["best_peer"]] / us["autofuse-w8a8"]
                 if "scaled_mm-w8a8" in us:
                     row["ratio_to_scaled_mm"] = {w: us["scaled_mm-w8a8"] / us[f"autofuse-{w}"]
                                                  for w in ("fp8", "w8a8")}
                 row["ratio_to_autofuse_bf16"] = {w: us["autofuse"] / us[f"autofuse-{w}"] for w in ("fp8", "w8a8")}
+                plain = ""
+                if "plain_us" in row:
+                    row["plain_ratio_w8a8"] = row["plain_us"][row["plain_best_peer"]] / row["plain_us"]["autofuse-w8a8"]
+                    plain = (f"; plain calls: best bf16 peer {row['plain_best_peer']} "
+                             f"{row['plain_us'][row['plain_best_peer']]:.1f} us, fp8 {row['plain_ratio']:.2f}x, "
+                             f"w8a8 {row['plain_ratio_w8a8']:.2f}x")
                 row["choices"] = {w: {op: c.short() for op, c in providers[f"autofuse-{w}"].config_for(M).items()}
                                   for w in ("fp8", "w8a8")}
                 rows.append(row)
@@ -252,7 +281,7 @@ def main() -> None:
                       f"bf16 {us['autofuse']:.1f}, _scaled_mm {us.get('scaled_mm-w8a8', float('nan')):.1f}; error "
                       f"against eager bf16: fp8 "
                       f"{row['rel_error']['autofuse-fp8']:.2e}, w8a8 {row['rel_error']['autofuse-w8a8']:.2e}, bf16 "
-                      f"{row['rel_error']['autofuse']:.2e}", flush=True)
+                      f"{row['rel_error']['autofuse']:.2e}{plain}", flush=True)
             del providers
             torch._dynamo.reset()
             summary = _summary(rows, start)
@@ -271,6 +300,8 @@ def _summary(rows: list[dict], start: float) -> dict:
                                 m_ge_1024=of([r for r in rows if r["M"] >= 1024], key), all=of(rows, key),
                                 over_scaled_mm=of([dict(r=r["ratio_to_scaled_mm"][weights]) for r in rows
                                                    if "ratio_to_scaled_mm" in r], "r"),
+                                plain=of([dict(r=r["plain_ratio" if weights == "fp8" else "plain_ratio_w8a8"])
+                                          for r in rows if "plain_us" in r], "r"),
                                 max_rel_error=max((r["rel_error"][f"autofuse-{weights}"] for r in rows),
                                                   default=float("nan")))
     return dict(**summary, seconds=time.perf_counter() - start)

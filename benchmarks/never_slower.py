@@ -124,9 +124,10 @@ def linear_providers(shape: dict) -> dict:
 
 
 def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
-            peers: tuple[str, ...] | None = None) -> dict:
-    """One point: every provider's error against eager's output and graph-replayed time, and at M <= PLAIN_M its
-    plain calls' time; `ratio` is the best of `peers` (default: every provider but `subject`) over `subject`."""
+            peers: tuple[str, ...] | None = None, plain: bool | None = None) -> dict:
+    """One point: every provider's error against eager's output and graph-replayed time, and its plain calls' time
+    where `plain` (default: at M <= PLAIN_M); `ratio` is the best of `peers` (default: every provider but `subject`)
+    over `subject`."""
     x = torch.randn(M, d_in, device="cuda", dtype=torch.bfloat16)
     ref = providers["eager"](x).float()
     errors = {}
@@ -142,7 +143,7 @@ def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
     peers = [name for name in times if name != subject] if peers is None else [p for p in peers if p in times]
     best = min(peers, key=times.get)
     row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=times[best] / times[subject])
-    if M <= PLAIN_M:
+    if M <= PLAIN_M if plain is None else plain:
         # Steady state: every provider's first RACE_CALLS plain calls first, so that autofuse's un-graphed race
         # (choose/race.py) has decided; what those calls cost is first_use.py's to measure.
         for fn in providers.values():
