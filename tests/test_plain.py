@@ -252,6 +252,48 @@ def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(mon
     assert entries[2].calls == 1 + plain.ESTIMATE_CALLS
 
 
+class _Queued:
+    """A table entry whose launches queue on a fake GPU: a call costs the host `host` µs, the GPU `gpu` µs after the
+    work queued before it; a synchronisation waits for the GPU. `gpu_ms`: the table's known GPU time, or None."""
+
+    clock = [0.0, 0.0]  # [host now, GPU free at] (µs)
+
+    def __init__(self, name, host, gpu, gpu_ms):
+        self.name, self.host, self.gpu, self.calls = name, host, gpu, 0
+        self.table = {"gated_up": Choice(Library(name), Source.CHECKED, gpu_ms)}
+
+    def __call__(self, *args):
+        self.calls += 1
+        now, free = self.clock
+        self.clock[0] = now + self.host
+        self.clock[1] = max(free, now + self.host) + self.gpu
+        return self.name
+
+    @classmethod
+    def synchronize(cls):
+        cls.clock[0] = max(cls.clock)
+
+
+def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_others(monkeypatch):
+    """A kernel table whose GPU time is unknown (a library choice's runner-up, never timed) and whose launches cost
+    the host 20 us but the GPU 157, against the GPU-time winner's 60 us of GPU time and 70 of host: the kernel
+    table's host time alone is no estimate of its plain call (queued behind its GPU time), so it must not drop the
+    winner unprobed; its probe beside the winner drops it, and plain calls run the winner."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
+    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
+    plain._decided.pop(("test", "unknown"), None)
+    winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
+    kernels = _Queued("kernels", host=20.0, gpu=157.0, gpu_ms=None)
+    raced = plain.Raced(winner, [kernels], [winner.table, kernels.table], 1024, ("test", "unknown"))
+    for _ in range(raced.race_calls() + 1):
+        raced("x")
+    assert raced._start == 0 and raced._alive[0]
+    assert raced.plain is winner and raced("x") == "winner"
+    # the kernel table ran its binding call, its host-timed calls and one probe, no more
+    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + current_policy().race_probe_calls
+
+
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     raced, entries = _raced(monkeypatch, [30.0, 10.0], key=("test", "fails"))

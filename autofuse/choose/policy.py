@@ -27,9 +27,9 @@ Each default is a measured finding (docs/design.md states them with their number
   where its plain call is `race_margin` faster (host times wander more than GPU times). Before that each
   candidate is probed for `race_probe_calls` calls beside the fastest known, and one slower than it by more than
   `race_keep` is dropped (also after each round): the race must not make the caller's calls much slower than
-  the fastest table known (choose/race.py). The race starts from the table whose estimated plain call (its host
-  time per call, timed after binding, or its known GPU time where that is larger) is lowest, and a table whose
-  host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe.
+  the fastest table known (choose/race.py). The race starts from the table of known GPU time whose estimated
+  plain call (its host time per call, timed after binding, or its GPU time where that is larger) is lowest, and a
+  table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe.
 - Tuning retimes its fastest trial beside the library paths before choosing, so a tuned kernel needs only to
   be faster than the fastest library path by `tune_margin`.
 - Timing budgets (ms of GPU time per candidate): `trial_budget_ms` for a tuning trial, `check_budget_ms` for

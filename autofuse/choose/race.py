@@ -139,12 +139,12 @@ class Raced:
       resolves and checks its configs anyway; a binding call among the windows had cost them up to 1.8x), then
       each entry ESTIMATE_CALLS more times, timing its host time per call (no synchronisation), and returns the
       GPU-time winner's result. An entry's estimate is the larger of that host time and its table's known GPU
-      time; an entry whose host time alone exceeds the lowest estimate by more than race_host_keep is dropped
-      there (its plain call cannot be faster: a bound table's host took 19-20 us per call where the slowest took
-      76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time winner's host time is under its
-      known GPU time by race_margin, its plain call is bound by that GPU time, which no other table's undercuts:
-      the race settles on it there.
-    - Probes: the entry of the lowest estimate runs a window of race_calls calls; then, for each other entry in
+      time; an entry whose host time alone exceeds the lowest estimate of an entry of known GPU time by more
+      than race_host_keep is dropped there (its plain call cannot be faster: a bound table's host took 19-20 us
+      per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time
+      winner's host time is under its known GPU time by race_margin, its plain call is bound by that GPU time,
+      which no other table's undercuts: the race settles on it there.
+    - Probes: the entry of the lowest such estimate runs a window of race_calls calls; then, for each other entry in
       turn (lowest estimate first), the fastest entry known runs two such windows, then a probe of race_probe_calls
       calls, then the other entry the same. An entry whose probe is slower than the fastest's, taken just before
       it, by more than race_keep is dropped: a slow table runs race_probe_calls calls in all, with at least
@@ -239,10 +239,16 @@ class Raced:
             _remember(self.key, 0)
             self._settle(0)
             return out
-        lowest = min(estimate)
-        self._start = estimate.index(lowest)
+        # Only a table whose GPU time is known has an estimate that bounds its plain call from below and above
+        # alike: one whose GPU time is unknown has its host time alone, which its queued launches can leave far
+        # under its plain call (W8A8 at 2176 -> 2560, M = 1024: the runner-up kernels' table, never timed, ruled the
+        # library table out by host time and ran every plain call at 157 us, against 59 us for the library table
+        # graph-replayed; H100). So it neither starts the race nor rules others out; its probe decides.
+        known = [i for i, table in enumerate(self.tables) if known_gpu_ms(table) is not None]
+        self._start = min(known, key=estimate.__getitem__) if known else 0
+        lowest = estimate[self._start]
         for i, us in enumerate(host):
-            if us > lowest * (1 + policy.race_host_keep):
+            if known and us > lowest * (1 + policy.race_host_keep):
                 self._alive[i] = False
         order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=estimate.__getitem__)
         # None: the fastest entry known when the window starts.
