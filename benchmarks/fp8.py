@@ -268,6 +268,9 @@ def main() -> None:
                 row["ratio_to_autofuse_bf16"] = {w: us["autofuse"] / us[f"autofuse-{w}"] for w in ("fp8", "w8a8")}
                 plain = ""
                 if "plain_us" in row:
+                    row["plain_choices"] = {w: {op: c.short() for op, c in
+                                                (providers[f"autofuse-{w}"].plain_config_for(M) or {}).items()}
+                                            for w in ("fp8", "w8a8")}
                     row["plain_ratio_w8a8"] = row["plain_us"][row["plain_best_peer"]] / row["plain_us"]["autofuse-w8a8"]
                     plain = (f"; plain calls: best bf16 peer {row['plain_best_peer']} "
                              f"{row['plain_us'][row['plain_best_peer']]:.1f} us, fp8 {row['plain_ratio']:.2f}x, "

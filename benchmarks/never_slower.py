@@ -144,10 +144,13 @@ def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
     best = min(peers, key=times.get)
     row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=times[best] / times[subject])
     if M <= PLAIN_M if plain is None else plain:
-        # Steady state: every provider's first RACE_CALLS plain calls first, so that autofuse's un-graphed race
-        # (choose/race.py) has decided; what those calls cost is first_use.py's to measure.
+        # Steady state: each autofuse module's plain calls until its un-graphed race (choose/race.py) has decided,
+        # RACE_CALLS at most (what those calls cost is first_use.py's to measure); plain_call_us warms the others.
         for fn in providers.values():
-            for _ in range(RACE_CALLS):
+            settled = getattr(fn, "plain_config_for", None)
+            for _ in range(RACE_CALLS if settled is not None else 0):
+                if settled(M) is not None:
+                    break
                 fn(x)
         plain = plain_call_us({name: (lambda fn=fn: fn(x)) for name, fn in providers.items()}, calls=100, rounds=5)
         plain_best = min(peers, key=plain.get)
