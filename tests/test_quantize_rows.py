@@ -54,3 +54,23 @@ def test_rows_written_wider_than_x_hold_zeros_past_it(device):
     assert torch.equal(q[:, :40].float(), expected_q.float()) and not q[:, 40:].view(torch.uint8).any()
     with pytest.raises(launch.LaunchError, match="below the rows' 40"):
         launch_quantize_rows(x, 32)
+
+
+def test_the_launch_is_bound_once_per_shape_and_replays_bit_identical_to_the_jit(device, monkeypatch):
+    """A W8A8 library path quantizes on every un-graphed call: the launch is bound on the first call of a shape and
+    replayed after (with new rows and new outputs each call), its values the JIT's; another width binds its own."""
+    monkeypatch.setattr(launch, "_memo", {})
+    replays = []
+    real = launch.BoundLaunch.__call__
+    monkeypatch.setattr(launch.BoundLaunch, "__call__", lambda self, t: replays.append(real(self, t)) or replays[-1])
+    first = torch.randn(5, 40, device=device, dtype=torch.bfloat16)
+    launch_quantize_rows(first, 48)
+    assert not replays and len(launch._memo) == 1
+    x = torch.randn(5, 40, device=device, dtype=torch.bfloat16) * 3
+    q, s = launch_quantize_rows(x, 48)
+    assert replays == [True]
+    expected_q, expected_s = quantize_fp8(x)
+    assert torch.equal(s, expected_s) and torch.equal(q[:, :40].float(), expected_q.float())
+    assert not q[:, 40:].view(torch.uint8).any()
+    launch_quantize_rows(x, 64)
+    assert len(launch._memo) == 2

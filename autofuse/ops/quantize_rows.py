@@ -19,7 +19,7 @@ from .linear_fp8 import FP8, quantize_fp8
 OPERANDS = (
     Operand("x", "[M, N]: the rows to quantize", "mn"),
     Operand("q", "[M, W] float8_e4m3fn: the quantized rows, zeros past N", "mn"),
-    Operand("s", "[M] float32: each row's scale"),
+    Operand("s", "[M] float32: each row's scale", "m"),
 )
 
 
@@ -36,11 +36,17 @@ def launch_quantize_rows(x: torch.Tensor, width: int | None = None) -> tuple[tor
     q = torch.empty((M, width), dtype=FP8, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M and width:
-        kernel = load_kernel(KernelSpec(QUANTIZE_ROWS, "none", upcast_operands=interpreting()))
-        block_n = min(2048, 1 << (width - 1).bit_length())
-        block_m = max(1, min(16, 4096 // block_n))  # about 4096 elements a step
-        L.launch(kernel, (-(-M // block_m),), {"x": x, "q": q, "s": s}, (M, N, width),
-                 dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+        # Memoised (bound once per shape): a W8A8 library path quantizes twice per un-graphed call, where the JIT's
+        # binding cost more host time than the launch.
+        key = (QUANTIZE_ROWS, x.dtype, M, N, width, x.stride(), x.device)
+
+        def build() -> tuple:
+            kernel = load_kernel(KernelSpec(QUANTIZE_ROWS, "none", upcast_operands=interpreting()))
+            block_n = min(2048, 1 << (width - 1).bit_length())
+            block_m = max(1, min(16, 4096 // block_n))  # about 4096 elements a step
+            return kernel, (-(-M // block_m),), (M, N, width), dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+
+        L.memoised_launch(key, {"x": x, "q": q, "s": s}, build)
     return q, s
 
 
