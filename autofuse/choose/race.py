@@ -239,11 +239,10 @@ class Raced:
             _remember(self.key, 0)
             self._settle(0)
             return out
-        # Only a table whose GPU time is known has an estimate that bounds its plain call from below and above
-        # alike: one whose GPU time is unknown has its host time alone, which its queued launches can leave far
-        # under its plain call (W8A8 at 2176 -> 2560, M = 1024: the runner-up kernels' table, never timed, ruled the
-        # library table out by host time and ran every plain call at 157 us, against 59 us for the library table
-        # graph-replayed; H100). So it neither starts the race nor rules others out; its probe decides.
+        # Only a table whose GPU time is known has an estimate near its plain call: one whose GPU time is unknown
+        # (a library path swapped in by candidates(), never timed) has its host time alone, which its queued
+        # launches can leave far under its plain call. So it neither starts the race nor rules others out by
+        # host time; its probe decides.
         known = [i for i, table in enumerate(self.tables) if known_gpu_ms(table) is not None]
         self._start = min(known, key=estimate.__getitem__) if known else 0
         lowest = estimate[self._start]
