@@ -259,7 +259,7 @@ def main() -> None:
                                                         dynamic=False)
                 row = dict(name=f"drawn-mlp-{i}", **shape,
                            **measure(fns, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS,
-                                     plain=True if M in plain_at else None))
+                                     time_plain=True if M in plain_at else None))
                 us = row["us"]
                 row["ratio_w8a8"] = us[row["best_peer"]] / us["autofuse-w8a8"]
                 if "scaled_mm-w8a8" in us:

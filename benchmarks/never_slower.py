@@ -124,10 +124,10 @@ def linear_providers(shape: dict) -> dict:
 
 
 def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
-            peers: tuple[str, ...] | None = None, plain: bool | None = None) -> dict:
+            peers: tuple[str, ...] | None = None, time_plain: bool | None = None) -> dict:
     """One point: every provider's error against eager's output and graph-replayed time, and its plain calls' time
-    where `plain` (default: at M <= PLAIN_M); `ratio` is the best of `peers` (default: every provider but `subject`)
-    over `subject`."""
+    where `time_plain` (default: at M <= PLAIN_M); `ratio` is the best of `peers` (default: every provider but
+    `subject`) over `subject`."""
     x = torch.randn(M, d_in, device="cuda", dtype=torch.bfloat16)
     ref = providers["eager"](x).float()
     errors = {}
@@ -143,7 +143,7 @@ def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
     peers = [name for name in times if name != subject] if peers is None else [p for p in peers if p in times]
     best = min(peers, key=times.get)
     row = dict(M=M, us=times, rel_error=errors, best_peer=best, ratio=times[best] / times[subject])
-    if M <= PLAIN_M if plain is None else plain:
+    if (M <= PLAIN_M) if time_plain is None else time_plain:
         # Steady state: each autofuse module's plain calls until its un-graphed race (choose/race.py) has decided,
         # RACE_CALLS at most (what those calls cost is first_use.py's to measure); plain_call_us warms the others.
         for fn in providers.values():
