@@ -244,11 +244,12 @@ class Raced:
         # launches can leave far under its plain call. So it neither starts the race nor rules others out by
         # host time; its probe decides.
         known = [i for i, table in enumerate(self.tables) if known_gpu_ms(table) is not None]
-        self._start = min(known, key=estimate.__getitem__) if known else 0
-        lowest = estimate[self._start]
-        for i, us in enumerate(host):
-            if known and us > lowest * (1 + policy.race_host_keep):
-                self._alive[i] = False
+        self._start = min(known, key=estimate.__getitem__, default=0)
+        if known:
+            lowest = estimate[self._start]
+            for i, us in enumerate(host):
+                if us > lowest * (1 + policy.race_host_keep):
+                    self._alive[i] = False
         order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=estimate.__getitem__)
         # None: the fastest entry known when the window starts.
         self._plan = [(self._start, window, False)]
