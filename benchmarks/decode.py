@@ -100,8 +100,7 @@ def measure(shape: dict, found: dict, M: int, ceiling: dict, max_autotune: bool)
     d, f = shape["d_model"], shape["d_ff"]
     fns = dict(found)
     if max_autotune:
-        # Compiled for this M alone (static shapes): what Inductor's max-autotune makes of one decode shape.
-        fns["max-autotune"] = torch.compile(found["eager"], mode="max-autotune-no-cudagraphs", dynamic=False)
+        fns["max-autotune"] = never_slower.max_autotune(found["eager"])
     row = never_slower.measure(fns, d, M)
     roof = roofline_us(d, f, M, ceiling)
     x = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
@@ -172,17 +171,12 @@ def main() -> None:
         return
     tokens = [int(t) for t in args.tokens.split(",")]
     gated, _ = draw_shapes(args.seed, args.mlps, 0)
-    indices = range(len(gated)) if args.only is None else [int(i) for i in args.only.split(",")]
-    if any(not 0 <= i < len(gated) for i in indices):
-        parser.error(f"--only takes indices below --mlps ({len(gated)})")
+    indices = harness.selected(parser, args.only, len(gated))
     if args.write_shapes:
         write_shapes(args.write_shapes, gated, [], tokens)
         return
     args.out = harness.out_dir(args.out)
     autotune_at = set() if args.no_max_autotune else {int(t) for t in args.max_autotune_tokens.split(",")}
-    # One compiled function per M for max-autotune (static shapes), plus torch.compile's default one.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
     liger = liger_gate()
     ceiling = ceilings()
     print(json.dumps({k: f"{v:.4g}" for k, v in ceiling.items()}), flush=True)

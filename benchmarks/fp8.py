@@ -37,7 +37,7 @@ import warnings
 
 import harness
 import torch
-from never_slower import draw_shapes, geomean, liger_gate, measure, mlp_providers
+from never_slower import draw_shapes, geomean, liger_gate, max_autotune, measure, mlp_providers
 
 import autofuse
 from autofuse.ops.gated_act import gated_activation
@@ -233,12 +233,7 @@ def main() -> None:
     autotune_at = {int(t) for t in args.max_autotune_tokens.split(",") if t}
     plain_at = {int(t) for t in args.plain_tokens.split(",") if t}
     gated, _ = draw_shapes(args.seed, args.mlps, 0)
-    indices = range(len(gated)) if args.only is None else [int(i) for i in args.only.split(",")]
-    if any(not 0 <= i < len(gated) for i in indices):
-        parser.error(f"--only takes indices below --mlps ({len(gated)})")
-    # One compiled function per M for max-autotune (static shapes), plus torch.compile's default one.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
+    indices = harness.selected(parser, args.only, len(gated))
     liger = liger_gate()
     rows = []
     start = time.perf_counter()
@@ -254,9 +249,7 @@ def main() -> None:
             for M in tokens:
                 fns = dict(providers)
                 if M in autotune_at:
-                    # Compiled for this M alone (static shapes): what Inductor's max-autotune makes of one shape.
-                    fns["max-autotune"] = torch.compile(providers["eager"], mode="max-autotune-no-cudagraphs",
-                                                        dynamic=False)
+                    fns["max-autotune"] = max_autotune(providers["eager"])
                 row = dict(name=f"drawn-mlp-{i}", **shape,
                            **measure(fns, shape["d_model"], M, subject="autofuse-fp8", peers=PEERS,
                                      time_plain=True if M in plain_at else None))

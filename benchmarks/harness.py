@@ -26,6 +26,14 @@ def parser(description: str) -> argparse.ArgumentParser:
     return made
 
 
+def selected(made: argparse.ArgumentParser, only: str | None, count: int) -> list[int]:
+    """The indices `--only` names (comma-separated), or all `count`; a parser error for one out of range."""
+    indices = list(range(count)) if only is None else [int(i) for i in only.split(",")]
+    if any(not 0 <= i < count for i in indices):
+        made.error(f"--only takes indices below --mlps ({count})")
+    return indices
+
+
 def gpu_name() -> str:
     import torch
 

@@ -91,6 +91,15 @@ def liger_gate():
     return {"gelu_tanh": LigerGELUMulFunction.apply, "silu": LigerSiLUMulFunction.apply}
 
 
+def max_autotune(fn):
+    """torch.compile max-autotune-no-cudagraphs of `fn`, to be called at one M alone (static shapes): what Inductor's
+    max-autotune makes of one shape. A sweep compiles one such function per M beside torch.compile's default one, so
+    Dynamo's recompile limits are raised to hold them."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
+    return torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
 def mlp_providers(shape: dict, liger) -> dict:
     d, f, act = shape["d_model"], shape["d_ff"], shape["activation"]
     module = autofuse.get_mlp(d, f, activation=act, dtype=torch.bfloat16, device="cuda")
@@ -148,7 +157,9 @@ def measure(providers: dict, d_in: int, M: int, subject: str = "autofuse",
         # RACE_CALLS at most (what those calls cost is first_use.py's to measure); plain_call_us warms the others.
         for fn in providers.values():
             settled = getattr(fn, "plain_config_for", None)
-            for _ in range(RACE_CALLS if settled is not None else 0):
+            if settled is None:
+                continue
+            for _ in range(RACE_CALLS):
                 if settled(M) is not None:
                     break
                 fn(x)
