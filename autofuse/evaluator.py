@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import workspaces
+from . import compile_workers, workspaces
 from .configs import KernelConfig, Library
 from .device import cuda_index, interpreting
 from .errors import AutofuseError
@@ -208,8 +208,12 @@ class Evaluator:
         torch.cuda.synchronize(self.device)
 
     def precompile(self, config: KernelConfig) -> None:
-        """Compile `config`'s kernel for this key (Triton's cache keeps it for the trial or check that follows)."""
+        """Compile `config`'s kernel for this key (Triton's cache keeps it for the trial or check that follows): in
+        an idle compile worker where one is ready (compile_workers), then here, which then only loads it."""
         if not self.interpret:
+            with torch.cuda.device(cuda_index(self.device)), torch.no_grad():
+                compile_workers.compile_ahead(lambda: self._launch(config, self.operands[self._input]),
+                                              self.compile_timeout_s)
             self._compile(config)
 
     def precompile_all(self, configs: list[KernelConfig], threads: int) -> None:

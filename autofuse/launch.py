@@ -17,7 +17,7 @@ from functools import cache
 
 import torch
 
-from . import variants, workspaces
+from . import compile_workers, variants, workspaces
 from .bound import BoundLaunch
 from .configs import KernelConfig
 from .device import cuda_index, dependent_launches, fp32_input_precision, interpreting, persistent_programs
@@ -83,7 +83,8 @@ def memoised_launch(key: tuple, tensors: dict, build: Callable[[], tuple]) -> No
     if bound is not None and _recorded.get() is None and bound(tensors):
         return
     kernel, grid_, sizes, options = build()
-    fresh = _recorded.get() is None and key not in _memo  # while binding() records, the recorder keeps it
+    # While binding() records, the recorder keeps it; while a compile worker's capture runs, nothing launches.
+    fresh = _recorded.get() is None and key not in _memo and not compile_workers.capturing()
     bound = launch(kernel, grid_, tensors, sizes, options, bind=fresh)
     if fresh:
         if len(_memo) >= _MEMO_KEPT:
@@ -170,6 +171,8 @@ def launch(kernel: Kernel, grid_: tuple, tensors: dict, sizes: tuple[int, ...], 
     bound, or where neither asked)."""
     args = launch_args(kernel.parameters, tensors, sizes, options, workspace, descriptor)
     compiled = kernel.fn[grid_](*args, **options)
+    if compile_workers.capturing():  # captured for a compile worker: nothing was compiled or launched
+        return None
     recorded = _recorded.get()
     if recorded is None and not bind:
         return None

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import variants
+from .. import compile_workers, variants
 from ..configs import Library
 from ..device import capturing, interpreting
 from ..errors import AutofuseError
@@ -113,6 +113,7 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
             work.append((problem, None))  # the library paths' pointwise passes: 0.15 s each to compile
     if len(work) < 2:  # one kernel compiles as fast in its own check
         return
+    compile_workers.start_for(work[0][0].device)  # ready for the next first use, where not for this one
     threads = [threading.Thread(target=_compile_one, args=job, name="autofuse-precompile") for job in work]
     for thread in threads:
         thread.start()

@@ -1,0 +1,271 @@
+"""Triton compiles in worker processes, for the kernels a first use compiles.
+
+A Triton compile holds the GIL through its Python front end and most of its passes, so the threads a module's
+first forward compiles its four to eight kernels on (check.precompile) overlap only in part. Worker processes
+(_compile_worker.py: Python with Triton imported, no torch, no CUDA context) compile them side by side into
+Triton's cache, where the thread that asked then finds the kernel and only loads it.
+
+How a kernel reaches a worker: the thread runs the launch it would compile with a Triton JIT hook
+(knobs.runtime.jit_cache_hook) that, in that thread only, takes the JIT's specialization (Triton's own
+serialized form, the arguments of JITFunction.preload) and the generated kernel's text (from linecache, where
+render.load_source put it; only autofuse's kernels), skips the compile and returns no kernel, so nothing
+launches. The worker compiles the same source with the same specialization for the same target, so Triton's
+cache key is the one the thread's own compile computes next.
+
+Workers start at a process's first check (a first use that finds none ready compiles on its threads as before)
+and are used where one is idle and ready; a kernel a worker could not compile is compiled by the thread as
+before. AUTOFUSE_COMPILE_WORKERS sets how many (0: none).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import linecache
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger("autofuse")
+
+_SCRIPT = Path(__file__).with_name("_compile_worker.py")
+# The most workers a process starts: a first forward compiles at most about eight kernels at once.
+MAX_WORKERS = 8
+# What generated kernels are named (render.source_name): only these are sent to a worker.
+_KERNEL_PREFIX = "<autofuse kernel "
+
+
+def worker_count() -> int:
+    """How many workers to start: AUTOFUSE_COMPILE_WORKERS, or half the CPUs up to MAX_WORKERS."""
+    value = os.environ.get("AUTOFUSE_COMPILE_WORKERS", "").strip()
+    if not value:
+        return 0 if os.name != "posix" else min(MAX_WORKERS, (os.cpu_count() or 1) // 2)
+    try:
+        return max(0, min(int(value), MAX_WORKERS))
+    except ValueError:
+        logger.warning("autofuse: AUTOFUSE_COMPILE_WORKERS=%r is not a whole number; compiling without workers",
+                       value[:40])
+        return 0
+
+
+class _Worker:
+    """One worker process and the reply bytes read from it."""
+
+    def __init__(self, target: tuple[str, int, int]) -> None:
+        # Never the interpreter: a worker compiles (TRITON_INTERPRET would make its kernels interpreted functions).
+        environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+        self.process = subprocess.Popen([sys.executable, str(_SCRIPT), *map(str, target)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment)
+        self.ready: bool | None = None  # None until its first line says
+        self._pending = b""
+
+    def poll_ready(self) -> bool:
+        """Whether the worker is ready, reading its first line where it has written it (never waits)."""
+        if self.ready is None:
+            reply = self._line(0.0)
+            if reply is not None:
+                self.ready = bool(reply.get("ready"))
+                if not self.ready:
+                    logger.debug("autofuse: a compile worker could not start: %s", reply.get("error"))
+                    self.stop()
+            elif self.process.poll() is not None:
+                self.ready = False
+        return bool(self.ready)
+
+    def compile(self, request: dict, timeout_s: float) -> str | None:
+        """Have the worker compile one kernel: None when done, else why not (the worker is stopped where it
+        did not answer within timeout_s)."""
+        try:
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+        except OSError as e:
+            self.stop()
+            return f"the worker is gone ({type(e).__name__})"
+        reply = self._line(timeout_s)
+        if reply is None:
+            self.stop()
+            return f"no answer within {timeout_s:g} s"
+        return None if reply.get("ok") else str(reply.get("error"))
+
+    def _line(self, timeout_s: float) -> dict | None:
+        """The worker's next line as JSON, or None where none came within timeout_s (or the worker ended)."""
+        deadline = time.monotonic() + timeout_s
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._pending:
+            remaining = max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                self.ready = False
+                return None
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"ok": False, "ready": False, "error": line[:200].decode(errors="replace")}
+
+    def stop(self) -> None:
+        self.ready = False
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.process.wait(timeout=1)
+
+
+class _Pool:
+    def __init__(self, target: tuple[str, int, int], count: int) -> None:
+        self.pid = os.getpid()
+        self.target = target
+        self.workers = [_Worker(target) for _ in range(count)]
+        self.idle = list(self.workers)
+        self.lock = threading.Lock()
+
+    def take(self) -> _Worker | None:
+        """An idle worker that is ready, or None (never waits for one)."""
+        with self.lock:
+            for worker in self.idle:
+                if worker.poll_ready():
+                    self.idle.remove(worker)
+                    return worker
+        return None
+
+    def give_back(self, worker: _Worker) -> None:
+        with self.lock:
+            if worker.ready:
+                self.idle.append(worker)
+
+    def stop(self) -> None:
+        if self.pid != os.getpid():  # a forked child's copy (its atexit too): the workers are its parent's
+            return
+        for worker in self.workers:
+            with contextlib.suppress(OSError):
+                worker.process.stdin.close()
+            worker.stop()
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def start(target: tuple[str, int, int]) -> None:
+    """Start this process's workers for `target` ((backend, arch, warp size), Triton's GPUTarget) unless they run;
+    never waits for them. A process forked from one with workers starts its own."""
+    global _pool
+    with _pool_lock:
+        if _pool is not None and _pool.pid == os.getpid() and _pool.target == target:
+            return
+        count = worker_count()
+        if count == 0 or not _install_hook():
+            return
+        if _pool is not None and _pool.pid == os.getpid():
+            _pool.stop()
+        try:
+            _pool = _Pool(target, count)
+        except OSError as e:
+            logger.debug("autofuse: could not start compile workers (%s: %s)", type(e).__name__, e)
+            return
+    atexit.register(_pool.stop)
+
+
+def start_for(device) -> None:
+    """start() for the Triton target of a CUDA device (torch.device)."""
+    try:
+        import torch
+        from triton.runtime import driver
+
+        with torch.cuda.device(device):
+            target = driver.active.get_current_target()
+    except Exception as e:  # noqa: BLE001 - no workers: the threads compile as before
+        logger.debug("autofuse: no compile workers (%s: %s)", type(e).__name__, e)
+        return
+    start((target.backend, target.arch, target.warp_size))
+
+
+def compile_ahead(launch: Callable[[], object], timeout_s: float) -> int:
+    """Have an idle worker compile the kernels `launch()` would compile here (captured, not launched): how many it
+    compiled into Triton's cache (0 where no worker is ready and idle; the caller's own compile then does it all)."""
+    pool = _pool
+    if pool is None or pool.pid != os.getpid():
+        return 0
+    worker = pool.take()
+    if worker is None:
+        return 0
+    try:
+        with _capturing() as requests:
+            launch()
+        compiled = 0
+        for request in requests:
+            error = worker.compile(request, timeout_s)
+            if error is not None:
+                logger.debug("autofuse: a compile worker did not compile %s: %s", request["name"], error)
+                break
+            compiled += 1
+        return compiled
+    finally:
+        pool.give_back(worker)
+
+
+_capture = threading.local()
+
+
+def capturing() -> bool:
+    """Whether this thread's launches are being captured for a worker (no kernel runs)."""
+    return getattr(_capture, "requests", None) is not None
+
+
+@contextlib.contextmanager
+def _capturing() -> Iterator[list[dict]]:
+    _capture.requests = requests = []
+    try:
+        yield requests
+    finally:
+        _capture.requests = None
+
+
+_hook_installed = False
+_previous_hook = None
+
+
+def _install_hook() -> bool:
+    """Chain the capture hook in front of any jit_cache_hook already set; False where this Triton has none."""
+    global _hook_installed, _previous_hook
+    if _hook_installed:
+        return True
+    try:
+        import triton
+
+        runtime = triton.knobs.runtime
+        _previous_hook = runtime.jit_cache_hook
+        runtime.jit_cache_hook = _hook
+    except (ImportError, AttributeError) as e:
+        logger.debug("autofuse: no compile workers with this Triton (%s: %s)", type(e).__name__, e)
+        return False
+    _hook_installed = True
+    return True
+
+
+def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's keywords
+    requests = getattr(_capture, "requests", None)
+    if requests is None:
+        return None if _previous_hook is None else _previous_hook(
+            key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+            already_compiled=already_compiled)
+    jit = fn.jit_function
+    filename = jit.fn.__code__.co_filename
+    if not filename.startswith(_KERNEL_PREFIX):
+        return None  # compiled here, as without workers
+    import triton
+
+    requests.append({"source": "".join(linecache.getlines(filename)), "filename": filename,
+                     "name": jit.fn.__name__, "spec": compile["specialization_data"],
+                     "cache_dir": triton.knobs.cache.dir})
+    return True  # skip this compile: the JIT returns no kernel and launches nothing
