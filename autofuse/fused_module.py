@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import traffic
+from . import compile_workers, traffic
 from .choose import Choice, LinearPlan, MLPPlan, generation, pending, select, table_key
 from .choose import race as plain
+from .choose.check import enabled as checks_enabled
 from .configs import KernelConfig, Library
-from .device import capturing, check_device
+from .device import capturing, check_device, interpreting
 from .errors import AutofuseError, shown
 from .shapes import DTYPES, MAX_SIZE
 
@@ -101,7 +102,16 @@ class FusedModule(nn.Module):
             recorder.retire(self)
         module = super()._apply(fn, recurse)
         self._lay_out()  # `.to()` / `.half()` copy the parameters into plain tensors
+        self._start_compile_workers()
         return module
+
+    def _start_compile_workers(self) -> None:
+        """Start the compile workers (compile_workers.py) where this module's first forwards will check configs on
+        a GPU, so that they are ready by then (a model's weights take seconds to load); a module calls it once built
+        and after each move."""
+        device = self._reference_weight().device
+        if device.type == "cuda" and self.tuned and checks_enabled() and not interpreting():
+            compile_workers.start_for(device)
 
     def _lay_out(self) -> None:
         """Keeps the parameters in the storage inference runs on (layout.py), where the module has one: made when

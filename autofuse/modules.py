@@ -84,6 +84,7 @@ class FusedLinear(FusedModule):
         self._lay_out()
         if self._pads:
             self._register_state_dict_hook(contiguous_state)
+        self._start_compile_workers()
 
     def _apply(self, fn, recurse=True):
         # `.to()`, `.half()`: the padded training copies and configs name the old dtype or device.
@@ -388,6 +389,7 @@ class FusedMLP(FusedModule):
         self._training_layout: TrainingLayout | None = None
         self._lay_out()
         self._register_state_dict_hook(contiguous_state)
+        self._start_compile_workers()
 
     def _apply(self, fn, recurse=True):
         # `.to()`, `.half()`: the training entries' keys name the old dtype or device, and their launches hold views

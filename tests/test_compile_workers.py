@@ -237,3 +237,21 @@ def test_a_first_use_compiles_its_kernels_in_workers_and_its_checks_find_them(mo
     expected = (torch.nn.functional.silu(x.double() @ w_gate.T) * (x.double() @ w_up.T)) @ w_down.T
     # bf16 operands and output over K = 1064 and 2985: a relative error of a few 2^-8.
     assert ((y.double() - expected).norm() / expected.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_a_module_built_on_a_gpu_starts_the_workers_before_its_first_forward(monkeypatch):
+    import autofuse
+
+    started = []
+    monkeypatch.setattr(compile_workers, "start", started.append)
+    monkeypatch.setenv("AUTOFUSE_CHECK", "1")
+    autofuse.get_mlp(256, 520, activation="silu", dtype=torch.bfloat16, device="cuda")
+    assert started and started[0][0] == "cuda"  # the module's GPU's Triton target
+    started.clear()
+    autofuse.get_linear(256, 520, dtype=torch.bfloat16, device="cpu").to("cuda")
+    assert started  # moved onto a GPU
+    started.clear()
+    monkeypatch.setenv("AUTOFUSE_CHECK", "0")  # no first-use checks: nothing to compile ahead
+    autofuse.get_mlp(256, 520, activation="silu", dtype=torch.bfloat16, device="cuda")
+    assert not started
