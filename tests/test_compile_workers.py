@@ -248,9 +248,10 @@ def test_a_module_built_on_a_gpu_starts_the_workers_before_its_first_forward(mon
     monkeypatch.setenv("AUTOFUSE_CHECK", "1")
     autofuse.get_mlp(256, 520, activation="silu", dtype=torch.bfloat16, device="cuda")
     assert started and started[0][0] == "cuda"  # the module's GPU's Triton target
+    linear = autofuse.get_linear(256, 520, dtype=torch.float32, device="cuda")
     started.clear()
-    autofuse.get_linear(256, 520, dtype=torch.bfloat16, device="cpu").to("cuda")
-    assert started  # moved onto a GPU
+    linear.half()
+    assert started  # a move (.to(), .half()) starts them too
     started.clear()
     monkeypatch.setenv("AUTOFUSE_CHECK", "0")  # no first-use checks: nothing to compile ahead
     autofuse.get_mlp(256, 520, activation="silu", dtype=torch.bfloat16, device="cuda")
