@@ -214,6 +214,60 @@ def compile_ahead(launch: Callable[[], object], timeout_s: float) -> int:
         pool.give_back(worker)
 
 
+def compile_ahead_in_background(launch: Callable[[], object], timeout_s: float, tag: object) -> bool:
+    """compile_ahead, returning once `launch()` is captured (here, in this thread: it may allocate on the GPU) while
+    an idle worker compiles in the background: wait_for(tag) waits for that. False where no worker is ready and idle
+    or nothing was captured (the caller then compiles as before). The background thread makes no CUDA call, so it
+    may run while the checks' timing graphs capture."""
+    pool = _pool
+    if pool is None or pool.pid != os.getpid():
+        return False
+    worker = pool.take()
+    if worker is None:
+        return False
+    try:
+        with _capturing() as requests:
+            launch()
+    except BaseException:
+        pool.give_back(worker)
+        raise
+    if not requests:
+        pool.give_back(worker)
+        return False
+    done = threading.Event()
+    with _pending_lock:
+        _pending[tag] = done
+
+    def compile_all() -> None:
+        try:
+            for request in requests:
+                error = worker.compile(request, timeout_s)
+                if error is not None:
+                    logger.debug("autofuse: a compile worker did not compile %s: %s", request["name"], error)
+                    break
+        finally:
+            pool.give_back(worker)
+            done.set()
+            with _pending_lock:
+                if _pending.get(tag) is done:
+                    del _pending[tag]
+
+    threading.Thread(target=compile_all, name="autofuse-compile-worker", daemon=True).start()
+    return True
+
+
+def wait_for(tag: object, timeout_s: float) -> None:
+    """Wait, up to timeout_s, for a background compile of `tag` (compile_ahead_in_background) that is still
+    running; at once where none is."""
+    with _pending_lock:
+        done = _pending.get(tag)
+    if done is not None:
+        done.wait(timeout_s)
+
+
+_pending: dict[object, threading.Event] = {}
+_pending_lock = threading.Lock()
+
 _capture = threading.local()
 
 

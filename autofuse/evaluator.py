@@ -207,14 +207,21 @@ class Evaluator:
                     logger.debug("precompiling library candidate %s failed (%s: %s)", name, type(e).__name__, e)
         torch.cuda.synchronize(self.device)
 
-    def precompile(self, config: KernelConfig) -> None:
+    def precompile(self, config: KernelConfig, background: bool = False) -> None:
         """Compile `config`'s kernel for this key (Triton's cache keeps it for the trial or check that follows): in
-        an idle compile worker where one is ready (compile_workers), then here, which then only loads it."""
-        if not self.interpret:
-            with torch.cuda.device(cuda_index(self.device)), torch.no_grad():
-                compile_workers.compile_ahead(lambda: self._launch(config, self.operands[self._input]),
-                                              self.compile_timeout_s)
-            self._compile(config)
+        an idle compile worker where one is ready (compile_workers), then here, which then only loads it. With
+        `background`, a worker's compile goes on after this returns, and this key's own compile of `config` at M
+        (_compile: a check's trial) waits for it first."""
+        if self.interpret:
+            return
+        with torch.cuda.device(cuda_index(self.device)), torch.no_grad():
+            def launch():
+                return self._launch(config, self.operands[self._input])
+            if background and compile_workers.compile_ahead_in_background(launch, self.compile_timeout_s,
+                                                                           (self.key, self.M, config)):
+                return
+            compile_workers.compile_ahead(launch, self.compile_timeout_s)
+        self._compile(config)
 
     def precompile_all(self, configs: list[KernelConfig], threads: int) -> None:
         """Compile the kernels of `configs` at once on `threads` threads, for the trials that follow (a kernel's
@@ -245,6 +252,7 @@ class Evaluator:
         the trial is recorded as a timeout and the next one gets a fresh thread."""
         if self.interpret:
             return None  # nothing to compile
+        compile_workers.wait_for((self.key, self.M, config), self.compile_timeout_s)  # a worker compiling it
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         future = self._pool.submit(self._compile_and_sync, config)

@@ -276,7 +276,8 @@ def test_where_most_nearby_tuned_records_chose_a_library_path_the_check_times_th
         timed.append(config)
         return TrialRecord(config, "ok", 1.0, "")
     monkeypatch.setattr(objective.Evaluator, "evaluate", evaluate)
-    monkeypatch.setattr(checked, "_compile_one", lambda problem, kernel: compiled.append(kernel))
+    monkeypatch.setattr(checked, "_compile_one",
+                        lambda problem, kernel, background=False: compiled.append(kernel) if kernel else None)
     monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
     monkeypatch.setattr(objective.Evaluator, "retimed_side_by_side",
                         lambda self, record, library_ms, names, rivals=(): (record, library_ms))
@@ -499,8 +500,11 @@ def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
 
     compiled = []
 
-    def precompile(self, config):
+    backgrounds = []
+
+    def precompile(self, config, background=False):
         compiled.append((self.key.op, config, threading.current_thread().name))
+        backgrounds.append(background)
 
     monkeypatch.setattr(objective.Evaluator, "precompile", precompile)
     libraries = []
@@ -517,6 +521,8 @@ def test_a_plans_kernels_are_compiled_at_once_before_their_checks(monkeypatch):
     assert "gated_pairs" in with_passes and sorted(libraries) == sorted(with_passes)
     assert {name for _, _, name in compiled} == {"autofuse-precompile"}
     assert all(isinstance(config, KernelConfig) for _, config, _ in compiled)
+    # Checks' kernels: a compile worker may finish them while the checks before theirs time.
+    assert backgrounds and all(backgrounds)
     compiled.clear()
     plans._precompile(MLPPlan(D, F_, "silu", False), 128, torch.float32, torch.device("cpu"))  # no one launch
     assert sorted(op for op, _, _ in compiled) == ["down", "gated_up"]
@@ -530,7 +536,12 @@ def test_a_plans_tuned_kernels_are_compiled_at_once_too(device, monkeypatch):
     from autofuse.configs import Library
 
     compiled = []
-    monkeypatch.setattr(objective.Evaluator, "precompile", lambda self, config: compiled.append((self.key.op, config)))
+    backgrounds = []
+
+    def precompile(self, config, background=False):
+        compiled.append((self.key.op, config))
+        backgrounds.append(background)
+    monkeypatch.setattr(objective.Evaluator, "precompile", precompile)
     monkeypatch.setattr(objective.Evaluator, "precompile_library", lambda self: None)
     monkeypatch.setattr(checked, "_times_on_gpu", lambda device: True)
     plan = MLPPlan(D, F_, "silu", False)
@@ -540,6 +551,7 @@ def test_a_plans_tuned_kernels_are_compiled_at_once_too(device, monkeypatch):
     resolve.invalidate()
     plans._precompile(plan, 4, torch.float32, torch.device(device))
     assert sorted(compiled) == [("down", _TILE), ("gated_up", _TILE), ("mlp", _TILE)]
+    assert backgrounds and not any(backgrounds)  # the module runs tuned kernels itself: compiled before it goes on
     compiled.clear()
     _tuned_neighbour(device, "down", D, F_, 4, Library("eager"))
     resolve.invalidate()

@@ -164,6 +164,35 @@ def test_the_hook_takes_autofuse_kernels_while_capturing_and_passes_on_otherwise
     assert requests[0]["filename"] == FILENAME and requests[0]["cache_dir"] == triton.knobs.cache.dir
 
 
+def test_a_background_compile_lands_in_the_cache_by_the_time_its_tag_is_waited_for(cache_dir, monkeypatch):
+    fn, *_, spec = _kernel(1024)
+    pool = compile_workers._Pool(TARGET, 1)
+    monkeypatch.setattr(compile_workers, "_pool", pool)
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.workers[0].poll_ready():
+            assert pool.workers[0].ready is None and time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.02)
+        asked = []
+
+        def launch():  # what Triton's JIT does at a launch of an uncompiled kernel: asks the hook
+            asked.append(_call_hook(fn, spec))
+        assert compile_workers.compile_ahead_in_background(launch, 120, ("key", 16, "config"))
+        assert asked == [True]  # captured, not compiled here
+        compile_workers.wait_for(("key", 16, "config"), 120)
+        assert _parent_compiles(cache_dir, [1024]) == [True]
+        worker = pool.take()  # no idle worker left: nothing is captured, the caller compiles as before
+        assert worker is not None
+        assert not compile_workers.compile_ahead_in_background(launch, 120, ("key", 16, "other"))
+        assert asked == [True]
+        pool.give_back(worker)
+        started = time.monotonic()
+        compile_workers.wait_for(("key", 16, "never sent"), 120)  # nothing pending: no wait
+        assert time.monotonic() - started < 1
+    finally:
+        pool.stop()
+
+
 def test_a_launch_captured_for_a_worker_is_not_memoised(device):
     M, F = 4, 48
     g, u = (torch.randn(M, F, device=device, dtype=torch.float16) for _ in range(2))

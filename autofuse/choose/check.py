@@ -97,20 +97,22 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
     then finds its kernels compiled; one that fails here fails again in its check, which reports it. A tuned
     choice's kernel (nothing to check) is compiled beside them: a shipped gemma-2b MLP's first forward at M = 1
     compiled its kernels one after another in 4.3-4.6 s with an empty Triton cache (H100), most of it Triton's
-    launcher builds and ptxas, processes that run side by side on threads. Nothing to compile under the
+    launcher builds and ptxas, processes that run side by side on threads. A check's kernel that a compile worker
+    takes (compile_workers) may still be compiling when this returns: the checks start timing meanwhile, and each
+    check's own compile of a kernel waits for its worker (Evaluator._compile). Nothing to compile under the
     interpreter."""
     work = []
     for problem, choice in jobs:
         if not enabled() or not _times_on_gpu(problem.device) or _cannot_time(problem.device):
             continue
         if not choice.source.unchecked:
-            if choice.kernel is not None:
-                work.append((problem, choice.kernel))
+            if choice.kernel is not None:  # run by the module, not by a check: compiled before this returns
+                work.append((problem, choice.kernel, False))
             continue
         heuristic = heuristic_for(problem.replace(M=problem.bucket))
-        work.extend((problem, kernel) for kernel in _kernels_to_check(problem, choice, heuristic))
+        work.extend((problem, kernel, True) for kernel in _kernels_to_check(problem, choice, heuristic))
         if set(problem.spec.library_for(problem.activation, problem.bias, problem.residual)) - {"eager"}:
-            work.append((problem, None))  # the library paths' pointwise passes: 0.15 s each to compile
+            work.append((problem, None, False))  # the library paths' pointwise passes: 0.15 s each to compile
     if len(work) < 2:  # one kernel compiles as fast in its own check
         return
     compile_workers.start_for(work[0][0].device)  # ready for the next first use, where not for this one
@@ -121,8 +123,9 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
         thread.join()
 
 
-def _compile_one(problem: Problem, kernel) -> None:
-    """Compile `kernel` for the problem's check, or (None) its library paths' pointwise passes."""
+def _compile_one(problem: Problem, kernel, background: bool = False) -> None:
+    """Compile `kernel` for the problem's check, or (None) its library paths' pointwise passes. With `background`,
+    a compile worker may go on compiling after this returns (Evaluator.precompile; the check waits for it)."""
     from ..evaluator import Evaluator
 
     try:
@@ -131,7 +134,7 @@ def _compile_one(problem: Problem, kernel) -> None:
             if kernel is None:
                 evaluator.precompile_library()
             else:
-                evaluator.precompile(kernel)
+                evaluator.precompile(kernel, background)
         finally:
             evaluator.close()
     except Exception as e:  # noqa: BLE001 - the check itself meets and reports whatever failed here
