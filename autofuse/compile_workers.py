@@ -12,9 +12,11 @@ render.load_source put it; only autofuse's kernels), skips the compile and retur
 launches. The worker compiles the same source with the same specialization for the same target, so Triton's
 cache key is the one the thread's own compile computes next.
 
-Workers start at a process's first check (a first use that finds none ready compiles on its threads as before)
-and are used where one is idle and ready; a kernel a worker could not compile is compiled by the thread as
-before. AUTOFUSE_COMPILE_WORKERS sets how many (0: none).
+Workers start when a module is built on (or moved onto) a GPU, else at a process's first check (a first use that
+finds none ready compiles on its threads as before), and are used where one is idle and ready; a kernel a worker
+could not compile is compiled by the thread as before. A check's kernels may compile in the background
+(compile_ahead_in_background) while the checks before theirs time: the wait for a worker makes no CUDA call.
+AUTOFUSE_COMPILE_WORKERS sets how many (0: none).
 """
 
 from __future__ import annotations
