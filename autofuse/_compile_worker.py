@@ -18,6 +18,7 @@ if sys.path and sys.path[0]:
 
 import json  # noqa: E402
 import linecache  # noqa: E402
+import os  # noqa: E402
 import types  # noqa: E402
 
 _WARM_UP = '''
@@ -70,7 +71,18 @@ def compile_one(request: dict, target) -> None:
     triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
 
 
+def _replies():
+    """The stream replies go to: the process's stdout as it started; whatever else writes to stdout from here on
+    (a print in Triton or in a kernel's module, C code writing to fd 1) goes to stderr instead, so that no stray
+    line can be read as a reply."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return replies
+
+
 def main() -> None:
+    replies = _replies()
     backend, arch, warp_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     arch = int(arch) if arch.isdigit() else arch  # 90 for CUDA, a name such as gfx942 for ROCm
     from triton.backends.compiler import GPUTarget
@@ -85,16 +97,16 @@ def main() -> None:
                            "constant_vals": [128], "attrs_keys": [], "attrs_vals": [], "options": {}})
         compile_one({**warm_up, "spec": spec, "cache_dir": triton.knobs.cache.dir}, target)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which then compiles on its own
-        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
+        print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"[:500]}), file=replies, flush=True)
         return
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=replies, flush=True)
     for line in sys.stdin:
         try:
             compile_one(json.loads(line), target)
             reply = {"ok": True}
         except Exception as e:  # noqa: BLE001 - one kernel's failure is the parent's to report, not the worker's end
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=replies, flush=True)
 
 
 if __name__ == "__main__":

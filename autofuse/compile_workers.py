@@ -44,6 +44,12 @@ MAX_WORKERS = 8
 _KERNEL_PREFIX = "<autofuse kernel "
 
 
+def _is_python(executable: str) -> bool:
+    """Whether `executable` (sys.executable) is a Python interpreter that can run the worker script: not empty, as
+    in an embedding program, nor that program itself."""
+    return os.path.basename(executable).lower().startswith(("python", "pypy"))
+
+
 def worker_count() -> int:
     """How many workers to start: AUTOFUSE_COMPILE_WORKERS, or half the CPUs up to MAX_WORKERS."""
     value = os.environ.get("AUTOFUSE_COMPILE_WORKERS", "").strip()
@@ -111,9 +117,13 @@ class _Worker:
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         try:
-            return json.loads(line)
+            reply = json.loads(line)
         except ValueError:
-            return {"ok": False, "ready": False, "error": line[:200].decode(errors="replace")}
+            reply = None
+        if not isinstance(reply, dict):  # not the worker's protocol: its replies cannot be trusted from here on
+            self.stop()
+            return {"ok": False, "ready": False, "error": f"not a reply: {line[:200].decode(errors='replace')}"}
+        return reply
 
     def stop(self) -> None:
         self.ready = False
@@ -166,7 +176,7 @@ def start(target: tuple[str, int, int]) -> None:
         if _pool is not None and _pool.pid == os.getpid() and _pool.target == target:
             return
         count = worker_count()
-        if count == 0 or not _install_hook():
+        if count == 0 or not _is_python(sys.executable) or not _install_hook():
             return
         if _pool is not None and _pool.pid == os.getpid():
             _pool.stop()

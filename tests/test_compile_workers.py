@@ -138,6 +138,36 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped(cache_dir):
     assert worker.process.poll() is not None and not worker.ready
 
 
+def test_what_a_kernels_module_prints_does_not_break_the_replies(cache_dir):
+    *_, spec = _kernel(128)
+    worker = _ready_worker()
+    try:
+        noisy = SOURCE.replace("import triton\n", "import triton\nprint('{\"ok\": false}')\n", 1)
+        assert worker.compile(_request(spec, cache_dir, noisy), timeout_s=120) is None
+        assert worker.compile(_request(spec, cache_dir), timeout_s=120) is None
+    finally:
+        worker.stop()
+
+
+def test_a_worker_that_writes_something_else_than_replies_is_stopped():
+    worker = object.__new__(compile_workers._Worker)  # a process that is not the worker script
+    worker.process = subprocess.Popen([sys.executable, "-c", "import sys; print('warming up'); sys.stdin.read()"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    worker.ready, worker._pending = None, b""
+    deadline = time.monotonic() + 60
+    while worker.ready is None and time.monotonic() < deadline:
+        worker.poll_ready()
+        time.sleep(0.02)
+    assert worker.ready is False
+    assert worker.process.wait(timeout=10) is not None
+
+
+@pytest.mark.parametrize("executable, python", [("/usr/bin/python3.12", True), ("/opt/venv/bin/python", True),
+                                                ("", False), ("/usr/bin/uwsgi", False)])
+def test_workers_start_only_where_the_executable_is_python(executable, python):
+    assert compile_workers._is_python(executable) is python
+
+
 def _call_hook(jit_function, spec="{}"):
     """The hook as Triton's JIT calls it (JITFunction._call_hook's keywords)."""
     info = types.SimpleNamespace(jit_function=jit_function)
