@@ -3,6 +3,8 @@ with its bound entries (dispatch.BoundMLP / BoundLinear) and the last one kept f
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -109,8 +111,9 @@ class FusedModule(nn.Module):
         """Start the compile workers (compile_workers.py) where this module's first forwards will check configs on
         a GPU, so that they are ready by then (a model's weights take seconds to load); a module calls it once built
         and after each move."""
-        device = self._reference_weight().device
-        if device.type == "cuda" and self.tuned and checks_enabled() and not interpreting():
+        # Any tensor of the module: a subclass's reference weight may not be set yet while its base class builds.
+        device = next((t.device for t in itertools.chain(self.parameters(), self.buffers())), None)
+        if device is not None and device.type == "cuda" and self.tuned and checks_enabled() and not interpreting():
             compile_workers.start_for(device)
 
     def _lay_out(self) -> None:
