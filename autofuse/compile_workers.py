@@ -40,8 +40,6 @@ logger = logging.getLogger("autofuse")
 _SCRIPT = Path(__file__).with_name("_compile_worker.py")
 # The most workers a process starts: a first forward compiles at most about eight kernels at once.
 MAX_WORKERS = 8
-# What generated kernels are named (render.source_name): only these are sent to a worker.
-_KERNEL_PREFIX = "<autofuse kernel "
 
 
 def _is_python(executable: str) -> bool:
@@ -325,11 +323,14 @@ def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noq
         return None if _previous_hook is None else _previous_hook(
             key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
             already_compiled=already_compiled)
+    import triton
+
+    from .render import SOURCE_PREFIX
+
     jit = fn.jit_function
     filename = jit.fn.__code__.co_filename
-    if not filename.startswith(_KERNEL_PREFIX):
-        return None  # compiled here, as without workers
-    import triton
+    if not filename.startswith(SOURCE_PREFIX):
+        return None  # not a kernel autofuse generated: compiled here, as without workers
 
     requests.append({"source": "".join(linecache.getlines(filename)), "filename": filename,
                      "name": jit.fn.__name__, "spec": compile["specialization_data"],

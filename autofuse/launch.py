@@ -171,7 +171,7 @@ def launch(kernel: Kernel, grid_: tuple, tensors: dict, sizes: tuple[int, ...], 
     bound, or where neither asked)."""
     args = launch_args(kernel.parameters, tensors, sizes, options, workspace, descriptor)
     compiled = kernel.fn[grid_](*args, **options)
-    if compile_workers.capturing():  # captured for a compile worker: nothing was compiled or launched
+    if compile_workers.capturing():  # captured for a compile worker: not bound (if uncompiled, not launched either)
         return None
     recorded = _recorded.get()
     if recorded is None and not bind:

@@ -228,9 +228,13 @@ def load_source(source: str, name: str):
     return _loaded[key]
 
 
+# What every generated kernel's code is named by (source_name): compile_workers sends only such kernels to a worker.
+SOURCE_PREFIX = "<autofuse kernel "
+
+
 def source_name(name: str, digest: str) -> str:
     """The name a generated kernel's code carries (tracebacks, Triton's locations): not a path."""
-    return f"<autofuse kernel {name}_{digest}>"
+    return f"{SOURCE_PREFIX}{name}_{digest}>"
 
 
 def register_source(filename: str, source: str) -> None:
