@@ -10,9 +10,11 @@ of 8), none in the shipped files, bf16, each shape's modules built fresh. Run wi
 at an empty folder; Triton's compile cache is a fresh folder of this process (TRITON_CACHE_DIR), so the first
 shape compiles cold and later ones reuse what an earlier shape compiled where Triton's specialisation allows,
 as a deployment's process would. Per (shape, M): the first forward's wall time (synchronised), the seconds its
-checks took and the seconds of compiling inside them; then --calls plain calls of the module and of eager
-PyTorch's MLP on the same weights, in turn by windows of 50 (each window synchronised at its ends), µs per call per
-window, the worst window's ratio autofuse / eager after the first call, and the calls the race took.
+checks took and the seconds of compiling inside them (in this process: where compile workers took a kernel,
+loading what they compiled; AUTOFUSE_COMPILE_WORKERS=0 compiles here alone); then --calls plain calls of the
+module and of eager PyTorch's MLP on the same weights, in turn by windows of 50 (each window synchronised at its
+ends), µs per call per window, the worst window's ratio autofuse / eager after the first call, and the calls the
+race took.
 """
 
 from __future__ import annotations
