@@ -203,23 +203,12 @@ def start_for(device) -> None:
 def compile_ahead(launch: Callable[[], object], timeout_s: float) -> int:
     """Have an idle worker compile the kernels `launch()` would compile here (captured, not launched): how many it
     compiled into Triton's cache (0 where no worker is ready and idle; the caller's own compile then does it all)."""
-    pool = _pool
-    if pool is None or pool.pid != os.getpid():
+    taken = _captured_by_idle_worker(launch)
+    if taken is None:
         return 0
-    worker = pool.take()
-    if worker is None:
-        return 0
+    pool, worker, requests = taken
     try:
-        with _capturing() as requests:
-            launch()
-        compiled = 0
-        for request in requests:
-            error = worker.compile(request, timeout_s)
-            if error is not None:
-                logger.debug("autofuse: a compile worker did not compile %s: %s", request["name"], error)
-                break
-            compiled += 1
-        return compiled
+        return _compile_on(worker, requests, timeout_s)
     finally:
         pool.give_back(worker)
 
@@ -229,18 +218,10 @@ def compile_ahead_in_background(launch: Callable[[], object], timeout_s: float, 
     an idle worker compiles in the background: wait_for(tag) waits for that. False where no worker is ready and idle
     or nothing was captured (the caller then compiles as before). The background thread makes no CUDA call, so it
     may run while the checks' timing graphs capture."""
-    pool = _pool
-    if pool is None or pool.pid != os.getpid():
+    taken = _captured_by_idle_worker(launch)
+    if taken is None:
         return False
-    worker = pool.take()
-    if worker is None:
-        return False
-    try:
-        with _capturing() as requests:
-            launch()
-    except BaseException:
-        pool.give_back(worker)
-        raise
+    pool, worker, requests = taken
     if not requests:
         pool.give_back(worker)
         return False
@@ -250,11 +231,7 @@ def compile_ahead_in_background(launch: Callable[[], object], timeout_s: float, 
 
     def compile_all() -> None:
         try:
-            for request in requests:
-                error = worker.compile(request, timeout_s)
-                if error is not None:
-                    logger.debug("autofuse: a compile worker did not compile %s: %s", request["name"], error)
-                    break
+            _compile_on(worker, requests, timeout_s)
         finally:
             pool.give_back(worker)
             done.set()
@@ -264,6 +241,34 @@ def compile_ahead_in_background(launch: Callable[[], object], timeout_s: float, 
 
     threading.Thread(target=compile_all, name="autofuse-compile-worker", daemon=True).start()
     return True
+
+
+def _captured_by_idle_worker(launch: Callable[[], object]) -> tuple[_Pool, _Worker, list[dict]] | None:
+    """(pool, an idle ready worker taken from it, the requests `launch()` made while captured), or None where this
+    process has no such worker (launch() is then not run). The caller gives the worker back."""
+    pool = _pool
+    if pool is None or pool.pid != os.getpid():
+        return None
+    worker = pool.take()
+    if worker is None:
+        return None
+    try:
+        with _capturing() as requests:
+            launch()
+    except BaseException:
+        pool.give_back(worker)
+        raise
+    return pool, worker, requests
+
+
+def _compile_on(worker: _Worker, requests: list[dict], timeout_s: float) -> int:
+    """Have `worker` compile the requests in turn, up to the first it could not: how many it compiled."""
+    for compiled, request in enumerate(requests):
+        error = worker.compile(request, timeout_s)
+        if error is not None:
+            logger.debug("autofuse: a compile worker did not compile %s: %s", request["name"], error)
+            return compiled
+    return len(requests)
 
 
 def wait_for(tag: object, timeout_s: float) -> None:
