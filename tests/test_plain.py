@@ -165,7 +165,7 @@ def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     # dropped after its probe beside e1
     ([30.0, 10.0, 20.0], "e1", ["e2"], ["e0"]),
     ([30.0, 29.0, 40.0], "e0", ["e2"], []),  # within race_margin of the GPU-time winner: the winner stays
-    ([30.0, 31.0, 28.0], "e2", [], []),  # none dropped
+    ([30.0, 29.5, 28.0], "e2", [], []),  # none dropped: within race_round_keep of e2 after each round
 ])
 def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected, dropped,
                                                                            unprobed):
@@ -200,7 +200,9 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
 
 def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monkeypatch):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1)):
+    # (race_round_keep as wide as race_keep: the three run every round, whose order this test follows)
+    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1,
+                                        race_round_keep=0.25)):
         raced, entries = _raced(monkeypatch, [1.0, 1.1, 0.9], key=("test", "order"))
         order = [raced("x") for _ in range(raced.race_calls())]
         estimate = plain.ESTIMATE_CALLS
@@ -234,6 +236,21 @@ def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeyp
     worst = max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
     assert worst <= 1.25 * 50 * costs[0]
     assert raced("x") == "e2" and raced.plain is entries[2]
+
+
+def test_after_a_round_a_table_more_than_race_round_keep_slower_runs_no_more_windows(monkeypatch):
+    """Tables 12% and 20% slower than the fastest pass their probes (within race_keep) and run the first round's
+    window; then they are dropped, while one 8% slower (within race_round_keep) runs every round."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    policy = current_policy()
+    assert policy.race_round_keep < 0.12 < 0.20 < policy.race_keep and 0.08 < policy.race_round_keep
+    raced, entries = _raced(monkeypatch, [1.0, 1.12, 1.2, 1.08], key=("test", "round keep"))
+    for _ in range(raced.race_calls()):
+        raced("x")
+    window, probe, estimate = policy.race_calls, policy.race_probe_calls, plain.ESTIMATE_CALLS
+    assert entries[1].calls == entries[2].calls == 1 + estimate + probe + window
+    assert entries[3].calls == 1 + estimate + probe + policy.race_rounds * window
+    assert raced("x") == "e0" and raced.plain is entries[0]
 
 
 def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(monkeypatch):

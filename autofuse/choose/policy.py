@@ -22,12 +22,15 @@ Each default is a measured finding (docs/design.md states them with their number
   of weights: at first use, with its heuristic config, it lost to the checked pair on every larger MLP measured
   (14 held-out shapes of 18-963 MB at M = 1 and 16, H100 and H200) and won on a 10 MB one; its kernel is the
   largest a first use compiles. Tuning still searches it at every size.
-- An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time
-  overlap as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only
-  where its plain call is `race_margin` faster (host times wander more than GPU times). Before that each
-  candidate is probed for `race_probe_calls` calls beside the fastest known, and one slower than it by more than
-  `race_keep` is dropped (also after each round): the race must not make the caller's calls much slower than
-  the fastest table known (choose/race.py). The race starts from the table of known GPU time whose estimated
+- An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time overlap
+  as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only where its plain
+  call is `race_margin` faster (host times wander more than GPU times). Before that each candidate is probed for
+  `race_probe_calls` calls beside the fastest known, and one slower than it by more than `race_keep` is dropped: the
+  race must not make the caller's calls much slower than the fastest table known (choose/race.py). After each round
+  of windows one slower than the fastest by more than `race_round_keep` is dropped: to win it would have to gain
+  that and `race_margin` more over the rounds left, and while kept each of its windows is a slow span of the
+  caller's calls (3840 -> 12688 at M = 128 ran 119-135 us a call over the nine windows of 50 during its race, 1.25x
+  eager's at worst, and 106-115 after it, H200). The race starts from the table of known GPU time whose estimated
   plain call (its host time per call, timed after binding, or its GPU time where that is larger) is lowest, and a
   table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe.
 - Tuning retimes its fastest trial beside the library paths before choosing, so a tuned kernel needs only to
@@ -66,6 +69,7 @@ class DecisionPolicy:
     race_margin: float = 0.05
     race_probe_calls: int = 4
     race_keep: float = 0.25
+    race_round_keep: float = 0.10
     race_host_keep: float = 1.0
     trial_budget_ms: float = 100.0
     check_budget_ms: float = 20.0

@@ -150,7 +150,7 @@ class Raced:
       it, by more than race_keep is dropped: a slow table runs race_probe_calls calls in all, with at least
       2 x race_calls calls of the fastest between two tables' probes.
     - Rounds: the entries left run race_rounds rounds of one window each, in a rotated order; after each round an
-      entry whose median window is slower than the fastest's by more than race_keep is dropped.
+      entry whose median window is slower than the fastest's by more than race_round_keep is dropped.
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
@@ -314,12 +314,12 @@ class Raced:
             self._alive[index] = False  # slower than the fastest known by more than race_keep: dropped
 
     def _drop_slow_windows(self) -> None:
-        """After a round: entries whose median window is slower than the fastest's by more than race_keep go."""
+        """After a round: entries whose median window is slower than the fastest's by more than race_round_keep go."""
         times = self._times()
         alive = [i for i, up in enumerate(self._alive) if up]
         fastest = min(times[i] for i in alive)
         for i in alive:
-            if times[i] > fastest * (1 + current().race_keep):
+            if times[i] > fastest * (1 + current().race_round_keep):
                 self._alive[i] = False
 
     def _times(self) -> list[float]:
