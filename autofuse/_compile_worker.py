@@ -7,7 +7,8 @@ Protocol, one JSON object a line: on stdin requests {"source": the kernel module
 was compiled under, "name": the JIT function's name, "spec": Triton's serialized specialization (the JIT's
 jit_cache_hook data), "cache_dir": Triton's cache folder}; on stdout first {"ready": true} (after one warm-up
 compile, which pays Triton's one-time set-up), then one reply a request: {"ok": true} or {"ok": false, "error":
-"..."}. Ends at the end of stdin.
+"..."}. Ends at the end of stdin, or after argv[4] seconds without a request (the parent starts workers again
+when it next needs them).
 """
 
 import os
@@ -20,6 +21,7 @@ sys.path[:] = [path for path in sys.path if os.path.abspath(path or os.curdir) !
 
 import json  # noqa: E402
 import linecache  # noqa: E402
+import select  # noqa: E402
 import types  # noqa: E402
 
 _WARM_UP = '''
@@ -82,9 +84,26 @@ def _replies():
     return replies
 
 
+def _requests(idle_s: float):
+    """stdin's lines, until its end or until idle_s seconds pass without one."""
+    fd = sys.stdin.fileno()
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            if not select.select([fd], [], [], idle_s)[0]:
+                return
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
+        yield line
+
+
 def main() -> None:
     replies = _replies()
     backend, arch, warp_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    idle_s = float(sys.argv[4])
     arch = int(arch) if arch.isdigit() else arch  # 90 for CUDA, a name such as gfx942 for ROCm
     from triton.backends.compiler import GPUTarget
 
@@ -101,7 +120,7 @@ def main() -> None:
         print(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"[:500]}), file=replies, flush=True)
         return
     print(json.dumps({"ready": True}), file=replies, flush=True)
-    for line in sys.stdin:
+    for line in _requests(idle_s):
         try:
             compile_one(json.loads(line), target)
             reply = {"ok": True}

@@ -16,7 +16,8 @@ Workers start when a module is built on (or moved onto) a GPU, else at a process
 finds none ready compiles on its threads as before), and are used where one is idle and ready; a kernel a worker
 could not compile is compiled by the thread as before. A check's kernels may compile in the background
 (compile_ahead_in_background) while the checks before theirs time: the wait for a worker makes no CUDA call.
-AUTOFUSE_COMPILE_WORKERS sets how many (0: none).
+AUTOFUSE_COMPILE_WORKERS sets how many (0: none). A worker ends after IDLE_S without a request, so a long-running
+process holds no idle compilers; they start again as they did first.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ logger = logging.getLogger("autofuse")
 _SCRIPT = Path(__file__).with_name("_compile_worker.py")
 # The most workers a process starts: a first forward compiles at most about eight kernels at once.
 MAX_WORKERS = 8
+# Seconds a worker waits for a request before it ends (about 114 MB each while it runs).
+IDLE_S = 600.0
 
 
 def _is_python(executable: str) -> bool:
@@ -64,16 +67,20 @@ def worker_count() -> int:
 class _Worker:
     """One worker process and the reply bytes read from it."""
 
-    def __init__(self, target: tuple[str, int, int]) -> None:
+    def __init__(self, target: tuple[str, int, int], idle_s: float = IDLE_S) -> None:
         # Never the interpreter: a worker compiles (TRITON_INTERPRET would make its kernels interpreted functions).
         environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-        self.process = subprocess.Popen([sys.executable, str(_SCRIPT), *map(str, target)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment)
+        self.process = subprocess.Popen([sys.executable, str(_SCRIPT), *map(str, target), repr(float(idle_s))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        env=environment)
         self.ready: bool | None = None  # None until its first line says
         self._pending = b""
 
     def poll_ready(self) -> bool:
-        """Whether the worker is ready, reading its first line where it has written it (never waits)."""
+        """Whether the worker is ready, reading its first line where it has written it (never waits); False once
+        it has ended (after IDLE_S without a request, or killed)."""
+        if self.ready and self.process.poll() is not None:
+            self.ready = False
         if self.ready is None:
             reply = self._line(0.0)
             if reply is not None:
@@ -132,10 +139,10 @@ class _Worker:
 
 
 class _Pool:
-    def __init__(self, target: tuple[str, int, int], count: int) -> None:
+    def __init__(self, target: tuple[str, int, int], count: int, idle_s: float = IDLE_S) -> None:
         self.pid = os.getpid()
         self.target = target
-        self.workers = [_Worker(target) for _ in range(count)]
+        self.workers = [_Worker(target, idle_s) for _ in range(count)]
         self.idle = list(self.workers)
         self.lock = threading.Lock()
 
@@ -147,6 +154,10 @@ class _Pool:
                     self.idle.remove(worker)
                     return worker
         return None
+
+    def running(self) -> bool:
+        """Whether any worker has not ended (each ends after IDLE_S without a request)."""
+        return any(worker.process.poll() is None for worker in self.workers)
 
     def give_back(self, worker: _Worker) -> None:
         with self.lock:
@@ -168,10 +179,11 @@ _pool_lock = threading.Lock()
 
 def start(target: tuple[str, int, int]) -> None:
     """Start this process's workers for `target` ((backend, arch, warp size), Triton's GPUTarget) unless they run;
-    never waits for them. A process forked from one with workers starts its own."""
+    never waits for them. A process forked from one with workers starts its own; workers that ended after IDLE_S
+    without a request start again."""
     global _pool
     with _pool_lock:
-        if _pool is not None and _pool.pid == os.getpid() and _pool.target == target:
+        if _pool is not None and _pool.pid == os.getpid() and _pool.target == target and _pool.running():
             return
         count = worker_count()
         if count == 0 or not _is_python(sys.executable) or not _install_hook():

@@ -162,6 +162,32 @@ def test_a_worker_that_writes_something_else_than_replies_is_stopped():
     assert worker.process.wait(timeout=10) is not None
 
 
+def test_a_worker_idle_past_its_time_ends_and_the_workers_start_again(monkeypatch):
+    """A worker ends after idle_s seconds without a request (a long-running process keeps no idle compilers); it is
+    then no longer ready, and start() starts the pool's workers again."""
+    pool = compile_workers._Pool(TARGET, 1, idle_s=0.5)
+    worker = pool.workers[0]
+    try:
+        deadline = time.monotonic() + 120
+        while not worker.poll_ready():
+            assert worker.ready is None and time.monotonic() < deadline, "the worker could not start"
+            time.sleep(0.02)
+        assert pool.running()
+        worker.process.wait(timeout=60)  # ends by itself, no request having come
+        assert not worker.poll_ready() and not pool.running() and pool.take() is None
+        monkeypatch.setattr(compile_workers, "_pool", pool)
+        monkeypatch.setattr(compile_workers, "worker_count", lambda: 1)
+        monkeypatch.setattr(compile_workers, "_install_hook", lambda: True)
+        compile_workers.start(TARGET)
+        again = compile_workers._pool
+        assert again is not pool and again.running()
+        compile_workers.start(TARGET)  # running: left as it is
+        assert compile_workers._pool is again
+        again.stop()
+    finally:
+        pool.stop()
+
+
 @pytest.mark.parametrize("executable, python", [("/usr/bin/python3.12", True), ("/opt/venv/bin/python", True),
                                                 ("", False), ("/usr/bin/uwsgi", False)])
 def test_workers_start_only_where_the_executable_is_python(executable, python):
