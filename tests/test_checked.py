@@ -36,12 +36,21 @@ def _checks_on(monkeypatch):
 def _fake_timer(monkeypatch, library_ms: float, kernel_ms: float, one_launch_ms: float = 100.0):
     """Times as a GPU would report them (the interpreter's mean nothing): every library candidate at
     library_ms, the kernel at kernel_ms (the one-launch MLP's at one_launch_ms) once it has been checked
-    correct on the real run."""
+    correct on the real run. On a GPU too: near ties keep these times where a check would time them again side by
+    side (the library candidates, all at library_ms, are always near each other), and tables and two ops' records
+    are not timed together, so the records decide."""
     monkeypatch.setattr(checked, "interpreting", lambda: False)
     real_evaluate = objective.Evaluator.evaluate
     monkeypatch.setattr(objective.Evaluator, "library_ms",
                         lambda self: {name: library_ms for name in self.spec.library_for(
                             self.key.activation, self.key.bias, self.key.residual)})
+    monkeypatch.setattr(objective.Evaluator, "retimed_side_by_side",
+                        lambda self, record, times, names, rivals=(): (record, times))
+    monkeypatch.setattr(checked, "tables_side_by_side", lambda tables: None)
+
+    def not_timed(self, fns):
+        raise RuntimeError("not timed under a faked timer")  # faster_of then goes by the records
+    monkeypatch.setattr(objective.Evaluator, "side_by_side_ms", not_timed)
 
     def evaluate(self, config):
         record = real_evaluate(self, config)  # compiled, verified and timed for real
@@ -392,6 +401,8 @@ def test_a_check_that_fails_runs_the_library_path_once_and_stores_nothing(device
         attempts.append(1)
         raise AutofuseError("gated_up with n=72, k=40 at M=5 needs about 9.0 GiB to tune; 1.0 GiB are free")
     monkeypatch.setattr(objective.Evaluator, "__init__", no_memory)
+    # The checks' attempts alone: on a GPU the plan first compiles the checks' kernels, each through an Evaluator.
+    monkeypatch.setattr(checked, "precompile", lambda jobs: None)
     mlp, w = _mlp(device)
     x = torch.randn(M, D, device=device)
     with torch.no_grad():
