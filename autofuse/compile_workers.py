@@ -177,6 +177,15 @@ _pool: _Pool | None = None
 _pool_lock = threading.Lock()
 
 
+def _stop_at_exit() -> None:
+    """Stop this process's workers as it exits (a forked child's copy of its parent's pool is left running)."""
+    if _pool is not None:
+        _pool.stop()
+
+
+atexit.register(_stop_at_exit)
+
+
 def start(target: tuple[str, int, int]) -> None:
     """Start this process's workers for `target` ((backend, arch, warp size), Triton's GPUTarget) unless they run;
     never waits for them. A process forked from one with workers starts its own; workers that ended after IDLE_S
@@ -195,7 +204,6 @@ def start(target: tuple[str, int, int]) -> None:
         except OSError as e:
             logger.debug("autofuse: could not start compile workers (%s: %s)", type(e).__name__, e)
             return
-    atexit.register(_pool.stop)
 
 
 def start_for(device) -> None:
