@@ -14,7 +14,8 @@ fewest buffers any implementation must hold (the [M, 2F] pre-activations, reused
 gradient, and dH) and no pointwise work at all: a floor no implementation at cuBLAS's rate goes under.
 Time: do_bench median of --steps back-to-back forward+backward steps, per step (gradients accumulate; L2 flushed
 before each sample), and of the forward alone, the providers timed in turn for --rounds rounds (default 3; the
-median round reported); host_us: the host's time to issue one step, which a host-bound step's time is made of. Peak
+median round reported); host_us: the host's time to issue one step, which a host-bound step's time is made of;
+gpu_us: the GPU's time for one step with the host ahead of it (a step is host-bound where host_us exceeds it). Peak
 memory: torch.cuda.max_memory_allocated during one forward+backward, absolute (parameters, their
 .grad, the input and dY included, the same for every provider) and above what was allocated before
 it; autofuse is measured last, so its first-use checks' leftovers would count against it alone.
@@ -34,11 +35,13 @@ import torch.nn.functional as F
 import triton.testing
 
 import autofuse
+from autofuse.tools.measure import gpu_us_host_ahead
 
 # The public shapes: gemma-7b's GeGLU and a SwiGLU model (Llama-3-8B) at M = 4096 and 16384.
 SHAPES = [("gemma-7b", 3072, 24576, "gelu_tanh", 4096), ("gemma-7b", 3072, 24576, "gelu_tanh", 16384),
           ("llama-3-8b", 4096, 14336, "silu", 4096), ("llama-3-8b", 4096, 14336, "silu", 16384)]
 HOST_SAMPLES = 5  # runs of back-to-back steps whose median is host_us (_times)
+GPU_SAMPLES = 3  # runs of steps queued behind a wait whose median is gpu_us (_times)
 ACT = {"gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 
 
@@ -121,8 +124,10 @@ def _times(fns: dict, params, x, dy, rounds: int = 3, steps: int = 4) -> dict:
     real training step hides. Also, per provider, the host's time to issue one step (`host_us`: the median of
     HOST_SAMPLES runs of `steps` steps queued back to back after a synchronize, the clock read before the GPU is
     waited for, after the timed samples; a single run read up to 2.4x the step's time, 771 us a step against 316 on
-    an H200): where it reaches the step's GPU time the step is host-bound, and its time is the host's."""
-    samples = {name: ([], [], []) for name in fns}
+    an H200), and the GPU's time for one step (`gpu_us`: steps queued behind a wait long enough that the host
+    issues them all before the GPU reaches the first, measure.gpu_us_host_ahead; None where the host still fell
+    behind): where host_us reaches gpu_us the step is host-bound, and its time is the host's."""
+    samples = {name: ([], [], [], []) for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -144,12 +149,21 @@ def _times(fns: dict, params, x, dy, rounds: int = 3, steps: int = 4) -> dict:
                 host.append((time.perf_counter() - start) / steps * 1e6)
             torch.cuda.synchronize()
             samples[name][2].append(statistics.median(host))
+            gpu = [gpu_us_host_ahead(train_steps, calls=2) for _ in range(GPU_SAMPLES)]
+            gpu = [us / steps for us in gpu if us is not None]
+            samples[name][3].append(statistics.median(gpu) if gpu else None)
             for p in params:
                 p.grad = None
             x.grad = None
     return {name: dict(ms=statistics.median(step), forward_ms=statistics.median(forward), step_ms_rounds=step,
-                       host_us=statistics.median(host))
-            for name, (step, forward, host) in samples.items()}
+                       host_us=statistics.median(host), gpu_us=_median_of_some(gpu))
+            for name, (step, forward, host, gpu) in samples.items()}
+
+
+def _median_of_some(values: list) -> float | None:
+    """The median of the values that are not None; None where none is."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
 
 
 def _grads(fn, params, x, dy):

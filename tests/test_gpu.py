@@ -257,6 +257,33 @@ def test_a_measurement_leaves_no_cublas_workspace_behind():
     assert torch.cuda.memory_allocated() == before
 
 
+def test_gpu_time_with_the_host_ahead_excludes_the_host_and_says_when_it_cannot():
+    """A call whose host time is far above its GPU time (a 2 ms host sleep beside a ~0.1 ms GEMM) reads as its GPU
+    time alone, and twice the GEMMs read about twice that; a host that cannot stay ahead of the wait reads None."""
+    import time
+
+    from autofuse.tools.measure import gpu_median_ms, gpu_us_host_ahead
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    gemm_us = gpu_median_ms(lambda: a @ a) * 1e3
+
+    def slow_host(gemms: int):
+        time.sleep(0.002)
+        for _ in range(gemms):
+            a @ a
+
+    once, twice = gpu_us_host_ahead(lambda: slow_host(1), calls=4), gpu_us_host_ahead(lambda: slow_host(2), calls=4)
+    assert once is not None and 0.5 * gemm_us < once < 2 * gemm_us < 2000, (once, gemm_us)
+    assert 1.6 < twice / once < 2.4, (once, twice)
+    calls = []
+
+    def slower_each_time():  # the sizing run is fast, the measured one is not: the host falls behind the wait
+        calls.append(1)
+        time.sleep(0.001 if len(calls) <= 4 else 0.05)
+        a @ a
+    assert gpu_us_host_ahead(slower_each_time, calls=4) is None
+
+
 def test_side_by_side_timing_ranks_by_the_work():
     from autofuse.timing import graph_side_by_side_ms
 

@@ -40,6 +40,51 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
     return statistics.median(host_us_sample(fn) for _ in range(calls // 10))
 
 
+_WAIT_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _wait_cycles_per_ms() -> float:
+    """Clock cycles of torch.cuda._sleep (a busy-wait kernel) per ms of GPU time on the current device, measured
+    once per device."""
+    device = torch.cuda.current_device()
+    if device not in _WAIT_CYCLES_PER_MS:
+        torch.cuda._sleep(1_000_000)  # warm up the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _WAIT_CYCLES_PER_MS[device] = 10_000_000 / start.elapsed_time(end)
+    return _WAIT_CYCLES_PER_MS[device]
+
+
+def gpu_us_host_ahead(fn: Callable[[], object], calls: int = 4) -> float | None:
+    """GPU time of one call, from `calls` calls queued behind a busy-wait kernel long enough for the host to issue
+    them all before the GPU reaches the first: the GPU's own time, none of it spent waiting for the host. Beside
+    the host's time to issue a call, it tells a host-bound step (host above GPU) from a GPU-bound one. None where
+    the host still fell behind (it took longer to issue the calls than the wait lasted)."""
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issue_ms = (time.perf_counter() - start) * 1e3
+    synchronize()
+    wait_ms = 2 * issue_ms + 2.0
+    before, after_wait, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    before.record()
+    torch.cuda._sleep(int(wait_ms * _wait_cycles_per_ms()))
+    after_wait.record()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issue_ms = (time.perf_counter() - start) * 1e3
+    end.record()
+    end.synchronize()
+    if issue_ms >= before.elapsed_time(after_wait):
+        return None
+    return after_wait.elapsed_time(end) / calls * 1e3
+
+
 def launch_hooks() -> dict[str, int]:
     """How many launch hooks Triton's runtime holds (a bound launch declines while any is set, bound.py): where
     a benchmark's plain-call times differ from a user's."""
