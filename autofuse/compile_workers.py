@@ -17,7 +17,9 @@ finds none ready compiles on its threads as before), and are used where one is i
 could not compile is compiled by the thread as before. A check's kernels may compile in the background
 (compile_ahead_in_background) while the checks before theirs time: the wait for a worker makes no CUDA call.
 AUTOFUSE_COMPILE_WORKERS sets how many (0: none). A worker ends after IDLE_S without a request, so a long-running
-process holds no idle compilers; they start again as they did first.
+process holds no idle compilers; they start again as they did first. The workers compile for one Triton target, the
+GPU a module was last built on or moved onto; in a process with GPUs of two architectures a kernel for the other is
+compiled by the thread that launches it, as without workers.
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ def _captured_by_idle_worker(launch: Callable[[], object]) -> tuple[_Pool, _Work
     if worker is None:
         return None
     try:
-        with _capturing() as requests:
+        with _capturing(pool.target) as requests:
             launch()
     except BaseException:
         pool.give_back(worker)
@@ -312,12 +314,28 @@ def capturing() -> bool:
 
 
 @contextlib.contextmanager
-def _capturing() -> Iterator[list[dict]]:
-    _capture.requests = requests = []
+def _capturing(target: tuple[str, int, int] | None = None) -> Iterator[list[dict]]:
+    """Capture this thread's launches of autofuse's kernels as requests for a worker compiling for `target` (None:
+    any)."""
+    requests: list[dict] = []
+    _capture.requests, _capture.target = requests, target
     try:
         yield requests
     finally:
-        _capture.requests = None
+        _capture.requests = _capture.target = None
+
+
+def _target_of(jit, device) -> tuple[str, int, int] | None:
+    """The Triton target (backend, arch, warp size) the JIT function compiles for on `device`, from the JIT's own
+    per-device cache entry (kernels, _, target, backend, binder); None where this Triton keeps it otherwise."""
+    caches = getattr(jit, "device_caches", None)
+    try:
+        if caches is None or device not in caches:  # `in`, not a lookup: the JIT's defaultdict would make an entry
+            return None
+        target = caches[device][2]
+        return (target.backend, target.arch, target.warp_size)
+    except (AttributeError, IndexError, TypeError):
+        return None
 
 
 _hook_installed = False
@@ -356,6 +374,12 @@ def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noq
     filename = jit.fn.__code__.co_filename
     if not filename.startswith(SOURCE_PREFIX):
         return None  # not a kernel autofuse generated: compiled here, as without workers
+    wanted = getattr(_capture, "target", None)
+    found = _target_of(jit, compile.get("device"))
+    if wanted is not None and found is not None and tuple(found) != tuple(wanted):
+        # A GPU of another architecture than the workers compile for (a process with two kinds of GPU): the
+        # worker's kernel would sit under another cache key, so nothing is requested and the caller compiles it.
+        return True
 
     requests.append({"source": "".join(linecache.getlines(filename)), "filename": filename,
                      "name": jit.fn.__name__, "spec": compile["specialization_data"],

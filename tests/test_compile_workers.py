@@ -343,3 +343,29 @@ def test_a_module_built_on_a_gpu_starts_the_workers_before_its_first_forward(mon
     monkeypatch.setenv("AUTOFUSE_CHECK", "0")  # no first-use checks: nothing to compile ahead
     autofuse.get_mlp(256, 520, activation="silu", dtype=torch.bfloat16, device="cuda")
     assert not started
+
+
+def test_a_kernel_for_another_gpu_architecture_than_the_workers_is_left_to_the_caller():
+    """In a process with two kinds of GPU the workers compile for one target: a kernel the JIT compiles for another
+    is skipped while capturing but not requested (the caller compiles it, as without workers), since the worker's
+    compile would land under another cache key."""
+    fn, *_, spec = _kernel(512)
+
+    def hook(device):
+        info = types.SimpleNamespace(jit_function=fn)
+        return compile_workers._hook(key="k", repr="r", fn=info,
+                                     compile={"specialization_data": spec, "device": device},
+                                     is_manual_warmup=False, already_compiled=False)
+
+    kept = fn.device_caches
+    fn.device_caches = {0: (None, None, GPUTarget("cuda", 80, 32), None, None),
+                        1: (None, None, GPUTarget(*TARGET), None, None)}
+    try:
+        with compile_workers._capturing(TARGET) as requests:
+            assert hook(0) is True and requests == []  # an sm_80 kernel: not the workers' sm_90
+            assert hook(1) is True and len(requests) == 1  # the workers' own target
+            assert hook(2) is True and len(requests) == 2  # a target the JIT does not say: requested as before
+        with compile_workers._capturing() as requests:
+            assert hook(0) is True and len(requests) == 1  # capturing for any target
+    finally:
+        fn.device_caches = kept
