@@ -376,7 +376,7 @@ def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noq
         return None  # not a kernel autofuse generated: compiled here, as without workers
     wanted = getattr(_capture, "target", None)
     found = _target_of(jit, compile.get("device"))
-    if wanted is not None and found is not None and tuple(found) != tuple(wanted):
+    if wanted is not None and found is not None and found != wanted:
         # A GPU of another architecture than the workers compile for (a process with two kinds of GPU): the
         # worker's kernel would sit under another cache key, so nothing is requested and the caller compiles it.
         return True

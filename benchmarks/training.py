@@ -149,9 +149,8 @@ def _times(fns: dict, params, x, dy, rounds: int = 3, steps: int = 4) -> dict:
                 host.append((time.perf_counter() - start) / steps * 1e6)
             torch.cuda.synchronize()
             samples[name][2].append(statistics.median(host))
-            gpu = [gpu_us_host_ahead(train_steps, calls=2) for _ in range(GPU_SAMPLES)]
-            gpu = [us / steps for us in gpu if us is not None]
-            samples[name][3].append(statistics.median(gpu) if gpu else None)
+            gpu = _median_of_some([gpu_us_host_ahead(train_steps, calls=2) for _ in range(GPU_SAMPLES)])
+            samples[name][3].append(None if gpu is None else gpu / steps)
             for p in params:
                 p.grad = None
             x.grad = None

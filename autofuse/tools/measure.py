@@ -64,12 +64,7 @@ def gpu_us_host_ahead(fn: Callable[[], object], calls: int = 4) -> float | None:
     the host's time to issue a call, it tells a host-bound step (host above GPU) from a GPU-bound one. None where
     the host still fell behind (it took longer to issue the calls than the wait lasted)."""
     synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issue_ms = (time.perf_counter() - start) * 1e3
-    synchronize()
-    wait_ms = 2 * issue_ms + 2.0
+    wait_ms = 2 * host_us_sample(fn, calls) * calls / 1e3 + 2.0
     before, after_wait, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     before.record()
     torch.cuda._sleep(int(wait_ms * _wait_cycles_per_ms()))
