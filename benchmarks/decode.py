@@ -2,14 +2,17 @@
 
   python benchmarks/decode.py [--out DIR] [--seed 37] [--mlps 12] [--only 0,1,2] [--tokens 1,2,4,8,16,32,64,128,256]
       [--max-autotune-tokens 1,16] [--no-max-autotune] [--write-shapes FILE]
+      [--tune [--tune-trials 30] [--tune-time-budget S]]
   python benchmarks/decode.py --merge A/decode.json B/decode.json [--out DIR]
 
 `--only` runs some of the drawn shapes (by index), so that a long sweep can run in parts; `--merge` writes one
 decode.json of several parts' rows with their summary.
 
 Shapes: never_slower.py's generator with its own seed (d_model 512-8192, d_ff 1-8x d_model, some not multiples
-of 8 or 64), none in the shipped files. Run it with an empty user cache (first-use checks decide), then again after
-`autofuse tune --shapes FILE` of the shapes `--write-shapes FILE` writes.
+of 8 or 64), none in the shipped files. Run it with an empty user cache (first-use checks decide), then with
+--tune: `autofuse tune` of the shapes it runs at --tokens, every op (as `autofuse tune --shapes FILE` of the
+shapes `--write-shapes FILE` writes), --tune-trials trials a key (or --tune-time-budget seconds, whichever ends
+first), before the measurement, which then runs the tuned records.
 
 Ceilings, measured in this process: read bandwidth (a sum over 1 GiB of bf16), copy bandwidth (a 1 GiB
 device-to-device copy, bytes read + written per second; reported beside it) and the bf16 GEMM peak (an 8192^3
@@ -34,7 +37,7 @@ import harness
 import never_slower
 import torch
 import torch.nn.functional as F
-from never_slower import draw_shapes, geomean, liger_gate, mlp_providers, write_shapes
+from never_slower import draw_shapes, geomean, liger_gate, mlp_providers, shapes_document, write_shapes
 
 from autofuse import dispatch
 from autofuse.launch import addresses
@@ -152,6 +155,20 @@ def merge(files: list[str], out: str | None) -> None:
     print(json.dumps(summary), flush=True)
 
 
+def tune_drawn(gated: list[dict], indices: list[int], tokens: list[int], trials: int,
+               time_budget_s: float | None, device: torch.device) -> dict:
+    """`autofuse tune` of the drawn MLPs at `indices` at every M of `tokens`, every op (the CLI's default), into the
+    user cache; what ran: keys, seconds and the budget."""
+    from autofuse.shapes import parse_shapes
+    from autofuse.tune.driver import tune_shapes
+    from autofuse.tune.progress import RunProgress
+
+    shapes = parse_shapes(shapes_document(gated, [], tokens, indices), "the drawn shapes")
+    start = time.perf_counter()
+    results = tune_shapes(shapes, device, trials=trials, time_budget_s=time_budget_s, progress=RunProgress())
+    return dict(keys=len(results), seconds=time.perf_counter() - start, trials=trials, time_budget_s=time_budget_s)
+
+
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--seed", type=int, default=37)
@@ -163,6 +180,11 @@ def main() -> None:
     parser.add_argument("--write-shapes", metavar="FILE", default=None,
                         help="write the drawn shapes and --tokens as a shapes file for `autofuse tune`, then stop")
     parser.add_argument("--only", default=None, help="comma-separated indices of the drawn shapes to run")
+    parser.add_argument("--tune", action="store_true",
+                        help="`autofuse tune` the shapes it runs at --tokens (every op) before measuring them")
+    parser.add_argument("--tune-trials", type=int, default=30, help="--tune: trials a key")
+    parser.add_argument("--tune-time-budget", type=float, default=None,
+                        help="--tune: seconds a key, whichever of it and --tune-trials ends first")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="merge the rows of several decode.json files (parts of one sweep) and summarise them")
     args = parser.parse_args()
@@ -176,6 +198,10 @@ def main() -> None:
         write_shapes(args.write_shapes, gated, [], tokens)
         return
     args.out = harness.out_dir(args.out)
+    tuned = None
+    if args.tune:
+        tuned = tune_drawn(gated, indices, tokens, args.tune_trials, args.tune_time_budget, torch.device("cuda"))
+        print(f"tuned {tuned['keys']} keys in {tuned['seconds']:.0f} s", flush=True)
     autotune_at = set() if args.no_max_autotune else {int(t) for t in args.max_autotune_tokens.split(",")}
     liger = liger_gate()
     ceiling = ceilings()
@@ -196,7 +222,7 @@ def main() -> None:
             del found
             torch._dynamo.reset()
             harness.write(args.out, "decode.json", dict(seed=args.seed, ceilings=ceiling, liger=liger is not None,
-                                                        summary=summarize(rows), rows=rows,
+                                                        tuned=tuned, summary=summarize(rows), rows=rows,
                                                         seconds=time.perf_counter() - start))
     print(json.dumps(summarize(rows)), flush=True)
 

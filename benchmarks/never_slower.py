@@ -71,15 +71,22 @@ def draw_shapes(seed: int, mlps: int, linears: int) -> tuple[list[dict], list[di
     return gated, linear
 
 
-def write_shapes(path: str, gated: list[dict], linear: list[dict], tokens: list[int]) -> None:
-    """The drawn shapes as an `autofuse tune --shapes` file (names drawn-mlp-i / drawn-linear-i)."""
-    shapes = {
+def shapes_document(gated: list[dict], linear: list[dict], tokens: list[int],
+                    indices: list[int] | None = None) -> dict:
+    """The drawn shapes (those at `indices` of the MLPs, default all) as an `autofuse tune --shapes` document
+    (names drawn-mlp-i / drawn-linear-i, i the drawn index)."""
+    picked = range(len(gated)) if indices is None else indices
+    return {
         "dtype": "bfloat16",
         "tokens": tokens,
-        "mlps": [dict(name=f"drawn-mlp-{i}", bias=False, **shape) for i, shape in enumerate(gated)],
+        "mlps": [dict(name=f"drawn-mlp-{i}", bias=False, **gated[i]) for i in picked],
         "linears": [dict(name=f"drawn-linear-{i}", bias=True, **shape) for i, shape in enumerate(linear)],
     }
-    Path(path).write_text(json.dumps(shapes, indent=1) + "\n")
+
+
+def write_shapes(path: str, gated: list[dict], linear: list[dict], tokens: list[int]) -> None:
+    """The drawn shapes as an `autofuse tune --shapes` file (names drawn-mlp-i / drawn-linear-i)."""
+    Path(path).write_text(json.dumps(shapes_document(gated, linear, tokens), indent=1) + "\n")
 
 
 def liger_gate():

@@ -1,4 +1,4 @@
-"""benchmarks/decode.py --merge: the merged raw JSON describes the parts' run, not the merging machine."""
+"""benchmarks/decode.py: --merge keeps the parts' run, not the merging machine's; --tune tunes the shapes it runs."""
 
 import json
 import sys
@@ -36,3 +36,25 @@ def test_a_merge_refuses_parts_of_different_gpus(tmp_path):
     b = _part(tmp_path, "b.json", "NVIDIA H100 80GB HBM3", "y")
     with pytest.raises(SystemExit, match="different GPUs"):
         decode.merge([a, b], str(tmp_path / "out"))
+
+
+def test_tune_runs_autofuse_tune_of_the_selected_shapes_at_every_op(monkeypatch):
+    driver = pytest.importorskip("autofuse.tune.driver")
+    seen = {}
+
+    def tune_shapes(shapes, device, options=None, *, train=False, only=None, progress=None, **overrides):
+        seen.update(shapes=shapes, train=train, only=only, overrides=overrides, progress=progress)
+        return [None] * 5
+
+    monkeypatch.setattr(driver, "tune_shapes", tune_shapes)
+    gated, _ = decode.draw_shapes(37, 3, 0)
+    tuned = decode.tune_drawn(gated, [0, 2], [32, 64], 30, 1.8, decode.torch.device("cpu"))
+    shapes = seen["shapes"]
+    assert [m.name for m in shapes.mlps] == ["drawn-mlp-0", "drawn-mlp-2"]
+    assert [(m.d_model, m.d_ff, m.activation) for m in shapes.mlps] == [
+        (g["d_model"], g["d_ff"], g["activation"]) for g in (gated[0], gated[2])]
+    assert tuple(shapes.tokens) == (32, 64) and not shapes.linears
+    # Every op, as `autofuse tune --shapes` runs them by default; the inference ops only.
+    assert seen["only"] is None and seen["train"] is False and seen["progress"] is not None
+    assert seen["overrides"] == dict(trials=30, time_budget_s=1.8)
+    assert tuned["keys"] == 5 and tuned["trials"] == 30 and tuned["time_budget_s"] == 1.8
