@@ -2,7 +2,7 @@
 
   python benchmarks/decode.py [--out DIR] [--seed 37] [--mlps 12] [--only 0,1,2] [--tokens 1,2,4,8,16,32,64,128,256]
       [--max-autotune-tokens 1,16] [--no-max-autotune] [--write-shapes FILE]
-      [--tune [--tune-trials 30] [--tune-time-budget S]]
+      [--tune [--tune-trials N] [--tune-time-budget S]]
   python benchmarks/decode.py --merge A/decode.json B/decode.json [--out DIR]
 
 `--only` runs some of the drawn shapes (by index), so that a long sweep can run in parts; `--merge` writes one
@@ -155,14 +155,15 @@ def merge(files: list[str], out: str | None) -> None:
     print(json.dumps(summary), flush=True)
 
 
-def tune_drawn(gated: list[dict], indices: list[int], tokens: list[int], trials: int,
+def tune_drawn(gated: list[dict], indices: list[int], tokens: list[int], trials: int | None,
                time_budget_s: float | None, device: torch.device) -> dict:
-    """`autofuse tune` of the drawn MLPs at `indices` at every M of `tokens`, every op (the CLI's default), into the
-    user cache; what ran: keys, seconds and the budget."""
+    """`autofuse tune` of the drawn MLPs at `indices` at every M of `tokens`, every op (the CLI's default), `trials` a
+    key (None: the CLI's default), into the user cache; what ran: keys, seconds and the budget."""
     from autofuse.shapes import parse_shapes
-    from autofuse.tune.driver import tune_shapes
+    from autofuse.tune.driver import DEFAULT_TRIALS, tune_shapes
     from autofuse.tune.progress import RunProgress
 
+    trials = DEFAULT_TRIALS if trials is None else trials
     shapes = parse_shapes(shapes_document(gated, [], tokens, indices), "the drawn shapes")
     start = time.perf_counter()
     results = tune_shapes(shapes, device, trials=trials, time_budget_s=time_budget_s, progress=RunProgress())
@@ -182,7 +183,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated indices of the drawn shapes to run")
     parser.add_argument("--tune", action="store_true",
                         help="`autofuse tune` the shapes it runs at --tokens (every op) before measuring them")
-    parser.add_argument("--tune-trials", type=int, default=30, help="--tune: trials a key")
+    parser.add_argument("--tune-trials", type=int, default=None,
+                        help="--tune: trials a key (default: autofuse tune's)")
     parser.add_argument("--tune-time-budget", type=float, default=None,
                         help="--tune: seconds a key, whichever of it and --tune-trials ends first")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,

@@ -58,3 +58,12 @@ def test_tune_runs_autofuse_tune_of_the_selected_shapes_at_every_op(monkeypatch)
     assert seen["only"] is None and seen["train"] is False and seen["progress"] is not None
     assert seen["overrides"] == dict(trials=30, time_budget_s=1.8)
     assert tuned["keys"] == 5 and tuned["trials"] == 30 and tuned["time_budget_s"] == 1.8
+
+
+def test_tune_without_trials_takes_autofuse_tunes_default(monkeypatch):
+    driver = pytest.importorskip("autofuse.tune.driver")
+    seen = {}
+    monkeypatch.setattr(driver, "tune_shapes", lambda shapes, device, **overrides: seen.update(overrides) or [])
+    gated, _ = decode.draw_shapes(37, 1, 0)
+    tuned = decode.tune_drawn(gated, [0], [32], None, None, decode.torch.device("cpu"))
+    assert seen["trials"] == driver.DEFAULT_TRIALS == tuned["trials"] and seen["time_budget_s"] is None
