@@ -374,9 +374,19 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
     return tuple(dict.fromkeys(configs))
 
 
+# Below this K a heuristic config is not split: each program's slice would be two to four K steps, and the split's
+# float32 atomics and arrival count cost more than the SMs it fills. The gated up-projection of 576 -> 2665
+# (K = 576; 84 tiles of 64 on 132 SMs), graph-replayed, H200: the split configs of 48 tile configs were none of the
+# five fastest at M = 32, 64 and 128, where the heuristic's tiles unsplit ran 4.54, 4.14 and 4.85 us; the tuned runs
+# (1.8 s a key) had kept 5.2-6.2 us there (cuBLAS + one pass at M = 32 and 128).
+SPLIT_MIN_K = 1024
+
+
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
     """Split K until the programs cover the SMs (a narrow output, e.g. a down projection at small M,
-    has fewer tiles than SMs), keeping at least two K blocks per program."""
+    has fewer tiles than SMs), keeping at least two K blocks per program; a K under SPLIT_MIN_K stays whole."""
+    if shape.K < SPLIT_MIN_K:
+        return config
     tiles = -(-shape.M // config.block_m) * -(-shape.N // config.block_n)
     k_blocks = -(-shape.K // config.block_k)
     split = 1

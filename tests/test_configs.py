@@ -151,3 +151,14 @@ def test_choices_of_both_kinds_round_trip():
     for bad in ("eager", "baseline", "library:", "library:x y", "library:" + "a" * 41, 3):
         with pytest.raises(ValueError):
             choice_from_json(bad)
+
+
+@pytest.mark.parametrize("M", [32, 64, 128])
+def test_a_short_k_is_not_split_to_fill_the_sms(M):
+    # The gated up-projection of a small MLP (K = d_model = 576) has fewer tiles than SMs, but a split slice would be
+    # two to four K steps: the heuristic keeps K whole there. At K = 2048 the same tiles split.
+    kwargs = dict(interpret=False, shared_memory_limit=227 * 1024, multiprocessors=132)
+    short = heuristic_config("gated_pairs", M, 2688, 576, torch.bfloat16, **kwargs)
+    assert short.variant == "tile" and _programs(short, M, 2 * 2688) < 132
+    longer = heuristic_config("gated_pairs", M, 2688, 2048, torch.bfloat16, **kwargs)
+    assert longer.variant == "split_k" and _programs(longer, M, 2 * 2688) >= 132
