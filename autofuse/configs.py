@@ -378,7 +378,7 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
 # float32 atomics and arrival count cost more than the SMs it fills. The gated up-projection of 576 -> 2665
 # (K = 576; 84 tiles of 64 on 132 SMs), graph-replayed, H200: the split configs of 48 tile configs were none of the
 # five fastest at M = 32, 64 and 128, where the heuristic's tiles unsplit ran 4.54, 4.14 and 4.85 us; the tuned runs
-# (1.8 s a key) had kept 5.2-6.2 us there (cuBLAS + one pass at M = 32 and 128).
+# (1.8 s a key) had kept 5.4-6.2 us there (cuBLAS + one pass at M = 32 and 128).
 SPLIT_MIN_K = 1024
 
 

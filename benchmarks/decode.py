@@ -137,7 +137,7 @@ def summarize(rows: list[dict]) -> dict:
 def merge(files: list[str], out: str | None) -> None:
     """One decode.json of the rows of `files` (parts of one sweep: same seed and GPU, ceilings each part's own),
     written under the parts' GPU with their run information (the first part's, every part's command), not the
-    merging machine's."""
+    merging machine's, and each part's `--tune` record (None where a part did not tune)."""
     parts = [json.loads(open(name).read()) for name in files]
     if len({p["seed"] for p in parts}) != 1:
         raise SystemExit("decode.py --merge: the parts were drawn with different seeds")
@@ -151,7 +151,8 @@ def merge(files: list[str], out: str | None) -> None:
     harness.write(harness.out_dir(out, runs[0].get("gpu")), "decode.json",
                   dict(seed=parts[0]["seed"], ceilings=[p["ceilings"] for p in parts],
                        liger=all(p["liger"] for p in parts), summary=summary, rows=rows,
-                       seconds=sum(p["seconds"] for p in parts), parts=runs), run=run)
+                       seconds=sum(p["seconds"] for p in parts), parts=runs,
+                       tuned=[p.get("tuned") for p in parts]), run=run)
     print(json.dumps(summary), flush=True)
 
 

@@ -11,24 +11,26 @@ sys.path.insert(0, str(BENCHMARKS))
 decode = pytest.importorskip("decode")
 
 
-def _part(tmp_path: Path, name: str, gpu: str, command: str, seed: int = 37) -> str:
+def _part(tmp_path: Path, name: str, gpu: str, command: str, seed: int = 37, tuned: dict | None = None) -> str:
     row = dict(name="drawn-mlp-0", d_model=64, d_ff=128, activation="silu", M=1, ratio=1.05, best_peer="eager",
                us={"eager": 10.5, "autofuse": 10.0}, plain_ratio=1.1, roofline_us=9.0,
                over_roofline={"eager": 10.5 / 9, "autofuse": 10.0 / 9}, weight_bytes=2 * 3 * 64 * 128)
     path = tmp_path / name
     path.write_text(json.dumps(dict(run=dict(gpu=gpu, commit="abc1234", command=command), seed=seed, ceilings={},
-                                    liger=True, rows=[row], seconds=1.0)))
+                                    liger=True, rows=[row], seconds=1.0, tuned=tuned)))
     return str(path)
 
 
 def test_a_merge_keeps_the_parts_gpu_and_commands(tmp_path):
     a = _part(tmp_path, "a.json", "NVIDIA H200", "python benchmarks/decode.py --only 0")
-    b = _part(tmp_path, "b.json", "NVIDIA H200", "python benchmarks/decode.py --only 1")
+    tuned = dict(keys=80, seconds=198.0, trials=30, time_budget_s=1.8)
+    b = _part(tmp_path, "b.json", "NVIDIA H200", "python benchmarks/decode.py --only 1", tuned=tuned)
     decode.merge([a, b], str(tmp_path / "out"))
     merged = json.loads((tmp_path / "out" / "decode.json").read_text())
     assert merged["run"]["gpu"] == "NVIDIA H200" and merged["run"]["commit"] == "abc1234"
     assert merged["run"]["command"] == "python benchmarks/decode.py --only 0 ; python benchmarks/decode.py --only 1"
     assert len(merged["rows"]) == 2 and merged["summary"]["points"] == 2
+    assert merged["tuned"] == [None, tuned]  # each part's tuning run, where it had one
 
 
 def test_a_merge_refuses_parts_of_different_gpus(tmp_path):
