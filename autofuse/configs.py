@@ -282,15 +282,16 @@ INTERPRETER_RULES = (Rule(None, "tile", 64, 64, (64, 64), num_warps=4, num_stage
 
 
 def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, operand_tiles: tuple[int, int],
-                   narrow_n: bool) -> KernelConfig:
+                   narrow_n: bool, split_k_fill: bool = True) -> KernelConfig:
     """A sound default for a GEMM-shaped kernel: the fallback when no tuned config exists, read from the rule
     tables above. `kinds`: the names of the variants that apply to this op, shape and device
-    (variants.applicable); split-K, where it applies, splits K until the programs cover the SMs."""
+    (variants.applicable); with `split_k_fill`, split-K, where it applies, splits K while the programs still fit
+    one wave of the SMs (_split_within_wave)."""
     config = from_rules(INTERPRETER_RULES if device.interpret else GEMM_RULES, shape, kinds, narrow_n)
     if device.interpret:
         return config
-    if "split_k" in kinds and config.variant == "tile":
-        config = _split_to_fill(config, shape, device.multiprocessors)
+    if split_k_fill and "split_k" in kinds and config.variant == "tile":
+        config = _split_within_wave(config, shape, device.multiprocessors)
     return fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit)
 
 
@@ -374,19 +375,24 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
     return tuple(dict.fromkeys(configs))
 
 
-# Below this K a heuristic config is not split: each program's slice would be two to four K steps, and the split's
-# float32 atomics and arrival count cost more than the SMs it fills. The gated up-projection of 576 -> 2665
-# (K = 576; 84 tiles of 64 on 132 SMs), graph-replayed, H200: the split configs of 48 tile configs were none of the
-# five fastest at M = 32, 64 and 128, where the heuristic's tiles unsplit ran 4.54, 4.14 and 4.85 us; the tuned runs
-# (1.8 s a key) had kept 5.4-6.2 us there (cuBLAS + one pass at M = 32 and 128).
-SPLIT_MIN_K = 1024
+def _split_within_wave(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
+    """Split K while twice the programs would still fit one wave of the SMs (a narrow output, e.g. a down
+    projection at small M, has fewer tiles than SMs), keeping at least two K blocks per program. Swept on an H100
+    (the Linear's heuristic tiles at split 1-16, bf16, graph-replayed; N 576-6144, K 2688-16384, M = 16, 64, 128:
+    54 points): this rule's split ran within 1.020x of each point's fastest split by geometric mean (worst 1.29x),
+    where splitting until the programs cover the SMs ran 1.170x (worst 1.78x; over 1.10x at 25 points): a second
+    wave of split programs costs more than the idle SMs of the first."""
+    tiles = -(-shape.M // config.block_m) * -(-shape.N // config.block_n)
+    k_blocks = -(-shape.K // config.block_k)
+    split = 1
+    while tiles * split * 2 <= multiprocessors and split < 16 and k_blocks >= 4 * split:
+        split *= 2
+    return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})
 
 
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
     """Split K until the programs cover the SMs (a narrow output, e.g. a down projection at small M,
-    has fewer tiles than SMs), keeping at least two K blocks per program; a K under SPLIT_MIN_K stays whole."""
-    if shape.K < SPLIT_MIN_K:
-        return config
+    has fewer tiles than SMs), keeping at least two K blocks per program."""
     tiles = -(-shape.M // config.block_m) * -(-shape.N // config.block_n)
     k_blocks = -(-shape.K // config.block_k)
     split = 1

@@ -199,6 +199,10 @@ class OpSpec:
     # weight tile feeds one float32 accumulator (shared memory and register estimates).
     operand_tiles: tuple[int, int] = (1, 1)
     narrow_n: bool = False  # two accumulators, or an epilogue loading more tiles: narrower default N tiles
+    # Whether the GEMM heuristic splits K where its tiles leave SMs idle (configs.gemm_heuristic). Not for the gated
+    # up-projections: their fastest split config ran 0.99-3.4x the unsplit tile's time, slower at 24 of 25 points
+    # (gated_up and gated_pairs, N 2688-5376, K 576-4096, M 16-256, H100; docs/design.md).
+    split_k_fill: bool = True
     # At decode's smallest M the GEMV config (configs.gemv_alternative) is the heuristic's, not an alternative a
     # first-use check times beside it: gated_up, whose tensor-core tile gated_pairs times beside it in the MLP's
     # plan (one kernel less to compile at first use).
@@ -301,7 +305,8 @@ class OpSpec:
         fp8 = self._fp8_decode_tiles(shape, device, kinds)
         if fp8:
             return fp8[0]
-        return gemm_heuristic(shape, device, kinds, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n)
+        return gemm_heuristic(shape, device, kinds, operand_tiles=self.operand_tiles, narrow_n=self.narrow_n,
+                              split_k_fill=self.split_k_fill)
 
     def alternative_configs(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
         """Configs a first-use check times beside the heuristic's, where one rule cannot tell which is faster, for

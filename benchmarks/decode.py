@@ -4,6 +4,7 @@
       [--max-autotune-tokens 1,16] [--no-max-autotune] [--write-shapes FILE]
       [--tune [--tune-trials N] [--tune-time-budget S]]
   python benchmarks/decode.py --merge A/decode.json B/decode.json [--out DIR]
+  python benchmarks/decode.py --split-k [--tokens 16,64,128] [--out DIR]
 
 `--only` runs some of the drawn shapes (by index), so that a long sweep can run in parts; `--merge` writes one
 decode.json of several parts' rows with their summary.
@@ -26,11 +27,19 @@ autotunes for tens of seconds) and Liger (where installed), each over the roofli
 runs (the up projection with act(G) * U in its epilogue, then the down projection; or the one-launch MLP): its
 choice, graph-replayed µs, the bytes it must move (its weights as stored, its input and output), TB/s and the
 percentage of the read ceiling.
+
+--split-k sweeps split-K at decode sizes instead (split_k.json): the GEMM heuristic's tile of a Linear (a down
+projection; N 576-6144, K 2688-16384) and of the gated up-projections (d_ff 2688 and 5376, d_model 576-4096), where
+the tiles are fewer than the SMs, at split 1-16 (each program keeping two K blocks or more), graph-replayed in turn;
+summary: the heuristic's split over each point's fastest (geometric mean, worst), the same for splitting until the
+programs cover the SMs (the rule the fp8 decode tiles use), and the points where the unsplit tile is the fastest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
 
 import harness
@@ -171,11 +180,88 @@ def tune_drawn(gated: list[dict], indices: list[int], tokens: list[int], trials:
     return dict(keys=len(results), seconds=time.perf_counter() - start, trials=trials, time_budget_s=time_budget_s)
 
 
+SPLITS = (1, 2, 4, 8, 16)
+SPLIT_LINEARS = [(n, k) for k in (2688, 8192, 16384) for n in (576, 1024, 2048, 3072, 4096, 6144)]
+SPLIT_GATED = [(2688, 576), (2688, 1024), (2688, 2048), (5376, 4096)]  # (d_ff, d_model): fewer tiles than SMs
+
+
+def split_of(config) -> int:
+    return config.knob("split_k") if config.variant == "split_k" else 1
+
+
+def covering_split(tiles: int, k_blocks: int, multiprocessors: int) -> int:
+    """Split until the programs cover the SMs, two K blocks a program at least."""
+    split = 1
+    while tiles * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
+        split *= 2
+    return split
+
+
+def split_point(op: str, n: int, k: int, M: int, device) -> dict:
+    """The heuristic's tile of `op` at [M, K] x [K, n] timed at each split (graph-replayed in turn)."""
+    from autofuse import ops
+    from autofuse.configs import Shape
+    from autofuse.timing import graph_side_by_side_ms
+
+    spec = ops.get(op)
+    heuristic = spec.default_config(Shape(M, n, k, torch.bfloat16), device)
+    tile = dataclasses.replace(heuristic, variant="tile", knobs={})
+    made = spec.make_operands(n, k, M, False, False,
+                              lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16))
+    activation = "none" if op == "linear" else "silu"
+    k_blocks = -(-k // tile.block_k)
+    configs = {s: tile if s == 1 else dataclasses.replace(tile, variant="split_k", knobs={"split_k": s})
+               for s in SPLITS if s == 1 or k_blocks >= 2 * s}
+    runs = {s: (lambda c=c: spec.run(made, activation, c)) for s, c in configs.items()}
+    us = {s: ms * 1e3 for s, ms in graph_side_by_side_ms(runs, budget_ms=20).items()}
+    tiles = -(-M // tile.block_m) * -(-(2 * n if op == "gated_pairs" else n) // tile.block_n)
+    return dict(op=op, N=n, K=k, M=M, tile=tile.short(), tiles=tiles, heuristic_split=split_of(heuristic),
+                covering_split=covering_split(tiles, k_blocks, device.multiprocessors),
+                us={str(s): u for s, u in us.items()})
+
+
+def summarize_splits(rows: list[dict]) -> dict:
+    """Per group (the Linear; the gated up-projections): each rule's split over the point's fastest, and how many
+    points the unsplit tile is the fastest at."""
+    summary = {}
+    for group, names in (("linear", ("linear",)), ("gated", ("gated_up", "gated_pairs"))):
+        picked = [r for r in rows if r["op"] in names]
+        if not picked:
+            continue
+        entry = dict(points=len(picked))
+        for rule in ("heuristic_split", "covering_split"):
+            ratios = [r["us"][str(r[rule])] / min(r["us"].values()) for r in picked if str(r[rule]) in r["us"]]
+            entry[rule] = dict(geomean=math.exp(sum(map(math.log, ratios)) / len(ratios)), worst=max(ratios),
+                               over_1_10=sum(q > 1.10 for q in ratios))
+        entry["unsplit_fastest"] = sum(min(r["us"], key=r["us"].get) == "1" for r in picked)
+        summary[group] = entry
+    return summary
+
+
+def split_sweep(tokens: list[int], out: str | None) -> None:
+    from autofuse.configs import Device
+
+    props = torch.cuda.get_device_properties(0)
+    device = Device(False, props.shared_memory_per_block_optin, props.multi_processor_count,
+                    torch.cuda.get_device_capability())
+    rows = []
+    for op, shapes in (("linear", SPLIT_LINEARS), ("gated_up", SPLIT_GATED), ("gated_pairs", SPLIT_GATED)):
+        for n, k in shapes:
+            for M in tokens:
+                row = split_point(op, n, k, M, device)
+                rows.append(row)
+                print(f"{op} N={n} K={k} M={M}: tiles {row['tiles']}, heuristic split {row['heuristic_split']}; "
+                      + " ".join(f"{s}:{u:.1f}" for s, u in row["us"].items()), flush=True)
+    summary = summarize_splits(rows)
+    harness.write(harness.out_dir(out), "split_k.json", dict(summary=summary, rows=rows))
+    print(json.dumps(summary), flush=True)
+
+
 def main() -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--seed", type=int, default=37)
     parser.add_argument("--mlps", type=int, default=12)
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    parser.add_argument("--tokens", default=None, help="default 1,2,4,8,16,32,64,128,256; with --split-k 16,64,128")
     parser.add_argument("--max-autotune-tokens", default="1,16",
                         help="the M at which torch.compile max-autotune runs too (each autotunes anew)")
     parser.add_argument("--no-max-autotune", action="store_true")
@@ -188,13 +274,18 @@ def main() -> None:
                         help="--tune: trials a key (default: autofuse tune's)")
     parser.add_argument("--tune-time-budget", type=float, default=None,
                         help="--tune: seconds a key, whichever of it and --tune-trials ends first")
+    parser.add_argument("--split-k", action="store_true",
+                        help="sweep split-K at decode sizes instead (--tokens default 16,64,128), then stop")
     parser.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                         help="merge the rows of several decode.json files (parts of one sweep) and summarise them")
     args = parser.parse_args()
     if args.merge:
         merge(args.merge, args.out)
         return
-    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.split_k:
+        split_sweep([int(t) for t in (args.tokens or "16,64,128").split(",")], args.out)
+        return
+    tokens = [int(t) for t in (args.tokens or "1,2,4,8,16,32,64,128,256").split(",")]
     gated, _ = draw_shapes(args.seed, args.mlps, 0)
     indices = harness.selected(parser, args.only, len(gated))
     if args.write_shapes:

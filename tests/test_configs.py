@@ -87,11 +87,12 @@ def _programs(config, M, N):
 
 
 @pytest.mark.parametrize("M", [1, 16, 128])
-def test_small_m_heuristic_gives_every_sm_a_program(M):
-    # The down projection (N=2048, K=16384) has 32 tiles of 64 columns: split-K must fill 132 SMs.
+def test_small_m_heuristic_splits_k_within_one_wave_of_the_sms(M):
+    # The down projection (N=2048, K=16384) has 32 tiles of 64 columns: split-K fills the 132 SMs as far as one
+    # wave allows (a second wave of split programs ran slower than the idle SMs of the first).
     down = heuristic_config("linear", M, 2048, 16384, torch.bfloat16, interpret=False,
                             shared_memory_limit=227 * 1024, multiprocessors=132)
-    assert down.variant == "split_k" and _programs(down, M, 2048) >= 132
+    assert down.variant == "split_k" and 66 < _programs(down, M, 2048) <= 132
     assert -(-16384 // down.block_k) >= 2 * _split(down)  # every slice keeps two K blocks or more
     # The gated up-projection (N=16384) has tiles enough without splitting; at decode's smallest M its heuristic is
     # the GEMV (OpSpec.gemv_first), a program per few outputs.
@@ -153,12 +154,13 @@ def test_choices_of_both_kinds_round_trip():
             choice_from_json(bad)
 
 
-@pytest.mark.parametrize("M", [32, 64, 128])
-def test_a_short_k_is_not_split_to_fill_the_sms(M):
-    # The gated up-projection of a small MLP (K = d_model = 576) has fewer tiles than SMs, but a split slice would be
-    # two to four K steps: the heuristic keeps K whole there. At K = 2048 the same tiles split.
+@pytest.mark.parametrize("M", [2, 16, 64, 128])
+@pytest.mark.parametrize("op", ["gated_up", "gated_pairs"])
+def test_the_gated_up_projections_never_split_k_to_fill_the_sms(op, M):
+    # Fewer tiles than SMs (d_ff 2688), but a gated up-projection's split configs ran slower than its unsplit tile
+    # at 24 of 25 points measured; a Linear of the same tile count splits.
     kwargs = dict(interpret=False, shared_memory_limit=227 * 1024, multiprocessors=132)
-    short = heuristic_config("gated_pairs", M, 2688, 576, torch.bfloat16, **kwargs)
-    assert short.variant == "tile" and _programs(short, M, 2 * 2688) < 132
-    longer = heuristic_config("gated_pairs", M, 2688, 2048, torch.bfloat16, **kwargs)
-    assert longer.variant == "split_k" and _programs(longer, M, 2 * 2688) >= 132
+    for K in (576, 2048, 4096):
+        config = heuristic_config(op, M, 2688, K, torch.bfloat16, **kwargs)
+        assert config.variant == "tile" and _programs(config, M, 2688) < 132
+    assert heuristic_config("linear", M, 2688, 4096, torch.bfloat16, **kwargs).variant == "split_k"

@@ -1,6 +1,8 @@
-"""benchmarks/decode.py: --merge keeps the parts' run, not the merging machine's; --tune tunes the shapes it runs."""
+"""benchmarks/decode.py: --merge keeps the parts' run, not the merging machine's; --tune tunes the shapes it runs;
+--split-k's summary of the heuristic's split against each point's fastest."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -69,3 +71,28 @@ def test_tune_without_trials_takes_autofuse_tunes_default(monkeypatch):
     gated, _ = decode.draw_shapes(37, 1, 0)
     tuned = decode.tune_drawn(gated, [0], [32], None, None, decode.torch.device("cpu"))
     assert seen["trials"] == driver.DEFAULT_TRIALS == tuned["trials"] and seen["time_budget_s"] is None
+
+
+def _split_row(op, heuristic, covering, us):
+    return dict(op=op, N=576, K=2688, M=16, tile="16x64x128", tiles=9, heuristic_split=heuristic,
+                covering_split=covering, us={str(s): u for s, u in us.items()})
+
+
+def test_the_summary_compares_each_rule_with_the_fastest_split():
+    rows = [_split_row("linear", 8, 16, {1: 8.0, 8: 5.0, 16: 6.0}),
+            _split_row("linear", 4, 8, {1: 9.0, 4: 6.0, 8: 12.0}),
+            _split_row("gated_up", 1, 2, {1: 4.0, 2: 6.0}), _split_row("gated_pairs", 1, 2, {1: 5.0, 2: 4.5})]
+    summary = decode.summarize_splits(rows)
+    assert summary["linear"]["points"] == 2
+    assert summary["linear"]["heuristic_split"] == dict(geomean=1.0, worst=1.0, over_1_10=0)
+    covering = summary["linear"]["covering_split"]
+    assert math.isclose(covering["geomean"], math.sqrt(6.0 / 5.0 * 12.0 / 6.0)) and covering["worst"] == 2.0
+    assert covering["over_1_10"] == 2
+    assert summary["gated"]["unsplit_fastest"] == 1  # gated_pairs' split 2 ran faster there
+    assert math.isclose(summary["gated"]["heuristic_split"]["worst"], 5.0 / 4.5)
+
+
+def test_covering_split_stops_at_the_sms_or_two_k_blocks_a_program():
+    assert decode.covering_split(9, 21, 132) == 8  # 16 would leave a program one K block and a bit
+    assert decode.covering_split(32, 128, 132) == 8  # 8 x 32 = 256 programs: past one wave
+    assert decode.covering_split(200, 128, 132) == 1

@@ -105,9 +105,10 @@ def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> 
 
 
 def _heuristic(shape: Shape, device: Device, kinds: frozenset[str]) -> KernelConfig:
-    # The GEMM is 2N wide and keeps one accumulator: the plain GEMM's default over that width.
+    # The GEMM is 2N wide and keeps one accumulator: the plain GEMM's default over that width, K never split to fill
+    # the SMs (OpSpec.split_k_fill).
     return gemm_heuristic(dataclasses.replace(shape, N=2 * shape.N), device, kinds, operand_tiles=(1, 1),
-                          narrow_n=False)
+                          narrow_n=False, split_k_fill=GATED_PAIRS.split_k_fill)
 
 
 GATED_PAIRS = OpSpec(
@@ -119,6 +120,7 @@ GATED_PAIRS = OpSpec(
     run=_run,
     variant_constexprs={"tma": ("BLOCK_H",)},
     heuristic=_heuristic,
+    split_k_fill=False,
     **GEMM_VARIANTS,
     library={"eager": _eager, "cublas_pairs": _cublas_pairs},
     reference=_reference,

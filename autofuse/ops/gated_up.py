@@ -116,6 +116,7 @@ GATED_UP = OpSpec(
     **GEMM_VARIANTS,
     operand_tiles=(1, 2),
     narrow_n=True,
+    split_k_fill=False,
     gemv_first=True,
     library={"eager": _eager, "cublas_gated_act": _cublas_gated_act},
     reference=_reference,
