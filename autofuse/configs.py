@@ -267,8 +267,8 @@ def from_rules(rules: tuple[Rule, ...], shape: Shape, kinds: Collection[str], na
 
 
 # The GEMM family's heuristic on a GPU, first matching row wins. Small M is weight-streaming bound (narrow M,
-# long K tiles; split-K added below to fill the SMs); large M is compute bound (128-wide tiles, deep pipelines),
-# and on Hopper the persistent TMA kernels beat the best one-tile-per-program configs there (M = 4096).
+# long K tiles; split-K added below, within one wave of the SMs); large M is compute bound (128-wide tiles, deep
+# pipelines), and on Hopper the persistent TMA kernels beat the best one-tile-per-program configs there (M = 4096).
 GEMM_RULES = (
     Rule(16, "tile", 16, 64, (128, 64), num_warps=4, num_stages=4),
     Rule(32, "tile", 32, 64, (128, 64), num_warps=4, num_stages=4),
