@@ -197,23 +197,25 @@ def covering_split(tiles: int, k_blocks: int, multiprocessors: int) -> int:
     return split
 
 
-def split_point(op: str, n: int, k: int, M: int, device) -> dict:
-    """The heuristic's tile of `op` at [M, K] x [K, n] timed at each split (graph-replayed in turn)."""
+def split_point(op: str, n: int, k: int, M: int, device, tensors_on: str = "cuda", timer=None) -> dict:
+    """The heuristic's tile of `op` at [M, K] x [K, n] timed at each split by `timer` (default: graph-replayed in
+    turn, timing.graph_side_by_side_ms: {split: fn} -> {split: ms}), its operands on `tensors_on`."""
     from autofuse import ops
     from autofuse.configs import Shape
     from autofuse.timing import graph_side_by_side_ms
 
+    timer = timer or (lambda runs: graph_side_by_side_ms(runs, budget_ms=20))
     spec = ops.get(op)
     heuristic = spec.default_config(Shape(M, n, k, torch.bfloat16), device)
     tile = dataclasses.replace(heuristic, variant="tile", knobs={})
     made = spec.make_operands(n, k, M, False, False,
-                              lambda *size: torch.randn(*size, device="cuda", dtype=torch.bfloat16))
+                              lambda *size: torch.randn(*size, device=tensors_on, dtype=torch.bfloat16))
     activation = "none" if op == "linear" else "silu"
     k_blocks = -(-k // tile.block_k)
     configs = {s: tile if s == 1 else dataclasses.replace(tile, variant="split_k", knobs={"split_k": s})
                for s in SPLITS if s == 1 or k_blocks >= 2 * s}
     runs = {s: (lambda c=c: spec.run(made, activation, c)) for s, c in configs.items()}
-    us = {s: ms * 1e3 for s, ms in graph_side_by_side_ms(runs, budget_ms=20).items()}
+    us = {s: ms * 1e3 for s, ms in timer(runs).items()}
     tiles = -(-M // tile.block_m) * -(-(2 * n if op == "gated_pairs" else n) // tile.block_n)
     return dict(op=op, N=n, K=k, M=M, tile=tile.short(), tiles=tiles, heuristic_split=split_of(heuristic),
                 covering_split=covering_split(tiles, k_blocks, device.multiprocessors),

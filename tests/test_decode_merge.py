@@ -96,3 +96,26 @@ def test_covering_split_stops_at_the_sms_or_two_k_blocks_a_program():
     assert decode.covering_split(9, 21, 132) == 8  # 16 would leave a program one K block and a bit
     assert decode.covering_split(32, 128, 132) == 8  # 8 x 32 = 256 programs: past one wave
     assert decode.covering_split(200, 128, 132) == 1
+
+
+@pytest.mark.parametrize("op", ["linear", "gated_up", "gated_pairs"])
+def test_a_split_point_runs_the_heuristic_tile_at_each_split_it_keeps(op):
+    # The GPU's heuristic (split-K within one wave) on a small problem, its kernels run on this machine (the
+    # interpreter without a GPU); every split computes the unsplit tile's output.
+    from autofuse.configs import Device
+
+    outputs = {}
+
+    def timer(runs):
+        for split, run in runs.items():
+            outputs[split] = run().float()
+        return {split: 1.0 + split / 100 for split in runs}
+
+    device = "cuda" if decode.torch.cuda.is_available() else "cpu"
+    row = decode.split_point(op, 64, 512, 16, Device(False, 227 * 1024, 132, (9, 0)), tensors_on=device, timer=timer)
+    assert set(row["us"]) == {"1", "2"}  # 512 / 128: four K blocks, two a program at split 2
+    assert row["heuristic_split"] == (2 if op == "linear" else 1) and row["covering_split"] == 2
+    assert row["us"]["1"] == 1010.0
+    for split, out in outputs.items():
+        # bf16 output: split-K adds float32 partial sums in another order, a rounding of the output apart at most
+        assert decode.torch.allclose(out, outputs[1], rtol=2e-2, atol=2e-2), split
