@@ -375,6 +375,11 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
     return tuple(dict.fromkeys(configs))
 
 
+def tiles(M: int, N: int, config: KernelConfig) -> int:
+    """The output tiles of an [M, N] problem under `config`."""
+    return -(-M // config.block_m) * -(-N // config.block_n)  # ceil-divisions
+
+
 def _split_within_wave(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
     """Split K while twice the programs would still fit one wave of the SMs (a narrow output, e.g. a down
     projection at small M, has fewer tiles than SMs), keeping at least two K blocks per program. Swept on an H100
@@ -382,10 +387,10 @@ def _split_within_wave(config: KernelConfig, shape: Shape, multiprocessors: int)
     54 points): this rule's split ran within 1.020x of each point's fastest split by geometric mean (worst 1.29x),
     where splitting until the programs cover the SMs ran 1.170x (worst 1.78x; over 1.10x at 25 points): a second
     wave of split programs costs more than the idle SMs of the first."""
-    tiles = -(-shape.M // config.block_m) * -(-shape.N // config.block_n)
+    programs = tiles(shape.M, shape.N, config)
     k_blocks = -(-shape.K // config.block_k)
     split = 1
-    while tiles * split * 2 <= multiprocessors and split < 16 and k_blocks >= 4 * split:
+    while programs * split * 2 <= multiprocessors and split < 16 and k_blocks >= 4 * split:
         split *= 2
     return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})
 
@@ -393,9 +398,9 @@ def _split_within_wave(config: KernelConfig, shape: Shape, multiprocessors: int)
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
     """Split K until the programs cover the SMs (a narrow output, e.g. a down projection at small M,
     has fewer tiles than SMs), keeping at least two K blocks per program."""
-    tiles = -(-shape.M // config.block_m) * -(-shape.N // config.block_n)
+    programs = tiles(shape.M, shape.N, config)
     k_blocks = -(-shape.K // config.block_k)
     split = 1
-    while tiles * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
+    while programs * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
         split *= 2
     return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})

@@ -19,7 +19,7 @@ import torch
 
 from . import compile_workers, variants, workspaces
 from .bound import BoundLaunch
-from .configs import KernelConfig
+from .configs import KernelConfig, tiles
 from .device import cuda_index, dependent_launches, fp32_input_precision, interpreting, persistent_programs
 from .opspec import OpSpec, launch_args
 from .render import Kernel, KernelSpec, load_kernel
@@ -142,10 +142,6 @@ def pointwise_launch(op: OpSpec, activation: str, dtype: torch.dtype, M: int, N:
                                                                              num_warps=4)
 
     memoised_launch(key, tensors, build)
-
-
-def tiles(M: int, N: int, config: KernelConfig) -> int:
-    return -(-M // config.block_m) * -(-N // config.block_n)  # ceil-divisions
 
 
 @cache

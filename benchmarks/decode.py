@@ -189,36 +189,29 @@ def split_of(config) -> int:
     return config.knob("split_k") if config.variant == "split_k" else 1
 
 
-def covering_split(tiles: int, k_blocks: int, multiprocessors: int) -> int:
-    """Split until the programs cover the SMs, two K blocks a program at least."""
-    split = 1
-    while tiles * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
-        split *= 2
-    return split
-
-
 def split_point(op: str, n: int, k: int, M: int, device, tensors_on: str = "cuda", timer=None) -> dict:
     """The heuristic's tile of `op` at [M, K] x [K, n] timed at each split by `timer` (default: graph-replayed in
-    turn, timing.graph_side_by_side_ms: {split: fn} -> {split: ms}), its operands on `tensors_on`."""
+    turn, timing.graph_side_by_side_ms: {split: fn} -> {split: ms}), its operands on `tensors_on`; beside it the
+    heuristic's split and the split that covers the SMs (configs._split_to_fill, the fp8 decode tiles' rule)."""
     from autofuse import ops
-    from autofuse.configs import Shape
+    from autofuse.configs import Shape, _split_to_fill, tiles
     from autofuse.timing import graph_side_by_side_ms
 
     timer = timer or (lambda runs: graph_side_by_side_ms(runs, budget_ms=20))
     spec = ops.get(op)
     heuristic = spec.default_config(Shape(M, n, k, torch.bfloat16), device)
-    tile = dataclasses.replace(heuristic, variant="tile", knobs={})
+    tile = heuristic.tile
     made = spec.make_operands(n, k, M, False, False,
                               lambda *size: torch.randn(*size, device=tensors_on, dtype=torch.bfloat16))
     activation = "none" if op == "linear" else "silu"
-    k_blocks = -(-k // tile.block_k)
     configs = {s: tile if s == 1 else dataclasses.replace(tile, variant="split_k", knobs={"split_k": s})
-               for s in SPLITS if s == 1 or k_blocks >= 2 * s}
+               for s in SPLITS if s == 1 or -(-k // tile.block_k) >= 2 * s}
     runs = {s: (lambda c=c: spec.run(made, activation, c)) for s, c in configs.items()}
     us = {s: ms * 1e3 for s, ms in timer(runs).items()}
-    tiles = -(-M // tile.block_m) * -(-(2 * n if op == "gated_pairs" else n) // tile.block_n)
-    return dict(op=op, N=n, K=k, M=M, tile=tile.short(), tiles=tiles, heuristic_split=split_of(heuristic),
-                covering_split=covering_split(tiles, k_blocks, device.multiprocessors),
+    width = 2 * n if op == "gated_pairs" else n  # one GEMM over the interleaved gate and up weights
+    covering = _split_to_fill(tile, Shape(M, width, k, torch.bfloat16), device.multiprocessors)
+    return dict(op=op, N=n, K=k, M=M, tile=tile.short(), tiles=tiles(M, width, tile),
+                heuristic_split=split_of(heuristic), covering_split=split_of(covering),
                 us={str(s): u for s, u in us.items()})
 
 
@@ -241,11 +234,9 @@ def summarize_splits(rows: list[dict]) -> dict:
 
 
 def split_sweep(tokens: list[int], out: str | None) -> None:
-    from autofuse.configs import Device
+    from autofuse.choose.heuristics import device_info
 
-    props = torch.cuda.get_device_properties(0)
-    device = Device(False, props.shared_memory_per_block_optin, props.multi_processor_count,
-                    torch.cuda.get_device_capability())
+    device = device_info(torch.device("cuda"))
     rows = []
     for op, shapes in (("linear", SPLIT_LINEARS), ("gated_up", SPLIT_GATED), ("gated_pairs", SPLIT_GATED)):
         for n, k in shapes:

@@ -164,3 +164,14 @@ def test_the_gated_up_projections_never_split_k_to_fill_the_sms(op, M):
         config = heuristic_config(op, M, 2688, K, torch.bfloat16, **kwargs)
         assert config.variant == "tile" and _programs(config, M, 2688) < 132
     assert heuristic_config("linear", M, 2688, 4096, torch.bfloat16, **kwargs).variant == "split_k"
+
+
+def test_the_covering_split_stops_at_the_sms_or_two_k_blocks_a_program():
+    # configs._split_to_fill: the fp8 decode tiles' rule, and what decode.py --split-k compares the heuristic with.
+    from autofuse.configs import _split_to_fill
+
+    tile = KernelConfig(16, 64, 128)
+    split = lambda n, k: _split(_split_to_fill(tile, Shape(16, n, k, torch.bfloat16), 132))  # noqa: E731
+    assert split(576, 2688) == 8  # 9 tiles, 21 K blocks: 16 would leave a program one K block and a bit
+    assert split(2048, 16384) == 8  # 32 tiles: 8 x 32 = 256 programs, past one wave
+    assert split(12800, 16384) == 1  # 200 tiles: the SMs covered unsplit

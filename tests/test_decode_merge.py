@@ -92,12 +92,6 @@ def test_the_summary_compares_each_rule_with_the_fastest_split():
     assert math.isclose(summary["gated"]["heuristic_split"]["worst"], 5.0 / 4.5)
 
 
-def test_covering_split_stops_at_the_sms_or_two_k_blocks_a_program():
-    assert decode.covering_split(9, 21, 132) == 8  # 16 would leave a program one K block and a bit
-    assert decode.covering_split(32, 128, 132) == 8  # 8 x 32 = 256 programs: past one wave
-    assert decode.covering_split(200, 128, 132) == 1
-
-
 @pytest.mark.parametrize("op", ["linear", "gated_up", "gated_pairs"])
 def test_a_split_point_runs_the_heuristic_tile_at_each_split_it_keeps(op):
     # The GPU's heuristic (split-K within one wave) on a small problem, its kernels run on this machine (the
