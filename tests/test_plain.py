@@ -171,11 +171,11 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
                                                                            unprobed):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     raced, entries = _raced(monkeypatch, costs)
-    racing = raced.race_calls()
+    racing = plain.planned_length(len(costs))
     policy = current_policy()
     window, probe = policy.race_calls, policy.race_probe_calls
-    assert racing == plain.race_length(len(costs)) == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe) + \
-        policy.race_rounds * len(costs) * window
+    assert racing == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe) + policy.race_rounds * len(costs) * window
+    assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
     assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
     # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls and
@@ -204,7 +204,7 @@ def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monke
     with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1,
                                         race_round_keep=0.25)):
         raced, entries = _raced(monkeypatch, [1.0, 1.1, 0.9], key=("test", "order"))
-        order = [raced("x") for _ in range(raced.race_calls())]
+        order = [raced("x") for _ in range(plain.planned_length(3))]
         estimate = plain.ESTIMATE_CALLS
         assert [e.calls for e in entries] == [1 + estimate + 1 + 6, 1 + estimate + 1 + 6,
                                               1 + estimate + 2 + 10 + 6]
@@ -251,6 +251,61 @@ def test_after_a_round_a_table_more_than_race_round_keep_slower_runs_no_more_win
     assert entries[1].calls == entries[2].calls == 1 + estimate + probe + window
     assert entries[3].calls == 1 + estimate + probe + policy.race_rounds * window
     assert raced("x") == "e0" and raced.plain is entries[0]
+
+
+def _race_with_gaps(monkeypatch, key, gap_us, costs=(20.0, 18.0)):
+    """Race e0 (the GPU-time winner, 20 us a call) and e1 (18 us) on the fake clock; after each call
+    gap_us(raced) µs pass outside the race (the caller's own work). Returns the race and the calls it took."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, entries = _raced(monkeypatch, list(costs), key=key)
+    calls = 0
+    while raced.plain is None and calls < plain.race_length(len(costs)) + 1:
+        raced("x")
+        calls += 1
+        _Entry.clock[0] += gap_us(raced) * 1e-6
+    return raced, entries, calls
+
+
+def test_a_window_with_the_callers_foreign_work_in_it_is_run_again(monkeypatch):
+    """5 ms of the caller's own work inside three of e1's windows (as a benchmark's eager window between two
+    race calls) would have read those windows at 268 us a call against e1's 18 and settled on e0: each is run
+    again, and the race settles on e1."""
+    polluted = []
+
+    def gap(raced):
+        window = raced._window
+        if window is not None and window[0] == 1 and len(polluted) < 3 and window[4] not in polluted:
+            polluted.append(window[4])  # once in a window: its start
+            return 5000.0
+        return 0.0
+    raced, entries, calls = _race_with_gaps(monkeypatch, ("test", "foreign"), gap)
+    assert len(polluted) == 3 and raced.voided == 3
+    assert raced.plain is entries[1] and raced("x") == "e1"
+    assert raced.decided_after <= plain.race_length(2)
+
+
+def test_gaps_of_one_size_at_every_call_void_no_window(monkeypatch):
+    """A model's other layers between two calls of a module: the same gap at every call is the caller's steady
+    work, not foreign to a window."""
+    raced, entries, calls = _race_with_gaps(monkeypatch, ("test", "steady"), lambda raced: 500.0)
+    assert raced.voided == 0 and raced.plain is not None
+    assert raced.decided_after <= plain.planned_length(2) + 1
+
+
+def test_windows_run_again_for_foreign_work_are_bounded_by_race_voids(monkeypatch):
+    """Foreign work once in every window: race_voids windows are run again, then windows count as they are, and the
+    race ends within race_length calls."""
+    polluted = set()
+
+    def gap(raced):
+        window = raced._window
+        if window is None or window[4] in polluted:
+            return 0.0
+        polluted.add(window[4])  # once in every window
+        return 5000.0
+    raced, entries, calls = _race_with_gaps(monkeypatch, ("test", "always"), gap)
+    assert raced.voided == current_policy().race_voids
+    assert raced.plain is not None and raced.decided_after <= plain.race_length(2) + 1
 
 
 def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(monkeypatch):

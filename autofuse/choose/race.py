@@ -124,7 +124,14 @@ def _capturing() -> bool:
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
     tables are dropped): the first call; the window of the table of the lowest estimate; per other table two
-    windows of the fastest known and a probe of each of the two; race_rounds rounds of one window per table."""
+    windows of the fastest known and a probe of each of the two; race_rounds rounds of one window per table; and
+    race_voids windows run again for foreign work in them."""
+    policy = current()
+    return planned_length(tables) + policy.race_voids * policy.race_calls
+
+
+def planned_length(tables: int) -> int:
+    """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again."""
     policy = current()
     window, probe = policy.race_calls, policy.race_probe_calls
     return 1 + window + (tables - 1) * (2 * window + 2 * probe) + policy.race_rounds * tables * window
@@ -151,11 +158,15 @@ class Raced:
       2 x race_calls calls of the fastest between two tables' probes.
     - Rounds: the entries left run race_rounds rounds of one window each, in a rotated order; after each round an
       entry whose median window is slower than the fastest's by more than race_round_keep is dropped.
+    - A window with foreign work in it (one gap between two of its calls over race_gap_outlier times its median gap
+      plus its host time per call: the caller did something else there, which the window's time holds) is not
+      counted but run again, up to race_voids windows a race.
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
-                 "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start")
+                 "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start", "_gaps", "_returned",
+                 "voided")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -174,6 +185,9 @@ class Raced:
         self._window: tuple[int, int, int, bool, float] | None = None  # (entry, calls left, calls, probe, start)
         self._reference: float | None = None  # the fastest known entry's probe just before another's
         self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any probe
+        self._gaps: list[float] = []  # seconds between the window's calls: from one's return to the next one's start
+        self._returned = 0.0  # when the window's last call returned
+        self.voided = 0  # windows run again for the foreign work in them
 
     @property
     def table(self) -> dict[str, Choice]:
@@ -209,16 +223,35 @@ class Raced:
                 return self._settle(self._decide())(*args)
             index, calls, probe = window
             _synchronize()
+            self._gaps = []
             self._window = (index, calls, calls, probe, _now())
+        else:
+            self._gaps.append(_now() - self._returned)
         index, left, calls, probe, start = self._window
         out = self.entries[index](*args)
         if left > 1:
             self._window = (index, left - 1, calls, probe, start)
+            self._returned = _now()
             return out
+        last = _now()
         _synchronize()
         self._window = None
+        if self._foreign(last - start, calls):
+            self._plan.insert(0, (index, calls, probe))  # run again, as the next window
+            self.voided += 1
+            return out
         self._timed(index, (_now() - start) / calls * 1e6, probe)
         return out
+
+    def _foreign(self, spanned: float, calls: int) -> bool:
+        """Whether the window just run held foreign work (a gap between two of its calls over race_gap_outlier
+        times its median gap plus its host time per call), while the race may still void windows."""
+        policy = current()
+        if not self._gaps or self.voided >= policy.race_voids:
+            return False
+        gaps = sorted(self._gaps)
+        host_per_call = (spanned - sum(gaps)) / calls
+        return gaps[-1] > policy.race_gap_outlier * (gaps[len(gaps) // 2] + host_per_call)
 
     def _first(self, args: tuple):
         """The race's first call: every entry binds its launches (the others first) and has its plain call
