@@ -174,7 +174,7 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     racing = plain.planned_length(len(costs))
     policy = current_policy()
     window, probe = policy.race_calls, policy.race_probe_calls
-    assert racing == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe) + policy.race_rounds * len(costs) * window
+    assert racing == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe + policy.race_rounds * 2 * window)
     assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
     assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
@@ -207,15 +207,15 @@ def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monke
         order = [raced("x") for _ in range(plain.planned_length(3))]
         estimate = plain.ESTIMATE_CALLS
         assert [e.calls for e in entries] == [1 + estimate + 1 + 6, 1 + estimate + 1 + 6,
-                                              1 + estimate + 2 + 10 + 6]
+                                              1 + estimate + 2 + 10 + 12]
         decided = raced("x")
     # The first call runs every entry (each binds its launches, then has its host time taken) and returns the
     # GPU-time winner's result; the window of the lowest estimate (e2); per other entry, lowest estimate first,
-    # two windows and a probe of the fastest known (e2), then that entry's probe; then rounds of one window each,
-    # the order rotated.
-    expected = ["e0"] + ["e2"] * 2 + ["e2"] * 5 + ["e0"] + ["e2"] * 5 + ["e1"] + [
-        "e0", "e0", "e1", "e1", "e2", "e2"] + ["e1", "e1", "e2", "e2", "e0", "e0"] + [
-        "e2", "e2", "e0", "e0", "e1", "e1"]
+    # two windows and a probe of the fastest known (e2), then that entry's probe; then rounds of one window of each
+    # other entry, each after a window of the fastest (e2), the order rotated.
+    round_a = ["e2", "e2", "e0", "e0", "e2", "e2", "e1", "e1"]
+    round_b = ["e2", "e2", "e1", "e1", "e2", "e2", "e0", "e0"]
+    expected = ["e0"] + ["e2"] * 2 + ["e2"] * 5 + ["e0"] + ["e2"] * 5 + ["e1"] + round_a + round_b + round_a
     assert order == expected and decided == "e2"
 
 
@@ -236,6 +236,24 @@ def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeyp
     worst = max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
     assert worst <= 1.25 * 50 * costs[0]
     assert raced("x") == "e2" and raced.plain is entries[2]
+
+
+def test_in_the_rounds_no_two_slower_tables_run_back_to_back(monkeypatch):
+    """Three tables 30% slower than the fastest kept through the rounds (race_keep and race_round_keep wider than
+    that): each of their windows follows one of the fastest table's, so no 50 calls in a row cost over 1.2x the
+    fastest's (back to back, their windows made 60 calls at 1.3x)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    with use_policy(dataclasses.replace(current_policy(), race_keep=0.35, race_round_keep=0.35)):
+        raced, entries = _raced(monkeypatch, [1.0, 1.3, 1.3, 1.3], key=("test", "interleaved"))
+        raced("x")  # the first call: every entry binds
+        spent = []
+        while raced.plain is None:
+            before = _Entry.clock[0]
+            raced("x")
+            spent.append((_Entry.clock[0] - before) * 1e6)
+    assert all(e.calls > 1 + plain.ESTIMATE_CALLS + current_policy().race_probe_calls for e in entries)  # all raced
+    assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.2 * 50
+    assert raced.plain is entries[0]
 
 
 def test_after_a_round_a_table_more_than_race_round_keep_slower_runs_no_more_windows(monkeypatch):
@@ -266,15 +284,16 @@ def _race_with_gaps(monkeypatch, key, gap_us, costs=(20.0, 18.0)):
     return raced, entries, calls
 
 
-def test_a_window_with_the_callers_foreign_work_in_it_is_run_again(monkeypatch):
-    """5 ms of the caller's own work inside three of e1's windows (as a benchmark's eager window between two
-    race calls) would have read those windows at 268 us a call against e1's 18 and settled on e0: each is run
-    again, and the race settles on e1."""
+def test_a_window_with_the_callers_foreign_work_in_it_starts_again(monkeypatch):
+    """5 ms of the caller's own work inside three of e1's windows after the race's first (as a benchmark's eager
+    window between two race calls) would have read those windows at 268 us a call against e1's 18 and settled on
+    e0: each starts again from the call after the gap, and the race settles on e1."""
     polluted = []
 
     def gap(raced):
         window = raced._window
-        if window is not None and window[0] == 1 and len(polluted) < 3 and window[4] not in polluted:
+        timed = any(raced._samples)  # the first window gives the gaps' measure
+        if timed and window is not None and window[0] == 1 and len(polluted) < 3 and window[4] not in polluted:
             polluted.append(window[4])  # once in a window: its start
             return 5000.0
         return 0.0
@@ -293,7 +312,7 @@ def test_gaps_of_one_size_at_every_call_void_no_window(monkeypatch):
 
 
 def test_windows_run_again_for_foreign_work_are_bounded_by_race_voids(monkeypatch):
-    """Foreign work once in every window: race_voids windows are run again, then windows count as they are, and the
+    """Foreign work once in every window: race_voids windows start again, then windows count as they are, and the
     race ends within race_length calls."""
     polluted = set()
 

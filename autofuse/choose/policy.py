@@ -34,8 +34,9 @@ Each default is a measured finding (docs/design.md states them with their number
   plain call (its host time per call, timed after binding, or its GPU time where that is larger) is lowest, and a
   table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe.
   A window is timed from a synchronisation before its first call to one after its last, so whatever the caller does
-  between two of its calls counts in it: a window in which one gap between calls exceeds `race_gap_outlier` times
-  (its median gap + its host time per call) held foreign work and is run again, up to `race_voids` times a race.
+  between two of its calls counts in it: a gap between calls over `race_gap_outlier` times (the last window's
+  median gap + its median time inside a call) is foreign work, and the window starts again from the call after it,
+  up to `race_voids` times a race.
   Counted as they were, such windows (a benchmark's 50 eager calls between two of the race's) read 377-403 us a call
   for tables of 105-126, three of the fastest table's five round windows among them, and the race of 3840 -> 12688
   at M = 128 settled on a table of 125 us a call over one whose other windows ran 105 (H200). Gaps of the same
@@ -79,7 +80,7 @@ class DecisionPolicy:
     race_round_keep: float = 0.10
     race_host_keep: float = 1.0
     race_gap_outlier: float = 4.0
-    race_voids: int = 6
+    race_voids: int = 16
     trial_budget_ms: float = 100.0
     check_budget_ms: float = 20.0
     host_bound_step_macs: float = 3.2e10

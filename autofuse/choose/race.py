@@ -124,8 +124,8 @@ def _capturing() -> bool:
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
     tables are dropped): the first call; the window of the table of the lowest estimate; per other table two
-    windows of the fastest known and a probe of each of the two; race_rounds rounds of one window per table; and
-    race_voids windows run again for foreign work in them."""
+    windows of the fastest known and a probe of each of the two; race_rounds rounds of a window of the fastest
+    and one of each other table; and race_voids windows started again for foreign work in them."""
     policy = current()
     return planned_length(tables) + policy.race_voids * policy.race_calls
 
@@ -134,7 +134,7 @@ def planned_length(tables: int) -> int:
     """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again."""
     policy = current()
     window, probe = policy.race_calls, policy.race_probe_calls
-    return 1 + window + (tables - 1) * (2 * window + 2 * probe) + policy.race_rounds * tables * window
+    return 1 + window + (tables - 1) * (2 * window + 2 * probe) + policy.race_rounds * (tables - 1) * 2 * window
 
 
 class Raced:
@@ -156,17 +156,19 @@ class Raced:
       calls, then the other entry the same. An entry whose probe is slower than the fastest's, taken just before
       it, by more than race_keep is dropped: a slow table runs race_probe_calls calls in all, with at least
       2 x race_calls calls of the fastest between two tables' probes.
-    - Rounds: the entries left run race_rounds rounds of one window each, in a rotated order; after each round an
-      entry whose median window is slower than the fastest's by more than race_round_keep is dropped.
-    - A window with foreign work in it (one gap between two of its calls over race_gap_outlier times its median gap
-      plus its host time per call: the caller did something else there, which the window's time holds) is not
-      counted but run again, up to race_voids windows a race.
+    - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
+      median window so far), in a rotated order, each after a window of the fastest: a span of calls never holds
+      two slower entries' windows back to back. After each round an entry whose median window is slower than the
+      fastest's by more than race_round_keep is dropped.
+    - A window in which the caller does other work between two calls (a gap over race_gap_outlier times the last
+      window's median gap plus its median time inside a call; the window's time would hold that work) starts
+      again from that call, up to race_voids times a race.
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
-                 "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start", "_gaps", "_returned",
-                 "voided")
+                 "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start", "_gaps", "_inside",
+                 "_returned", "_gap_limit", "voided")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -186,8 +188,12 @@ class Raced:
         self._reference: float | None = None  # the fastest known entry's probe just before another's
         self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any probe
         self._gaps: list[float] = []  # seconds between the window's calls: from one's return to the next one's start
+        self._inside: list[float] = []  # seconds inside each of the window's calls
         self._returned = 0.0  # when the window's last call returned
-        self.voided = 0  # windows run again for the foreign work in them
+        # A gap over this (seconds) holds foreign work: race_gap_outlier x (median gap + median time inside a
+        # call) of the last window that had two gaps or more; none before it.
+        self._gap_limit = float("inf")
+        self.voided = 0  # windows started again for foreign work in them
 
     @property
     def table(self) -> dict[str, Choice]:
@@ -222,36 +228,40 @@ class Raced:
             if window is None:
                 return self._settle(self._decide())(*args)
             index, calls, probe = window
-            _synchronize()
-            self._gaps = []
-            self._window = (index, calls, calls, probe, _now())
+            self._begin(index, calls, probe)
+            called = self._window[4]
         else:
-            self._gaps.append(_now() - self._returned)
+            called = _now()
+            gap = called - self._returned
+            index, left, calls, probe, start = self._window
+            if gap > self._gap_limit and self.voided < current().race_voids:
+                # The caller did other work since the last call, which this window's time would hold: the window
+                # starts again from this call.
+                self.voided += 1
+                self._begin(index, calls, probe)
+                called = self._window[4]
+            else:
+                self._gaps.append(gap)
         index, left, calls, probe, start = self._window
         out = self.entries[index](*args)
+        self._returned = _now()
+        self._inside.append(self._returned - called)
         if left > 1:
             self._window = (index, left - 1, calls, probe, start)
-            self._returned = _now()
             return out
-        last = _now()
         _synchronize()
         self._window = None
-        if self._foreign(last - start, calls):
-            self._plan.insert(0, (index, calls, probe))  # run again, as the next window
-            self.voided += 1
-            return out
         self._timed(index, (_now() - start) / calls * 1e6, probe)
+        if len(self._gaps) > 1:
+            self._gap_limit = current().race_gap_outlier * (statistics.median(self._gaps) +
+                                                            statistics.median(self._inside))
         return out
 
-    def _foreign(self, spanned: float, calls: int) -> bool:
-        """Whether the window just run held foreign work (a gap between two of its calls over race_gap_outlier
-        times its median gap plus its host time per call), while the race may still void windows."""
-        policy = current()
-        if not self._gaps or self.voided >= policy.race_voids:
-            return False
-        gaps = sorted(self._gaps)
-        host_per_call = (spanned - sum(gaps)) / calls
-        return gaps[-1] > policy.race_gap_outlier * (gaps[len(gaps) // 2] + host_per_call)
+    def _begin(self, index: int, calls: int, probe: bool) -> None:
+        """Start a window of `calls` calls of entry `index` from a synchronisation."""
+        _synchronize()
+        self._gaps, self._inside = [], []
+        self._window = (index, calls, calls, probe, _now())
 
     def _first(self, args: tuple):
         """The race's first call: every entry binds its launches (the others first) and has its plain call
@@ -327,8 +337,14 @@ class Raced:
                 alive = [i for i, up in enumerate(self._alive) if up]
                 if len(alive) < 2:
                     return None
-            shift = self._rounds % len(alive)
-            self._plan = [(i, current().race_calls, False) for i in alive[shift:] + alive[:shift]]
+            # Each other entry's window follows one of the fastest entry's (by its windows so far), so that no
+            # span of calls holds two slower entries' windows back to back.
+            fastest = min(alive, key=lambda i: _median(self._samples[i]))
+            others = [i for i in alive if i != fastest]
+            shift = self._rounds % len(others)
+            window = current().race_calls
+            self._plan = [w for i in others[shift:] + others[:shift] for w in ((fastest, window, False),
+                                                                                (i, window, False))]
             self._rounds += 1
 
     def _fastest_known(self) -> int:
@@ -357,7 +373,7 @@ class Raced:
 
     def _times(self) -> list[float]:
         """µs per plain call of each entry: the median of its windows (infinite where it ran none)."""
-        return [statistics.median(samples) if samples else float("inf") for samples in self._samples]
+        return [_median(samples) for samples in self._samples]
 
     def _decide(self) -> int:
         times = self._times()
@@ -382,6 +398,11 @@ class Raced:
     def race_calls(self) -> int:
         """The most un-graphed calls the race takes from its first to the decision (race_length)."""
         return race_length(len(self.entries))
+
+
+def _median(samples: list[float]) -> float:
+    """µs per plain call of an entry's windows: their median, infinite where it ran none."""
+    return statistics.median(samples) if samples else float("inf")
 
 
 def _remember(key: tuple, best: int) -> None:
