@@ -28,7 +28,7 @@ HOST_BOUND_MS = current_policy().host_bound_ms
 # A race of windows and probes of one call, one round (plain.race_length says how many calls it takes), that
 # drops no table on the interpreter's times.
 TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1, race_probe_calls=1,
-                                race_keep=float("inf"))
+                                race_keep=float("inf"), race_host_keep=float("inf"))
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 # Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
 ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
@@ -174,14 +174,15 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     racing = plain.planned_length(len(costs))
     policy = current_policy()
     window, probe = policy.race_calls, policy.race_probe_calls
-    assert racing == 1 + window + (len(costs) - 1) * (2 * window + 2 * probe + policy.race_rounds * 2 * window)
+    assert racing == 1 + window + (len(costs) - 1) * (2 * window + 2 + 2 * probe + policy.race_rounds * 2 * window)
     assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
     assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
-    # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls and
-    # its probe, no more; one whose host time alone rules it out, its binding and host-timed calls.
+    # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls, one
+    # call timed alone and its probe, no more; one whose host time alone rules it out, its binding and host-timed
+    # calls.
     estimate = plain.ESTIMATE_CALLS
-    assert [e.name for e in entries if e.calls == 1 + estimate + probe] == dropped
+    assert [e.name for e in entries if e.calls == 1 + estimate + 1 + probe] == dropped
     assert [e.name for e in entries if e.calls == 1 + estimate] == unprobed
     if not dropped and not unprobed:  # the race took every call planned, and its first call ran every entry
         assert sum(e.calls for e in entries) == racing + len(costs) * (1 + estimate) - 1
@@ -206,16 +207,17 @@ def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monke
         raced, entries = _raced(monkeypatch, [1.0, 1.1, 0.9], key=("test", "order"))
         order = [raced("x") for _ in range(plain.planned_length(3))]
         estimate = plain.ESTIMATE_CALLS
-        assert [e.calls for e in entries] == [1 + estimate + 1 + 6, 1 + estimate + 1 + 6,
-                                              1 + estimate + 2 + 10 + 12]
+        assert [e.calls for e in entries] == [1 + estimate + 2 + 6, 1 + estimate + 2 + 6,
+                                              1 + estimate + 2 + 12 + 12]
         decided = raced("x")
     # The first call runs every entry (each binds its launches, then has its host time taken) and returns the
     # GPU-time winner's result; the window of the lowest estimate (e2); per other entry, lowest estimate first,
-    # two windows and a probe of the fastest known (e2), then that entry's probe; then rounds of one window of each
-    # other entry, each after a window of the fastest (e2), the order rotated.
+    # two windows, a call and a probe of the fastest known (e2), each followed by that entry's; then rounds of one
+    # window of each other entry, each after a window of the fastest (e2), the order rotated.
     round_a = ["e2", "e2", "e0", "e0", "e2", "e2", "e1", "e1"]
     round_b = ["e2", "e2", "e1", "e1", "e2", "e2", "e0", "e0"]
-    expected = ["e0"] + ["e2"] * 2 + ["e2"] * 5 + ["e0"] + ["e2"] * 5 + ["e1"] + round_a + round_b + round_a
+    expected = ["e0"] + ["e2"] * 2 + ["e2"] * 5 + ["e0", "e2", "e0"] + ["e2"] * 5 + ["e1", "e2", "e1"] + \
+        round_a + round_b + round_a
     assert order == expected and decided == "e2"
 
 
@@ -266,8 +268,8 @@ def test_after_a_round_a_table_more_than_race_round_keep_slower_runs_no_more_win
     for _ in range(raced.race_calls()):
         raced("x")
     window, probe, estimate = policy.race_calls, policy.race_probe_calls, plain.ESTIMATE_CALLS
-    assert entries[1].calls == entries[2].calls == 1 + estimate + probe + window
-    assert entries[3].calls == 1 + estimate + probe + policy.race_rounds * window
+    assert entries[1].calls == entries[2].calls == 1 + estimate + 1 + probe + window
+    assert entries[3].calls == 1 + estimate + 1 + probe + policy.race_rounds * window
     assert raced("x") == "e0" and raced.plain is entries[0]
 
 
@@ -381,8 +383,26 @@ def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_other
         raced("x")
     assert raced._start == 0 and raced._alive[0]
     assert raced.plain is winner and raced("x") == "winner"
-    # the kernel table ran its binding call, its host-timed calls and one probe, no more
-    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + current_policy().race_probe_calls
+    # the kernel table ran its binding call, its host-timed calls, one call timed alone (130 us against 177: within
+    # race_host_keep) and one probe, no more
+    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 1 + current_policy().race_probe_calls
+
+
+def test_a_table_far_slower_than_the_fastest_is_dropped_after_one_call(monkeypatch):
+    """A table of unknown GPU time (no host estimate can rule it out) whose call takes 420 us against the fastest's
+    130 (host and GPU, one call timed alone): over race_host_keep, it is dropped after that call, before a probe."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
+    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
+    plain._decided.pop(("test", "one call"), None)
+    winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
+    slow = _Queued("slow", host=20.0, gpu=400.0, gpu_ms=None)
+    raced = plain.Raced(winner, [slow], [winner.table, slow.table], 16, ("test", "one call"))
+    for _ in range(raced.race_calls() + 1):
+        raced("x")
+    assert 420 / 130 > 1 + current_policy().race_host_keep
+    assert slow.calls == 1 + plain.ESTIMATE_CALLS + 1
+    assert raced.plain is winner
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):

@@ -32,7 +32,9 @@ Each default is a measured finding (docs/design.md states them with their number
   caller's calls (3840 -> 12688 at M = 128 ran 119-135 us a call over the nine windows of 50 during its race, 1.25x
   eager's at worst, and 106-115 after it, H200). The race starts from the table of known GPU time whose estimated
   plain call (its host time per call, timed after binding, or its GPU time where that is larger) is lowest, and a
-  table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe.
+  table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe; before
+  its probe each table's call is timed alone beside one of the fastest known, and one slower by more than
+  `race_host_keep` is dropped there (one call of a table at 3.6x the fastest, not a probe of four).
   A window is timed from a synchronisation before its first call to one after its last, so whatever the caller does
   between two of its calls counts in it: a gap between calls over `race_gap_outlier` times (the last window's
   median gap + its median time inside a call) is foreign work, and the window starts again from the call after it,

@@ -37,6 +37,9 @@ logger = logging.getLogger("autofuse")
 _KEPT = 512
 
 _decided: dict[tuple, int] = {}
+# The kind of probe that times one call of an entry, against race_host_keep: a table far slower than the fastest
+# known is dropped after one call.
+FIRST = "first"
 # Host-timed calls of each entry in a race's first call, after its binding call: the fastest of them is its host
 # time per call (one call alone may meet a collection or a page fault).
 ESTIMATE_CALLS = 2
@@ -124,7 +127,8 @@ def _capturing() -> bool:
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
     tables are dropped): the first call; the window of the table of the lowest estimate; per other table two
-    windows of the fastest known and a probe of each of the two; race_rounds rounds of a window of the fastest
+    windows of the fastest known, a call of each of the two, and a probe of each; race_rounds rounds of a window of
+    the fastest
     and one of each other table; and race_voids windows started again for foreign work in them."""
     policy = current()
     return planned_length(tables) + policy.race_voids * policy.race_calls
@@ -134,7 +138,7 @@ def planned_length(tables: int) -> int:
     """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again."""
     policy = current()
     window, probe = policy.race_calls, policy.race_probe_calls
-    return 1 + window + (tables - 1) * (2 * window + 2 * probe) + policy.race_rounds * (tables - 1) * 2 * window
+    return 1 + window + (tables - 1) * (2 * window + 2 + 2 * probe) + policy.race_rounds * (tables - 1) * 2 * window
 
 
 class Raced:
@@ -152,10 +156,14 @@ class Raced:
       winner's host time is under its known GPU time by race_margin, its plain call is bound by that GPU time,
       which no other table's undercuts: the race settles on it there.
     - Probes: the entry of the lowest such estimate runs a window of race_calls calls; then, for each other entry in
-      turn (lowest estimate first), the fastest entry known runs two such windows, then a probe of race_probe_calls
-      calls, then the other entry the same. An entry whose probe is slower than the fastest's, taken just before
-      it, by more than race_keep is dropped: a slow table runs race_probe_calls calls in all, with at least
-      2 x race_calls calls of the fastest between two tables' probes.
+      turn (lowest estimate first), the fastest entry known runs two such windows, then one call timed alone, then
+      the other entry the same: one slower than the fastest's by more than race_host_keep is dropped after that one
+      call (a table of the eager path over the interleaved weights took 380 us a call beside the fastest's 105 and
+      ran a whole probe: 4 such calls in a window of 50 made it 1.35x eager's, H200). Then the fastest runs a probe
+      of race_probe_calls calls and the other entry the same. An entry whose probe is slower than the fastest's,
+      taken just before it, by more than race_keep is dropped: a slow table runs 1 + race_probe_calls calls in all,
+      one where it is over 1 + race_host_keep times the fastest, with at least 2 x race_calls calls of the fastest
+      between two tables' probes.
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
       median window so far), in a rotated order, each after a window of the fastest: a span of calls never holds
       two slower entries' windows back to back. After each round an entry whose median window is slower than the
@@ -297,7 +305,8 @@ class Raced:
         # None: the fastest entry known when the window starts.
         self._plan = [(self._start, window, False)]
         for other in order:
-            self._plan += [(None, window, False), (None, window, False), (None, probe, True), (other, probe, True)]
+            self._plan += [(None, window, False), (None, window, False), (None, 1, FIRST), (other, 1, FIRST),
+                           (None, probe, True), (other, probe, True)]
         return out
 
     def _estimates(self, args: tuple) -> tuple[list[float], list[float]]:
@@ -352,15 +361,18 @@ class Raced:
         probed = [(us, i) for i, us in enumerate(self._probes) if us is not None and self._alive[i]]
         return min(probed)[1] if probed else self._start
 
-    def _timed(self, index: int, us: float, probe: bool) -> None:
+    def _timed(self, index: int, us: float, probe: bool | str) -> None:
         if not probe:
             self._samples[index].append(us)
             return
-        self._probes[index] = us
+        first = probe == FIRST
+        if not first:
+            self._probes[index] = us
+        keep = current().race_host_keep if first else current().race_keep
         if self._reference is None:  # the fastest known entry's probe: the next entry's reference
             self._reference = us
-        elif us > self._reference * (1 + current().race_keep):
-            self._alive[index] = False  # slower than the fastest known by more than race_keep: dropped
+        elif us > self._reference * (1 + keep):
+            self._alive[index] = False  # slower than the fastest known by more than keep: dropped
 
     def _drop_slow_windows(self) -> None:
         """After a round: entries whose median window is slower than the fastest's by more than race_round_keep go."""
