@@ -451,24 +451,39 @@ def _race_through(call, tables: int):
     return call()
 
 
-@ON_THE_CPU
-def test_a_race_whose_gpu_time_winner_is_bound_by_its_gpu_time_settles_on_it_at_the_first_call(monkeypatch):
-    """Its host time (1 us a call here) is under its known GPU time (FAST, 10 us): no other table's plain call can be
-    race_margin faster, so no window is run."""
-    Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
+def _settle_on_host_time(monkeypatch, caplog, winner: Winner):
+    """A Linear at M = 4 whose GPU-time winner is `winner`, raced with 1 us of host time a call for every table:
+    the first call's entry."""
+    Store().put_winner(winner)
     resolve.invalidate()
-    raced = _race_on_cpu(monkeypatch, [30.0, 10.0])
-    # Host 1 us a call; each estimate the larger of that and the table's known GPU time, as Raced._estimates gives.
+    _race_on_cpu(monkeypatch, [30.0, 10.0, 20.0])
+    # as Raced._estimates gives: the larger of the host time and the known GPU time, the host time where unknown
     monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: (
-        [1.0] * len(self.tables), [max(1.0, plain.known_gpu_ms(t) * 1e3) for t in self.tables]))
+        [1.0] * len(self.tables), [max(1.0, (plain.known_gpu_ms(t) or 0) * 1e3) for t in self.tables]))
     layer = autofuse.get_linear(48, 80, activation="gelu", dtype=torch.float32, device="cpu")
-    x = torch.randn(4, 48)
     with torch.no_grad(), use_policy(TINY_RACE):
-        layer(x)
-        entry = next(iter(layer._bound.values()))
-        assert isinstance(entry, plain.Raced) and entry.decided_after == 1
-        layer(x)
-    assert raced == [] and layer.plain_config_for(4) == {"linear": Library("eager")}
+        layer(torch.randn(4, 48))
+    entry = next(iter(layer._bound.values()))
+    assert not any("could not race" in r.getMessage() for r in caplog.records)
+    return entry
+
+
+@ON_THE_CPU
+def test_a_kernel_winner_under_its_gpu_time_in_host_time_settles_at_the_first_call(monkeypatch, caplog):
+    """Host 1 us a call against FAST (10 us) of known GPU time: a kernel table (its bound launches' host time is
+    steady) settles at the first call."""
+    kernel = _settle_on_host_time(monkeypatch, caplog, Winner(_key(), KERNEL, FAST, FAST))
+    assert isinstance(kernel, plain.Raced) and kernel.decided_after == 1 and kernel.plain_table == kernel.table
+    assert kernel.plain_table == {"linear": Choice(KERNEL, Source.USER_CACHE, FAST)}
+
+
+@ON_THE_CPU
+def test_a_library_winner_under_its_gpu_time_in_host_time_still_races(monkeypatch, caplog):
+    """The same with a library path as the GPU-time winner: its PyTorch ops' host time wanders, so two calls' host
+    time do not settle it; the race runs."""
+    library = _settle_on_host_time(monkeypatch, caplog, Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL,
+                                                       runner_up_ms=2 * FAST))
+    assert isinstance(library, plain.Raced) and library.decided_after is None and library.plain is None
 
 
 @ON_THE_CPU

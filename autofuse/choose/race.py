@@ -53,7 +53,7 @@ def host_bound(table: dict[str, Choice]) -> bool:
     if gpu_ms is None:
         return False
     policy = current()
-    if any(choice.kernel is None for choice in table.values()):
+    if _runs_library(table):
         return gpu_ms < policy.library_host_bound_ms
     return policy.is_host_bound(gpu_ms)
 
@@ -283,10 +283,14 @@ class Raced:
         window, probe = policy.race_calls, policy.race_probe_calls
         self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
         host, estimate = self._estimates(args)
-        if host[0] < estimate[0] * (1 - policy.race_margin):
+        if host[0] < estimate[0] * (1 - policy.race_margin) and not _runs_library(self.tables[0]):
             # The GPU-time winner's host time is under its known GPU time (its estimate, where larger): its plain
             # call is bound by that GPU time, which no other table's undercuts: settled now, before any window (a
             # race's probes had put 2 of 40 windows of 3840 -> 12688 at M = 16 over 1.25x eager's for no gain, H100).
+            # Not where it runs a library path: a PyTorch op's host time wanders (cuBLAS's nvjet GEMMs 35-58 us a
+            # call), and a library table settled so on two calls' host time under its 100 us of GPU time then ran
+            # 124-145 us a plain call for 1,500 calls beside eager's 105-118 and a kernel table's 105 (3840 ->
+            # 12688 at M = 128, H200).
             _remember(self.key, 0)
             self._settle(0)
             return out
@@ -410,6 +414,10 @@ class Raced:
     def race_calls(self) -> int:
         """The most un-graphed calls the race takes from its first to the decision (race_length)."""
         return race_length(len(self.entries))
+
+
+def _runs_library(table: dict[str, Choice]) -> bool:
+    return any(choice.kernel is None for choice in table.values())
 
 
 def _median(samples: list[float]) -> float:
