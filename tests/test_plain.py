@@ -28,7 +28,7 @@ HOST_BOUND_MS = current_policy().host_bound_ms
 # A race of windows and probes of one call, one round (plain.race_length says how many calls it takes), that
 # drops no table on the interpreter's times.
 TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1, race_probe_calls=1,
-                                race_keep=float("inf"), race_host_keep=float("inf"))
+                                race_keep=float("inf"), race_host_keep=float("inf"), race_first_keep=float("inf"))
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 # Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
 ON_THE_CPU = pytest.mark.skipif(torch.cuda.is_available(), reason="builds its module on the CPU, under the interpreter")
@@ -161,9 +161,9 @@ def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
 
 
 @pytest.mark.parametrize("costs, expected, dropped, unprobed", [
-    # the fastest plain call; e0's host time alone is 3x e1's: dropped without a probe; e2, twice as slow as e1,
-    # dropped after its probe beside e1
-    ([30.0, 10.0, 20.0], "e1", ["e2"], ["e0"]),
+    # the fastest plain call; e0's host time alone is 3x e1's: dropped without a probe; e2, 1.4x e1 (within
+    # race_first_keep, over race_keep), dropped after its probe beside e1
+    ([30.0, 10.0, 14.0], "e1", ["e2"], ["e0"]),
     ([30.0, 29.0, 40.0], "e0", ["e2"], []),  # within race_margin of the GPU-time winner: the winner stays
     ([30.0, 29.5, 28.0], "e2", [], []),  # none dropped: within race_round_keep of e2 after each round
 ])
@@ -384,13 +384,13 @@ def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_other
     assert raced._start == 0 and raced._alive[0]
     assert raced.plain is winner and raced("x") == "winner"
     # the kernel table ran its binding call, its host-timed calls, one call timed alone (130 us against 177: within
-    # race_host_keep) and one probe, no more
+    # race_first_keep) and one probe, no more
     assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 1 + current_policy().race_probe_calls
 
 
 def test_a_table_far_slower_than_the_fastest_is_dropped_after_one_call(monkeypatch):
     """A table of unknown GPU time (no host estimate can rule it out) whose call takes 420 us against the fastest's
-    130 (host and GPU, one call timed alone): over race_host_keep, it is dropped after that call, before a probe."""
+    130 (host and GPU, one call timed alone): over race_first_keep, it is dropped after that call, before a probe."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
     monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
@@ -400,7 +400,7 @@ def test_a_table_far_slower_than_the_fastest_is_dropped_after_one_call(monkeypat
     raced = plain.Raced(winner, [slow], [winner.table, slow.table], 16, ("test", "one call"))
     for _ in range(raced.race_calls() + 1):
         raced("x")
-    assert 420 / 130 > 1 + current_policy().race_host_keep
+    assert 420 / 130 > 1 + current_policy().race_first_keep
     assert slow.calls == 1 + plain.ESTIMATE_CALLS + 1
     assert raced.plain is winner
 

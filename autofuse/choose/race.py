@@ -37,7 +37,7 @@ logger = logging.getLogger("autofuse")
 _KEPT = 512
 
 _decided: dict[tuple, int] = {}
-# The kind of probe that times one call of an entry, against race_host_keep: a table far slower than the fastest
+# The kind of probe that times one call of an entry, against race_first_keep: a table far slower than the fastest
 # known is dropped after one call.
 FIRST = "first"
 # Host-timed calls of each entry in a race's first call, after its binding call: the fastest of them is its host
@@ -157,12 +157,12 @@ class Raced:
       which no other table's undercuts: the race settles on it there.
     - Probes: the entry of the lowest such estimate runs a window of race_calls calls; then, for each other entry in
       turn (lowest estimate first), the fastest entry known runs two such windows, then one call timed alone, then
-      the other entry the same: one slower than the fastest's by more than race_host_keep is dropped after that one
+      the other entry the same: one slower than the fastest's by more than race_first_keep is dropped after that one
       call (a table of the eager path over the interleaved weights took 380 us a call beside the fastest's 105 and
       ran a whole probe: 4 such calls in a window of 50 made it 1.35x eager's, H200). Then the fastest runs a probe
       of race_probe_calls calls and the other entry the same. An entry whose probe is slower than the fastest's,
       taken just before it, by more than race_keep is dropped: a slow table runs 1 + race_probe_calls calls in all,
-      one where it is over 1 + race_host_keep times the fastest, with at least 2 x race_calls calls of the fastest
+      one where it is over 1 + race_first_keep times the fastest, with at least 2 x race_calls calls of the fastest
       between two tables' probes.
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
       median window so far), in a rotated order, each after a window of the fastest: a span of calls never holds
@@ -372,7 +372,7 @@ class Raced:
         first = probe == FIRST
         if not first:
             self._probes[index] = us
-        keep = current().race_host_keep if first else current().race_keep
+        keep = current().race_first_keep if first else current().race_keep
         if self._reference is None:  # the fastest known entry's probe: the next entry's reference
             self._reference = us
         elif us > self._reference * (1 + keep):
