@@ -174,7 +174,7 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     racing = plain.planned_length(len(costs))
     policy = current_policy()
     window, probe = policy.race_calls, policy.race_probe_calls
-    assert racing == 1 + window + (len(costs) - 1) * (2 * window + 2 + 2 * probe + policy.race_rounds * 2 * window)
+    assert racing == 1 + (len(costs) - 1) * (2 + 2 * probe + window + policy.race_rounds * 2 * window)
     assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
     assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
@@ -208,15 +208,15 @@ def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monke
         order = [raced("x") for _ in range(plain.planned_length(3))]
         estimate = plain.ESTIMATE_CALLS
         assert [e.calls for e in entries] == [1 + estimate + 2 + 6, 1 + estimate + 2 + 6,
-                                              1 + estimate + 2 + 12 + 12]
+                                              1 + estimate + 8 + 12]
         decided = raced("x")
     # The first call runs every entry (each binds its launches, then has its host time taken) and returns the
-    # GPU-time winner's result; the window of the lowest estimate (e2); per other entry, lowest estimate first,
-    # two windows, a call and a probe of the fastest known (e2), each followed by that entry's; then rounds of one
-    # window of each other entry, each after a window of the fastest (e2), the order rotated.
+    # GPU-time winner's result; per other entry, lowest estimate first, a call and a probe of the fastest known (e2,
+    # of the lowest estimate), each followed by that entry's, then a window of the fastest known; then rounds of
+    # one window of each other entry, each after a window of the fastest (e2), the order rotated.
     round_a = ["e2", "e2", "e0", "e0", "e2", "e2", "e1", "e1"]
     round_b = ["e2", "e2", "e1", "e1", "e2", "e2", "e0", "e0"]
-    expected = ["e0"] + ["e2"] * 2 + ["e2"] * 5 + ["e0", "e2", "e0"] + ["e2"] * 5 + ["e1", "e2", "e1"] + \
+    expected = ["e0"] + ["e2", "e0", "e2", "e0", "e2", "e2"] + ["e2", "e1", "e2", "e1", "e2", "e2"] + \
         round_a + round_b + round_a
     assert order == expected and decided == "e2"
 
@@ -338,11 +338,46 @@ def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(mon
         entries[1].table = {"linear": Choice(Library("e1"), Source.USER_CACHE, 0.05)}  # 50 µs of GPU time
         raced.tables[1] = entries[1].table
         order = [raced("x") for _ in range(4)]
-    # The first call (e0's result), then e0's window: e1's estimate is 50 µs, e0's 10; e2's host time alone
-    # (30 µs) is over twice e0's estimate: dropped without a probe.
-    assert order == ["e0", "e0", "e0", "e0"]
+    # The first call (e0's result), then a call of e0 (the fastest known: e1's estimate is 50 µs, e0's 10) and one
+    # of e1, then their probes; e2's host time alone (30 µs) is over twice e0's estimate: dropped without a probe.
+    assert order == ["e0", "e0", "e1", "e0"]
     assert raced._start == 0 and raced._alive == [True, True, False]
     assert entries[2].calls == 1 + plain.ESTIMATE_CALLS
+
+
+class _Slows(_Entry):
+    """An entry whose calls cost `cost` µs up to its `cheap`-th, then `later` µs: a host time estimated on the calls
+    right after binding that reads under the plain call that follows."""
+
+    def __init__(self, name, cost, later, cheap):
+        super().__init__(name, cost)
+        self.later, self.cheap = later, cheap
+
+    def __call__(self, *args):
+        if self.calls == self.cheap:
+            self.cost = self.later
+        return super().__call__(*args)
+
+
+def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeypatch):
+    """e0's host time read 10 us a call on the calls after binding (the lowest estimate: the start) but its plain
+    call then takes 30, against e1's 20: the first comparison makes e1 the fastest known, so no 50 calls in a row
+    cost over 1.25x e1's (three windows of the start first had made 60 calls at 1.5x)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    plain._decided.pop(("test", "slow start"), None)
+    monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
+    monkeypatch.setattr(plain, "_synchronize", lambda: None)
+    start, faster = _Slows("e0", 10.0, 30.0, cheap=1 + plain.ESTIMATE_CALLS), _Entry("e1", 20.0)
+    raced = plain.Raced(start, [faster], [start.table, faster.table], 16, ("test", "slow start"))
+    raced("x")  # the first call: both bind and have their host time taken
+    assert raced._start == 0
+    spent = []
+    while raced.plain is None:
+        before = _Entry.clock[0]
+        raced("x")
+        spent.append((_Entry.clock[0] - before) * 1e6)
+    assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.25 * 50 * 20.0
+    assert raced.plain is faster
 
 
 class _Queued:

@@ -126,10 +126,9 @@ def _capturing() -> bool:
 
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
-    tables are dropped): the first call; the window of the table of the lowest estimate; per other table two
-    windows of the fastest known, a call of each of the two, and a probe of each; race_rounds rounds of a window of
-    the fastest
-    and one of each other table; and race_voids windows started again for foreign work in them."""
+    tables are dropped): the first call; per other table a call of it and of the fastest known, a probe of each
+    and a window of the fastest known; race_rounds rounds of a window of the fastest and one of each other table;
+    and race_voids windows started again for foreign work in them."""
     policy = current()
     return planned_length(tables) + policy.race_voids * policy.race_calls
 
@@ -138,7 +137,7 @@ def planned_length(tables: int) -> int:
     """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again."""
     policy = current()
     window, probe = policy.race_calls, policy.race_probe_calls
-    return 1 + window + (tables - 1) * (2 * window + 2 + 2 * probe) + policy.race_rounds * (tables - 1) * 2 * window
+    return 1 + (tables - 1) * (2 + 2 * probe + window) + policy.race_rounds * (tables - 1) * 2 * window
 
 
 class Raced:
@@ -155,15 +154,17 @@ class Raced:
       per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time
       winner's host time is under its known GPU time by race_margin, its plain call is bound by that GPU time,
       which no other table's undercuts: the race settles on it there.
-    - Probes: the entry of the lowest such estimate runs a window of race_calls calls; then, for each other entry in
-      turn (lowest estimate first), the fastest entry known runs two such windows, then one call timed alone, then
-      the other entry the same: one slower than the fastest's by more than race_first_keep is dropped after that one
-      call (a table of the eager path over the interleaved weights took 380 us a call beside the fastest's 105 and
-      ran a whole probe: 4 such calls in a window of 50 made it 1.35x eager's, H200). Then the fastest runs a probe
-      of race_probe_calls calls and the other entry the same. An entry whose probe is slower than the fastest's,
-      taken just before it, by more than race_keep is dropped: a slow table runs 1 + race_probe_calls calls in all,
-      one where it is over 1 + race_first_keep times the fastest, with at least 2 x race_calls calls of the fastest
-      between two tables' probes.
+    - Probes: the entry of the lowest such estimate is the fastest known; for each other entry in turn (lowest
+      estimate first), the fastest entry known runs one call timed alone, then the other entry the same: one slower
+      than the fastest's by more than race_first_keep is dropped after that one call (a table of the eager path
+      over the interleaved weights took 380 us a call beside the fastest's 105 and ran a whole probe: 4 such calls
+      in a window of 50 made it 1.35x eager's, H200). Then the fastest runs a probe of race_probe_calls calls and
+      the other entry the same; an entry whose probe is slower than the fastest's, taken just before it, by more
+      than race_keep is dropped. Then the fastest known (the faster of the two probes) runs a window of race_calls
+      calls. A slow table runs 1 + race_probe_calls calls in all, one where it is over 1 + race_first_keep times
+      the fastest, with a window of the fastest between two tables' probes; a start whose estimate was low (a
+      library table's host time, timed on two calls after binding, read under its 100 us of GPU time; its plain
+      call ran 150-175 us, H200) is replaced after its first comparison, not after three windows of its own.
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
       median window so far), in a rotated order, each after a window of the fastest: a span of calls never holds
       two slower entries' windows back to back. After each round an entry whose median window is slower than the
@@ -306,11 +307,13 @@ class Raced:
                 if us > lowest * (1 + policy.race_host_keep):
                     self._alive[i] = False
         order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=estimate.__getitem__)
-        # None: the fastest entry known when the window starts.
-        self._plan = [(self._start, window, False)]
+        # None: the fastest entry known when the window starts. Each comparison comes before the window of the
+        # fastest known, so that a start whose estimate was low (a library path's host time, timed on two calls
+        # after binding, wanders) is replaced after one comparison, not after three windows of its own.
+        self._plan = [] if order else [(self._start, window, False)]
         for other in order:
-            self._plan += [(None, window, False), (None, window, False), (None, 1, FIRST), (other, 1, FIRST),
-                           (None, probe, True), (other, probe, True)]
+            self._plan += [(None, 1, FIRST), (other, 1, FIRST), (None, probe, True), (other, probe, True),
+                           (None, window, False)]
         return out
 
     def _estimates(self, args: tuple) -> tuple[list[float], list[float]]:
