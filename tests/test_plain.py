@@ -402,20 +402,26 @@ class _Queued:
         cls.clock[0] = max(cls.clock)
 
 
+def _race_queued(monkeypatch, key, other):
+    """Race `other` beside a GPU-time winner of 70 us of host and 60 of GPU time a call on the fake GPU, through
+    race_length calls and one more: (winner, other, race)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
+    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
+    plain._decided.pop(key, None)
+    winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
+    raced = plain.Raced(winner, [other], [winner.table, other.table], 16, key)
+    for _ in range(raced.race_calls() + 1):
+        raced("x")
+    return winner, other, raced
+
+
 def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_others(monkeypatch):
     """A kernel table whose GPU time is unknown (a library choice's runner-up, never timed) and whose launches cost
     the host 20 us but the GPU 157, against the GPU-time winner's 60 us of GPU time and 70 of host: the kernel
     table's host time alone is no estimate of its plain call (queued behind its GPU time), so it must not drop the
     winner unprobed; its probe beside the winner drops it, and plain calls run the winner."""
-    monkeypatch.setattr(plain, "_capturing", lambda: False)
-    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
-    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
-    plain._decided.pop(("test", "unknown"), None)
-    winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
-    kernels = _Queued("kernels", host=20.0, gpu=157.0, gpu_ms=None)
-    raced = plain.Raced(winner, [kernels], [winner.table, kernels.table], 1024, ("test", "unknown"))
-    for _ in range(raced.race_calls() + 1):
-        raced("x")
+    winner, kernels, raced = _race_queued(monkeypatch, ("test", "unknown"), _Queued("kernels", 20.0, 157.0, None))
     assert raced._start == 0 and raced._alive[0]
     assert raced.plain is winner and raced("x") == "winner"
     # the kernel table ran its binding call, its host-timed calls, one call timed alone (130 us against 177: within
@@ -426,15 +432,7 @@ def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_other
 def test_a_table_far_slower_than_the_fastest_is_dropped_after_one_call(monkeypatch):
     """A table of unknown GPU time (no host estimate can rule it out) whose call takes 420 us against the fastest's
     130 (host and GPU, one call timed alone): over race_first_keep, it is dropped after that call, before a probe."""
-    monkeypatch.setattr(plain, "_capturing", lambda: False)
-    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
-    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
-    plain._decided.pop(("test", "one call"), None)
-    winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
-    slow = _Queued("slow", host=20.0, gpu=400.0, gpu_ms=None)
-    raced = plain.Raced(winner, [slow], [winner.table, slow.table], 16, ("test", "one call"))
-    for _ in range(raced.race_calls() + 1):
-        raced("x")
+    winner, slow, raced = _race_queued(monkeypatch, ("test", "one call"), _Queued("slow", 20.0, 400.0, None))
     assert 420 / 130 > 1 + current_policy().race_first_keep
     assert slow.calls == 1 + plain.ESTIMATE_CALLS + 1
     assert raced.plain is winner
