@@ -152,8 +152,8 @@ class Raced:
       time; an entry whose host time alone exceeds the lowest estimate of an entry of known GPU time by more
       than race_host_keep is dropped there (its plain call cannot be faster: a bound table's host took 19-20 us
       per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time
-      winner's host time is under its known GPU time by race_margin, its plain call is bound by that GPU time,
-      which no other table's undercuts: the race settles on it there.
+      winner runs bound kernels only and its host time is under its known GPU time by race_margin, its plain call
+      is bound by that GPU time, which no other table's undercuts: the race settles on it there.
     - Probes: the entry of the lowest such estimate is the fastest known; for each other entry in turn (lowest
       estimate first), the fastest entry known runs one call timed alone, then the other entry the same: one slower
       than the fastest's by more than race_first_keep is dropped after that one call (a table of the eager path
@@ -188,12 +188,13 @@ class Raced:
         self.plain_table: dict[str, Choice] | None = None  # its table
         self.calls = 0  # un-graphed calls that went through the race
         self.decided_after: int | None = None  # of them, the call that settled on `plain`
-        self._plan: list[tuple[int | None, int, bool]] | None = None  # windows to run: (entry, calls, probe)
+        # windows to run: (entry, calls, probe: False for a window, FIRST for one call timed alone, True for a probe)
+        self._plan: list[tuple[int | None, int, bool | str]] | None = None
         self._samples: list[list[float]] = []  # µs per call of each entry's windows
         self._probes: list[float | None] = []  # µs per call of each entry's last probe
         self._alive: list[bool] = []  # entries not dropped
         self._rounds = 0  # rounds of windows planned so far
-        self._window: tuple[int, int, int, bool, float] | None = None  # (entry, calls left, calls, probe, start)
+        self._window: tuple[int, int, int, bool | str, float] | None = None  # (entry, calls left, calls, probe, start)
         self._reference: float | None = None  # the fastest known entry's probe just before another's
         self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any probe
         self._gaps: list[float] = []  # seconds between the window's calls: from one's return to the next one's start
@@ -266,7 +267,7 @@ class Raced:
                                                             statistics.median(self._inside))
         return out
 
-    def _begin(self, index: int, calls: int, probe: bool) -> None:
+    def _begin(self, index: int, calls: int, probe: bool | str) -> None:
         """Start a window of `calls` calls of entry `index` from a synchronisation."""
         _synchronize()
         self._gaps, self._inside = [], []
