@@ -4,6 +4,7 @@ what it goes to (the first-use checks, choose/check.py, and the Triton compiles 
 (choose/race.py) costs while it runs, and after how many calls it has decided.
 
   python benchmarks/first_use.py [--out DIR] [--shapes 6] [--tokens 1,16,128,1024] [--seed 36] [--calls 2000]
+      [--race-log]
 
 Gated MLPs drawn by a seeded generator (d_model 896-4096, d_ff 2-4x d_model, every other d_ff not a multiple
 of 8), none in the shipped files, bf16, each shape's modules built fresh. Run with AUTOFUSE_CACHE_DIR pointing
@@ -14,11 +15,14 @@ checks took and the seconds of compiling inside them (in this process: where com
 loading what they compiled; AUTOFUSE_COMPILE_WORKERS=0 compiles here alone); then --calls plain calls of the
 module and of eager PyTorch's MLP on the same weights, in turn by windows of 50 (each window synchronised at its
 ends), µs per call per window, the worst window's ratio autofuse / eager after the first call, and the calls the
-race took.
+race took; with --race-log also each window the race timed (the call that ended it, the table, µs a call, whether
+a window, a call timed alone or a probe, and whether it dropped the table), each window it started again, and its
+first call's host-time estimates.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import statistics
@@ -97,8 +101,10 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
             theirs.append(_window_us(eager))
     entry = mlp._bound.get(mlp._key(x.shape[0], wg, False))
     decided_after = None  # no race: the entry has one table, which runs from the first call
+    race_windows = None
     if isinstance(entry, Raced):
         decided_after = "undecided" if entry.plain is None else entry.decided_after  # the call that settled it
+        race_windows = entry.windows  # with --race-log: each window the race timed, which table, µs a call
     # Against eager's median window too: a window's host can stall for milliseconds (both providers' windows
     # showed such spikes, 3-8x their neighbours), and the window beside it is then no measure of eager's call.
     eager_us = statistics.median(theirs)
@@ -106,7 +112,8 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
                 worst_over_eager_median=max(ours) / eager_us,
                 windows_over_1_25=sum(o > 1.25 * e for o, e in zip(ours, theirs)),
                 windows_over_1_25_eager_median=sum(o > 1.25 * eager_us for o in ours),
-                steady_ratio=statistics.median(o / e for o, e in zip(ours[-5:], theirs[-5:])), race=decided_after)
+                steady_ratio=statistics.median(o / e for o, e in zip(ours[-5:], theirs[-5:])), race=decided_after,
+                **({"race_windows": race_windows} if race_windows is not None else {}))
 
 
 def first_forward(d: int, f: int, activation: str, M: int, calls: int) -> dict:
@@ -137,10 +144,15 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, default=6)
     parser.add_argument("--tokens", default="1,16,128,1024")
     parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument("--race-log", action="store_true",
+                        help="keep each race's windows (which table, calls, us a call, window / first / probe) in the "
+                             "JSON, beside the windows of 50 they fall in")
     parser.add_argument("--calls", type=int, default=2000,
                         help=f"plain calls after the first (0: none; a race of 12 tables takes at most "
                              f"{race_length(12)})")
     args = parser.parse_args()
+    if args.race_log:
+        logging.getLogger("autofuse").setLevel(logging.DEBUG)  # races made from now on keep their windows
     out = harness.out_dir(args.out)
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []

@@ -6,6 +6,7 @@ On the CPU nothing can be timed: the race's timer is replaced by one that report
 interpreter's kernels run what the race chose."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -343,6 +344,29 @@ def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(mon
     assert order == ["e0", "e0", "e1", "e0"]
     assert raced._start == 0 and raced._alive == [True, True, False]
     assert entries[2].calls == 1 + plain.ESTIMATE_CALLS
+
+
+def test_with_the_autofuse_logger_at_debug_a_race_keeps_each_window_it_timed(monkeypatch, caplog):
+    """What benchmarks/first_use.py --race-log keeps: the first call's estimates, then each window (the call that
+    ended it, the table, its calls, µs a call, its kind, whether it dropped the table); without DEBUG, nothing."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    quiet, _ = _raced(monkeypatch, [1.0, 1.1], key=("test", "quiet"))
+    assert quiet.windows is None
+    with caplog.at_level(logging.DEBUG, logger="autofuse"):
+        raced, entries = _raced(monkeypatch, [1.0, 1.8], key=("test", "logged"))
+        while raced.plain is None:
+            raced("x")
+    first, start, *timed = raced.windows
+    assert first["call"] == 1 and len(first["host_us"]) == len(first["estimate_us"]) == 2
+    assert start == {"call": 1, "start": 0, "dropped_by_host_time": []}
+    # e1 (1.8x e0: within race_host_keep, over race_first_keep) ran one call timed alone beside e0's and was dropped
+    # there; e0 then ran its probe and window
+    assert [(w["table"], w["kind"], w["calls"], w["dropped"]) for w in timed] == [
+        ("linear library:e0", "first", 1, False), ("linear library:e1", "first", 1, True),
+        ("linear library:e0", "probe", current_policy().race_probe_calls, False),
+        ("linear library:e0", "window", current_policy().race_calls, False)]
+    assert timed[1]["us"] == pytest.approx(1.8) and timed[0]["us"] == pytest.approx(1.0)
+    assert any("race at M=1" in r.getMessage() for r in caplog.records)
 
 
 class _Slows(_Entry):

@@ -177,7 +177,7 @@ class Raced:
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
                  "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start", "_gaps", "_inside",
-                 "_returned", "_gap_limit", "voided")
+                 "_returned", "_gap_limit", "voided", "windows")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
         self.graphed = graphed
@@ -204,6 +204,10 @@ class Raced:
         # call) of the last window that had two gaps or more; none before it.
         self._gap_limit = float("inf")
         self.voided = 0  # windows started again for foreign work in them
+        # Where the "autofuse" logger is at DEBUG when the race is made: every window it times, a dict each (the
+        # call that ended it, the table, its calls, µs a call, its kind), and each restart (benchmarks/first_use.py
+        # --race-log keeps them); also logged at DEBUG.
+        self.windows: list[dict] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
 
     @property
     def table(self) -> dict[str, Choice]:
@@ -248,6 +252,7 @@ class Raced:
                 # The caller did other work since the last call, which this window's time would hold: the window
                 # starts again from this call.
                 self.voided += 1
+                self._record(call=self.calls, restarted_after_gap_us=gap * 1e6)
                 self._begin(index, calls, probe)
                 called = self._window[4]
             else:
@@ -261,11 +266,21 @@ class Raced:
             return out
         _synchronize()
         self._window = None
-        self._timed(index, (_now() - start) / calls * 1e6, probe)
+        us = (_now() - start) / calls * 1e6
+        self._timed(index, us, probe)
+        if self.windows is not None:
+            self._record(call=self.calls, table=_describe(self.tables[index]), calls=calls, us=us,
+                         kind="window" if not probe else "first" if probe == FIRST else "probe",
+                         dropped=not self._alive[index])
         if len(self._gaps) > 1:
             self._gap_limit = current().race_gap_outlier * (statistics.median(self._gaps) +
                                                             statistics.median(self._inside))
         return out
+
+    def _record(self, **window) -> None:
+        if self.windows is not None:
+            self.windows.append(window)
+            logger.debug("autofuse: race at M=%d: %s", self.M, window)
 
     def _begin(self, index: int, calls: int, probe: bool | str) -> None:
         """Start a window of `calls` calls of entry `index` from a synchronisation."""
@@ -285,6 +300,8 @@ class Raced:
         window, probe = policy.race_calls, policy.race_probe_calls
         self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
         host, estimate = self._estimates(args)
+        if self.windows is not None:
+            self._record(call=1, tables=[_describe(t) for t in self.tables], host_us=host, estimate_us=estimate)
         if host[0] < estimate[0] * (1 - policy.race_margin) and not _runs_library(self.tables[0]):
             # The GPU-time winner's host time is under its known GPU time (its estimate, where larger): its plain
             # call is bound by that GPU time, which no other table's undercuts: settled now, before any window (a
@@ -308,6 +325,9 @@ class Raced:
                 if us > lowest * (1 + policy.race_host_keep):
                     self._alive[i] = False
         order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=estimate.__getitem__)
+        if self.windows is not None:
+            self._record(call=1, start=self._start,
+                         dropped_by_host_time=[i for i in range(count) if not self._alive[i]])
         # None: the fastest entry known when the window starts. Each comparison comes before the window of the
         # fastest known, so that a start whose estimate was low (a library path's host time, timed on two calls
         # after binding, wanders) is replaced after one comparison, not after three windows of its own.
