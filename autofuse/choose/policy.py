@@ -34,7 +34,7 @@ Each default is a measured finding (docs/design.md states them with their number
   plain call (its host time per call, timed after binding, or its GPU time where that is larger) is lowest, and a
   table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe; before
   its probe each table's call is timed alone beside one of the fastest known, and one slower by more than
-  `race_first_keep` is dropped there: one call of a table at 1.4-3.6x the fastest, not a probe of four (the probes
+  `race_first_keep` is dropped there: one call of a table at 1.5-3.6x the fastest, not a probe of four (the probes
   of tables at 1.6-1.9x, each after one call within 2x, kept the windows of 50 during a race at 1.18-1.24x eager's,
   H200). A call timed alone pays host and GPU time in turn, so it reads a host-heavy table slower than its plain
   call: the bound is wider than race_keep.
