@@ -380,6 +380,16 @@ def tiles(M: int, N: int, config: KernelConfig) -> int:
     return -(-M // config.block_m) * -(-N // config.block_n)  # ceil-divisions
 
 
+def split_k(config: KernelConfig) -> int:
+    """How many programs share an output tile, each over a slice of K (1: each over the whole of K)."""
+    return dict(config.knobs).get("split_k", 1)
+
+
+def with_split_k(config: KernelConfig, split: int) -> KernelConfig:
+    """`config`'s tiles with K split `split` ways (the split_k variant); `config` itself at 1."""
+    return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})
+
+
 def _split_within_wave(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
     """Split K while twice the programs would still fit one wave of the SMs (a narrow output, e.g. a down
     projection at small M, has fewer tiles than SMs), keeping at least two K blocks per program. Swept on an H100
@@ -392,7 +402,7 @@ def _split_within_wave(config: KernelConfig, shape: Shape, multiprocessors: int)
     split = 1
     while programs * split * 2 <= multiprocessors and split < 16 and k_blocks >= 4 * split:
         split *= 2
-    return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})
+    return with_split_k(config, split)
 
 
 def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> KernelConfig:
@@ -403,4 +413,4 @@ def _split_to_fill(config: KernelConfig, shape: Shape, multiprocessors: int) -> 
     split = 1
     while programs * split < multiprocessors and split < 16 and k_blocks >= 4 * split:
         split *= 2
-    return config if split == 1 else dataclasses.replace(config, variant="split_k", knobs={"split_k": split})
+    return with_split_k(config, split)

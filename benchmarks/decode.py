@@ -37,7 +37,6 @@ programs cover the SMs (the rule the fp8 decode tiles use), and the points where
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -185,16 +184,12 @@ SPLIT_LINEARS = [(n, k) for k in (2688, 8192, 16384) for n in (576, 1024, 2048, 
 SPLIT_GATED = [(2688, 576), (2688, 1024), (2688, 2048), (5376, 4096)]  # (d_ff, d_model): fewer tiles than SMs
 
 
-def split_of(config) -> int:
-    return config.knob("split_k") if config.variant == "split_k" else 1
-
-
 def split_point(op: str, n: int, k: int, M: int, device, tensors_on: str = "cuda", timer=None) -> dict:
     """The heuristic's tile of `op` at [M, K] x [K, n] timed at each split by `timer` (default: graph-replayed in
     turn, timing.graph_side_by_side_ms: {split: fn} -> {split: ms}), its operands on `tensors_on`; beside it the
     heuristic's split and the split that covers the SMs (configs._split_to_fill, the fp8 decode tiles' rule)."""
     from autofuse import ops
-    from autofuse.configs import Shape, _split_to_fill, tiles
+    from autofuse.configs import Shape, _split_to_fill, split_k, tiles, with_split_k
     from autofuse.timing import graph_side_by_side_ms
 
     timer = timer or (lambda runs: graph_side_by_side_ms(runs, budget_ms=20))
@@ -204,14 +199,13 @@ def split_point(op: str, n: int, k: int, M: int, device, tensors_on: str = "cuda
     made = spec.make_operands(n, k, M, False, False,
                               lambda *size: torch.randn(*size, device=tensors_on, dtype=torch.bfloat16))
     activation = "none" if op == "linear" else "silu"
-    configs = {s: tile if s == 1 else dataclasses.replace(tile, variant="split_k", knobs={"split_k": s})
-               for s in SPLITS if s == 1 or -(-k // tile.block_k) >= 2 * s}
+    configs = {s: with_split_k(tile, s) for s in SPLITS if s == 1 or -(-k // tile.block_k) >= 2 * s}
     runs = {s: (lambda c=c: spec.run(made, activation, c)) for s, c in configs.items()}
     us = {s: ms * 1e3 for s, ms in timer(runs).items()}
     width = 2 * n if op == "gated_pairs" else n  # one GEMM over the interleaved gate and up weights
     covering = _split_to_fill(tile, Shape(M, width, k, torch.bfloat16), device.multiprocessors)
     return dict(op=op, N=n, K=k, M=M, tile=tile.short(), tiles=tiles(M, width, tile),
-                heuristic_split=split_of(heuristic), covering_split=split_of(covering),
+                heuristic_split=split_k(heuristic), covering_split=split_k(covering),
                 us={str(s): u for s, u in us.items()})
 
 

@@ -13,7 +13,9 @@ from autofuse.configs import (
     clamp_to_problem,
     fit_shared_memory,
     shared_memory_bytes,
+    split_k,
 )
+from autofuse.configs import tiles as output_tiles  # this module's tiles() is an op's operand tiles
 from autofuse.key import m_bucket
 from autofuse.variants import GEMV_MAX_M
 
@@ -21,10 +23,6 @@ from autofuse.variants import GEMV_MAX_M
 def heuristic_config(op, M, N, K, dtype, *, interpret, shared_memory_limit, multiprocessors=108, capability=(9, 0)):
     return ops.get(op).default_config(Shape(M, N, K, dtype),
                                       Device(interpret, shared_memory_limit, multiprocessors, capability))
-
-
-def _split(config):
-    return config.knob("split_k") if config.variant == "split_k" else 1
 
 
 def tiles(op):
@@ -83,7 +81,7 @@ def test_m_buckets():
 
 
 def _programs(config, M, N):
-    return -(-M // config.block_m) * -(-N // config.block_n) * _split(config)
+    return output_tiles(M, N, config) * split_k(config)
 
 
 @pytest.mark.parametrize("M", [1, 16, 128])
@@ -93,7 +91,7 @@ def test_small_m_heuristic_splits_k_within_one_wave_of_the_sms(M):
     down = heuristic_config("linear", M, 2048, 16384, torch.bfloat16, interpret=False,
                             shared_memory_limit=227 * 1024, multiprocessors=132)
     assert down.variant == "split_k" and 66 < _programs(down, M, 2048) <= 132
-    assert -(-16384 // down.block_k) >= 2 * _split(down)  # every slice keeps two K blocks or more
+    assert -(-16384 // down.block_k) >= 2 * split_k(down)  # every slice keeps two K blocks or more
     # The gated up-projection (N=16384) has tiles enough without splitting; at decode's smallest M its heuristic is
     # the GEMV (OpSpec.gemv_first), a program per few outputs.
     up = heuristic_config("gated_up", M, 16384, 2048, torch.bfloat16, interpret=False,
@@ -171,7 +169,7 @@ def test_the_covering_split_stops_at_the_sms_or_two_k_blocks_a_program():
     from autofuse.configs import _split_to_fill
 
     tile = KernelConfig(16, 64, 128)
-    split = lambda n, k: _split(_split_to_fill(tile, Shape(16, n, k, torch.bfloat16), 132))  # noqa: E731
+    split = lambda n, k: split_k(_split_to_fill(tile, Shape(16, n, k, torch.bfloat16), 132))  # noqa: E731
     assert split(576, 2688) == 8  # 9 tiles, 21 K blocks: 16 would leave a program one K block and a bit
     assert split(2048, 16384) == 8  # 32 tiles: 8 x 32 = 256 programs, past one wave
     assert split(12800, 16384) == 1  # 200 tiles: the SMs covered unsplit
