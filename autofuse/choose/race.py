@@ -37,9 +37,10 @@ logger = logging.getLogger("autofuse")
 _KEPT = 512
 
 _decided: dict[tuple, int] = {}
-# The kind of probe that times one call of an entry, against race_first_keep: a table far slower than the fastest
-# known is dropped after one call.
-FIRST = "first"
+# The kinds of timed windows: a window of race_calls calls (its time a sample of the entry's plain call); one call
+# of an entry timed alone, against race_first_keep (a table far slower than the fastest known is dropped after one
+# call); a probe of race_probe_calls calls, against race_keep.
+WINDOW, FIRST, PROBE = "window", "first", "probe"
 # Host-timed calls of each entry in a race's first call, after its binding call: the fastest of them is its host
 # time per call (one call alone may meet a collection or a page fault).
 ESTIMATE_CALLS = 2
@@ -188,13 +189,12 @@ class Raced:
         self.plain_table: dict[str, Choice] | None = None  # its table
         self.calls = 0  # un-graphed calls that went through the race
         self.decided_after: int | None = None  # of them, the call that settled on `plain`
-        # windows to run: (entry, calls, probe: False for a window, FIRST for one call timed alone, True for a probe)
-        self._plan: list[tuple[int | None, int, bool | str]] | None = None
+        self._plan: list[tuple[int | None, int, str]] | None = None  # windows to run: (entry, calls, kind)
         self._samples: list[list[float]] = []  # µs per call of each entry's windows
         self._probes: list[float | None] = []  # µs per call of each entry's last probe
         self._alive: list[bool] = []  # entries not dropped
         self._rounds = 0  # rounds of windows planned so far
-        self._window: tuple[int, int, int, bool | str, float] | None = None  # (entry, calls left, calls, probe, start)
+        self._window: tuple[int, int, int, str, float] | None = None  # (entry, calls left, calls, kind, start)
         self._reference: float | None = None  # the fastest known entry's probe just before another's
         self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any probe
         self._gaps: list[float] = []  # seconds between the window's calls: from one's return to the next one's start
@@ -241,36 +241,35 @@ class Raced:
             window = self._next_window()
             if window is None:
                 return self._settle(self._decide())(*args)
-            index, calls, probe = window
-            self._begin(index, calls, probe)
+            index, calls, kind = window
+            self._begin(index, calls, kind)
             called = self._window[4]
         else:
             called = _now()
             gap = called - self._returned
-            index, left, calls, probe, start = self._window
+            index, left, calls, kind, start = self._window
             if gap > self._gap_limit and self.voided < current().race_voids:
                 # The caller did other work since the last call, which this window's time would hold: the window
                 # starts again from this call.
                 self.voided += 1
                 self._record(call=self.calls, restarted_after_gap_us=gap * 1e6)
-                self._begin(index, calls, probe)
+                self._begin(index, calls, kind)
                 called = self._window[4]
             else:
                 self._gaps.append(gap)
-        index, left, calls, probe, start = self._window
+        index, left, calls, kind, start = self._window
         out = self.entries[index](*args)
         self._returned = _now()
         self._inside.append(self._returned - called)
         if left > 1:
-            self._window = (index, left - 1, calls, probe, start)
+            self._window = (index, left - 1, calls, kind, start)
             return out
         _synchronize()
         self._window = None
         us = (_now() - start) / calls * 1e6
-        self._timed(index, us, probe)
+        self._timed(index, us, kind)
         if self.windows is not None:
-            self._record(call=self.calls, table=_describe(self.tables[index]), calls=calls, us=us,
-                         kind="window" if not probe else "first" if probe == FIRST else "probe",
+            self._record(call=self.calls, table=_describe(self.tables[index]), calls=calls, us=us, kind=kind,
                          dropped=not self._alive[index])
         if len(self._gaps) > 1:
             self._gap_limit = current().race_gap_outlier * (statistics.median(self._gaps) +
@@ -282,11 +281,11 @@ class Raced:
             self.windows.append(window)
             logger.debug("autofuse: race at M=%d: %s", self.M, window)
 
-    def _begin(self, index: int, calls: int, probe: bool | str) -> None:
+    def _begin(self, index: int, calls: int, kind: str) -> None:
         """Start a window of `calls` calls of entry `index` from a synchronisation."""
         _synchronize()
         self._gaps, self._inside = [], []
-        self._window = (index, calls, calls, probe, _now())
+        self._window = (index, calls, calls, kind, _now())
 
     def _first(self, args: tuple):
         """The race's first call: every entry binds its launches (the others first) and has its plain call
@@ -331,10 +330,10 @@ class Raced:
         # None: the fastest entry known when the window starts. Each comparison comes before the window of the
         # fastest known, so that a start whose estimate was low (a library path's host time, timed on two calls
         # after binding, wanders) is replaced after one comparison, not after three windows of its own.
-        self._plan = [] if order else [(self._start, window, False)]
+        self._plan = [] if order else [(self._start, window, WINDOW)]
         for other in order:
-            self._plan += [(None, 1, FIRST), (other, 1, FIRST), (None, probe, True), (other, probe, True),
-                           (None, window, False)]
+            self._plan += [(None, 1, FIRST), (other, 1, FIRST), (None, probe, PROBE), (other, probe, PROBE),
+                           (None, window, WINDOW)]
         return out
 
     def _estimates(self, args: tuple) -> tuple[list[float], list[float]]:
@@ -354,18 +353,18 @@ class Raced:
         return host, estimate
 
     def _next_window(self) -> tuple[int, int, bool] | None:
-        """The next window to run (entry, calls, probe), planning the next round where the plan is done; None once
+        """The next window to run (entry, calls, kind), planning the next round where the plan is done; None once
         the rounds are over or one entry is left."""
         while True:
             while self._plan:
-                index, calls, probe = self._plan.pop(0)
+                index, calls, kind = self._plan.pop(0)
                 if index is None:
                     index = self._fastest_known()
-                    if probe:
+                    if kind != WINDOW:
                         self._reference = None  # taken by this probe, for the next entry's
                 elif not self._alive[index]:
                     continue
-                return index, calls, probe
+                return index, calls, kind
             alive = [i for i, up in enumerate(self._alive) if up]
             if self._rounds == current().race_rounds or len(alive) < 2:
                 return None
@@ -380,8 +379,8 @@ class Raced:
             others = [i for i in alive if i != fastest]
             shift = self._rounds % len(others)
             window = current().race_calls
-            self._plan = [w for i in others[shift:] + others[:shift] for w in ((fastest, window, False),
-                                                                                (i, window, False))]
+            self._plan = [w for i in others[shift:] + others[:shift] for w in ((fastest, window, WINDOW),
+                                                                                (i, window, WINDOW))]
             self._rounds += 1
 
     def _fastest_known(self) -> int:
@@ -389,14 +388,13 @@ class Raced:
         probed = [(us, i) for i, us in enumerate(self._probes) if us is not None and self._alive[i]]
         return min(probed)[1] if probed else self._start
 
-    def _timed(self, index: int, us: float, probe: bool | str) -> None:
-        if not probe:
+    def _timed(self, index: int, us: float, kind: str) -> None:
+        if kind == WINDOW:
             self._samples[index].append(us)
             return
-        first = probe == FIRST
-        if not first:
+        if kind == PROBE:
             self._probes[index] = us
-        keep = current().race_first_keep if first else current().race_keep
+        keep = current().race_first_keep if kind == FIRST else current().race_keep
         if self._reference is None:  # the fastest known entry's probe: the next entry's reference
             self._reference = us
         elif us > self._reference * (1 + keep):
