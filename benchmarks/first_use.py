@@ -15,18 +15,21 @@ checks took and the seconds of compiling inside them (in this process: where com
 loading what they compiled; AUTOFUSE_COMPILE_WORKERS=0 compiles here alone); then --calls plain calls of the
 module and of eager PyTorch's MLP on the same weights, in turn by windows of 50 (each window synchronised at its
 ends), µs per call per window, the worst window's ratio autofuse / eager after the first call, and the calls the
-race took; with --race-log also each window the race timed (the call that ended it, the table, µs a call, whether
-a window, a call timed alone or a probe, and whether it dropped the table), each window it started again, and its
-first call's host-time estimates.
+race took; per window also the ms Python's garbage collector ran in autofuse's window and in eager's, and
+autofuse's background threads alive after it (compile workers, a check's store); with --race-log also each
+window the race timed (the call that ended it, the table, µs a call, whether a window, a call timed alone or a
+probe, and whether it dropped the table), each window it started again, and its first call's host-time estimates.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 
 import harness
@@ -74,13 +77,38 @@ class _Clock:
 WINDOW = 50
 
 
-def _window_us(fn, calls: int = WINDOW) -> float:
+class _GcClock:
+    """Milliseconds Python's garbage collector ran, summed, while installed (gc.callbacks): a window's time
+    holds them as it holds any other host stall."""
+
+    def __init__(self) -> None:
+        self.ms, self._start = 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._start) * 1e3
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def _window_us(fn, calls: int = WINDOW) -> tuple[float, float, int]:
+    """(µs a call over `calls` calls, ms of garbage collection in them, autofuse's background threads alive at
+    the end: compile workers' and a check's store)."""
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    with _GcClock() as collected:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - start) / calls * 1e6
+    return us, collected.ms, sum(t.name.startswith("autofuse") for t in threading.enumerate())
 
 
 def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
@@ -93,12 +121,16 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
         return torch.nn.functional.linear(act(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu),
                                           wd)
 
-    ours, theirs = [], []
+    ours, theirs, gc_ms, threads = [], [], [], []
     with torch.no_grad():
         eager()
         for _ in range(calls // WINDOW):
-            ours.append(_window_us(lambda: mlp(x)))
-            theirs.append(_window_us(eager))
+            us, ours_gc, alive = _window_us(lambda: mlp(x))
+            ours.append(us)
+            eager_us, eager_gc, _ = _window_us(eager)
+            theirs.append(eager_us)
+            gc_ms.append([round(ours_gc, 3), round(eager_gc, 3)])
+            threads.append(alive)
     entry = mlp._bound.get(mlp._key(x.shape[0], wg, False))
     decided_after = None  # no race: the entry has one table, which runs from the first call
     race_windows = None
@@ -113,6 +145,7 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
                 windows_over_1_25=sum(o > 1.25 * e for o, e in zip(ours, theirs)),
                 windows_over_1_25_eager_median=sum(o > 1.25 * eager_us for o in ours),
                 steady_ratio=statistics.median(o / e for o, e in zip(ours[-5:], theirs[-5:])), race=decided_after,
+                gc_ms=gc_ms, background_threads=threads,
                 **({"race_windows": race_windows} if race_windows is not None else {}))
 
 
