@@ -26,7 +26,7 @@ from autofuse.store import Store, TrialRecord, Winner
 
 KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
 HOST_BOUND_MS = current_policy().host_bound_ms
-# A race of windows and probes of one call, one round (plain.race_length says how many calls it takes), that
+# A race of windows of one call, one round (plain.race_length says how many calls it takes), that
 # drops no table on the interpreter's times.
 TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1, race_probe_calls=1,
                                 race_keep=float("inf"), race_host_keep=float("inf"), race_first_keep=float("inf"))
@@ -151,19 +151,37 @@ class _Entry:
         return self.name
 
 
+class _Mark:
+    """A mark on a fake stream: the GPU reaches it at `at` on the fake clock `clock` (clock[0]: the host's now;
+    `ms`: milliseconds a unit of the clock)."""
+
+    def __init__(self, at, clock, ms):
+        self.at, self.clock, self.ms = at, clock, ms
+
+    def query(self):
+        return self.clock[0] >= self.at
+
+    def synchronize(self):
+        self.clock[0] = max(self.clock[0], self.at)
+
+    def elapsed_time(self, other):
+        return (other.at - self.at) * self.ms
+
+
 def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     if fresh:
         plain._decided.pop(key, None)
     monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
     monkeypatch.setattr(plain, "_synchronize", lambda: None)
+    monkeypatch.setattr(plain, "_mark", lambda: _Mark(_Entry.clock[0], _Entry.clock, 1e3))  # no queue: reached
     entries = [_Entry(f"e{i}", cost) for i, cost in enumerate(costs)]
     raced = plain.Raced(entries[0], entries[1:], [e.table for e in entries], 1, key)
     return raced, entries
 
 
 @pytest.mark.parametrize("costs, expected, dropped, unprobed", [
-    # the fastest plain call; e0's host time alone is 3x e1's: dropped without a probe; e2, 1.4x e1 (within
-    # race_first_keep, over race_keep), dropped after its probe beside e1
+    # the fastest plain call; e0's host time alone is 3x e1's: dropped without a window; e2, 1.4x e1 (within
+    # race_first_keep, over race_keep), dropped at its window's race_probe_calls checkpoint
     ([30.0, 10.0, 14.0], "e1", ["e2"], ["e0"]),
     ([30.0, 29.0, 40.0], "e0", ["e2"], []),  # within race_margin of the GPU-time winner: the winner stays
     ([30.0, 29.5, 28.0], "e2", [], []),  # none dropped: within race_round_keep of e2 after each round
@@ -175,15 +193,15 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     racing = plain.planned_length(len(costs))
     policy = current_policy()
     window, probe = policy.race_calls, policy.race_probe_calls
-    assert racing == 1 + (len(costs) - 1) * (2 + 2 * probe + window + policy.race_rounds * 2 * window)
+    assert racing == 1 + window + (len(costs) - 1) * (2 * window + policy.race_rounds * 2 * window)
     assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
     assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
-    # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls, one
-    # call timed alone and its probe, no more; one whose host time alone rules it out, its binding and host-timed
-    # calls.
+    # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls and
+    # the calls of its window up to the checkpoint, no more; one whose host time alone rules it out, its binding
+    # and host-timed calls.
     estimate = plain.ESTIMATE_CALLS
-    assert [e.name for e in entries if e.calls == 1 + estimate + 1 + probe] == dropped
+    assert [e.name for e in entries if e.calls == 1 + estimate + probe] == dropped
     assert [e.name for e in entries if e.calls == 1 + estimate] == unprobed
     if not dropped and not unprobed:  # the race took every call planned, and its first call ran every entry
         assert sum(e.calls for e in entries) == racing + len(costs) * (1 + estimate) - 1
@@ -200,7 +218,7 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     assert again.decided_after == 1
 
 
-def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monkeypatch):
+def test_each_entry_runs_a_window_beside_the_fastest_known_then_the_rounds_rotate(monkeypatch):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     # (race_round_keep as wide as race_keep: the three run every round, whose order this test follows)
     with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1,
@@ -209,22 +227,22 @@ def test_the_windows_probe_each_entry_beside_the_fastest_known_then_rotate(monke
         order = [raced("x") for _ in range(plain.planned_length(3))]
         estimate = plain.ESTIMATE_CALLS
         assert [e.calls for e in entries] == [1 + estimate + 2 + 6, 1 + estimate + 2 + 6,
-                                              1 + estimate + 8 + 12]
+                                              1 + estimate + 6 + 12]
         decided = raced("x")
     # The first call runs every entry (each binds its launches, then has its host time taken) and returns the
-    # GPU-time winner's result; per other entry, lowest estimate first, a call and a probe of the fastest known (e2,
-    # of the lowest estimate), each followed by that entry's, then a window of the fastest known; then rounds of
-    # one window of each other entry, each after a window of the fastest (e2), the order rotated.
+    # GPU-time winner's result; a window of the start (e2, of the lowest estimate); per other entry, lowest
+    # estimate first, a window of it, then one of the fastest known (e2); then rounds of one window of each other
+    # entry, each after a window of the fastest (e2), the order rotated.
     round_a = ["e2", "e2", "e0", "e0", "e2", "e2", "e1", "e1"]
     round_b = ["e2", "e2", "e1", "e1", "e2", "e2", "e0", "e0"]
-    expected = ["e0"] + ["e2", "e0", "e2", "e0", "e2", "e2"] + ["e2", "e1", "e2", "e1", "e2", "e2"] + \
+    expected = ["e0"] + ["e2", "e2"] + ["e0", "e0", "e2", "e2"] + ["e1", "e1", "e2", "e2"] + \
         round_a + round_b + round_a
     assert order == expected and decided == "e2"
 
 
 def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeypatch):
     """Tables up to 4x slower than the fastest known: those whose host time alone is over twice the lowest estimate
-    are dropped in the first call, the others after their probes; no 50 calls in a row cost more than 1.25x what
+    are dropped in the first call, the others raced; no 50 calls in a row cost more than 1.25x what
     the GPU-time winner's would, and the fastest table runs from the decision on."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     costs = [1.0, 3.0, 0.9, 4.0, 1.05]
@@ -235,7 +253,7 @@ def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeyp
         before = _Entry.clock[0]
         raced("x")
         spent.append((_Entry.clock[0] - before) * 1e6)
-    assert entries[1].calls == entries[3].calls == 1 + plain.ESTIMATE_CALLS  # dropped without a probe
+    assert entries[1].calls == entries[3].calls == 1 + plain.ESTIMATE_CALLS  # dropped without a window
     worst = max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
     assert worst <= 1.25 * 50 * costs[0]
     assert raced("x") == "e2" and raced.plain is entries[2]
@@ -254,23 +272,24 @@ def test_in_the_rounds_no_two_slower_tables_run_back_to_back(monkeypatch):
             before = _Entry.clock[0]
             raced("x")
             spent.append((_Entry.clock[0] - before) * 1e6)
-    assert all(e.calls > 1 + plain.ESTIMATE_CALLS + current_policy().race_probe_calls for e in entries)  # all raced
+    assert all(e.calls > 1 + plain.ESTIMATE_CALLS + current_policy().race_calls for e in entries)  # all raced
     assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.2 * 50
     assert raced.plain is entries[0]
 
 
 def test_after_a_round_a_table_more_than_race_round_keep_slower_runs_no_more_windows(monkeypatch):
-    """Tables 12% and 20% slower than the fastest pass their probes (within race_keep) and run the first round's
-    window; then they are dropped, while one 8% slower (within race_round_keep) runs every round."""
+    """Tables 12% and 20% slower than the fastest pass their windows' checkpoints (within race_keep) and run their
+    window; then they are dropped before the first round, while one 8% slower (within race_round_keep) runs every
+    round."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     policy = current_policy()
     assert policy.race_round_keep < 0.12 < 0.20 < policy.race_keep and 0.08 < policy.race_round_keep
     raced, entries = _raced(monkeypatch, [1.0, 1.12, 1.2, 1.08], key=("test", "round keep"))
     for _ in range(raced.race_calls()):
         raced("x")
-    window, probe, estimate = policy.race_calls, policy.race_probe_calls, plain.ESTIMATE_CALLS
-    assert entries[1].calls == entries[2].calls == 1 + estimate + 1 + probe + window
-    assert entries[3].calls == 1 + estimate + 1 + probe + policy.race_rounds * window
+    window, estimate = policy.race_calls, plain.ESTIMATE_CALLS
+    assert entries[1].calls == entries[2].calls == 1 + estimate + window
+    assert entries[3].calls == 1 + estimate + window + policy.race_rounds * window
     assert raced("x") == "e0" and raced.plain is entries[0]
 
 
@@ -296,8 +315,8 @@ def test_a_window_with_the_callers_foreign_work_in_it_starts_again(monkeypatch):
     def gap(raced):
         window = raced._window
         timed = any(raced._samples)  # the first window gives the gaps' measure
-        if timed and window is not None and window[0] == 1 and len(polluted) < 3 and window[4] not in polluted:
-            polluted.append(window[4])  # once in a window: its start
+        if timed and window is not None and window.entry == 1 and len(polluted) < 3 and window.start not in polluted:
+            polluted.append(window.start)  # once in a window: its start
             return 5000.0
         return 0.0
     raced, entries, calls = _race_with_gaps(monkeypatch, ("test", "foreign"), gap)
@@ -321,9 +340,9 @@ def test_windows_run_again_for_foreign_work_are_bounded_by_race_voids(monkeypatc
 
     def gap(raced):
         window = raced._window
-        if window is None or window[4] in polluted:
+        if window is None or window.start in polluted:
             return 0.0
-        polluted.add(window[4])  # once in every window
+        polluted.add(window.start)  # once in every window
         return 5000.0
     raced, entries, calls = _race_with_gaps(monkeypatch, ("test", "always"), gap)
     assert raced.voided == current_policy().race_voids
@@ -331,7 +350,7 @@ def test_windows_run_again_for_foreign_work_are_bounded_by_race_voids(monkeypatc
 
 
 def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(monkeypatch):
-    """A table of cheap host time but long known GPU time is neither started from nor dropped unprobed: its
+    """A table of cheap host time but long known GPU time is neither started from nor dropped without a window: its
     estimate is its GPU time, and host time alone does not rule it out."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=1, race_probe_calls=1)):
@@ -339,9 +358,9 @@ def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(mon
         entries[1].table = {"linear": Choice(Library("e1"), Source.USER_CACHE, 0.05)}  # 50 µs of GPU time
         raced.tables[1] = entries[1].table
         order = [raced("x") for _ in range(4)]
-    # The first call (e0's result), then a call of e0 (the fastest known: e1's estimate is 50 µs, e0's 10) and one
-    # of e1, then their probes; e2's host time alone (30 µs) is over twice e0's estimate: dropped without a probe.
-    assert order == ["e0", "e0", "e1", "e0"]
+    # The first call (e0's result), then a window of e0 (the start: e1's estimate is 50 µs, e0's 10), then e1's;
+    # e2's host time alone (30 µs) is over twice e0's estimate: dropped without a window.
+    assert order == ["e0", "e0", "e0", "e1"]
     assert raced._start == 0 and raced._alive == [True, True, False]
     assert entries[2].calls == 1 + plain.ESTIMATE_CALLS
 
@@ -359,13 +378,14 @@ def test_with_the_autofuse_logger_at_debug_a_race_keeps_each_window_it_timed(mon
     first, start, *timed = raced.windows
     assert first["call"] == 1 and len(first["host_us"]) == len(first["estimate_us"]) == 2
     assert start == {"call": 1, "start": 0, "dropped_by_host_time": []}
-    # e1 (1.8x e0: within race_host_keep, over race_first_keep) ran one call timed alone beside e0's and was dropped
-    # there; e0 then ran its probe and window
+    # e0 (the start) ran a window; e1 (1.8x e0: within race_host_keep, over race_first_keep at the first call)
+    # ended its window at its first checkpoint and was dropped there, leaving e0
+    window, probe = current_policy().race_calls, current_policy().race_probe_calls
     assert [(w["table"], w["kind"], w["calls"], w["dropped"]) for w in timed] == [
-        ("linear library:e0", "first", 1, False), ("linear library:e1", "first", 1, True),
-        ("linear library:e0", "probe", current_policy().race_probe_calls, False),
-        ("linear library:e0", "window", current_policy().race_calls, False)]
-    assert timed[1]["us"] == pytest.approx(1.8) and timed[0]["us"] == pytest.approx(1.0)
+        ("linear library:e0", plain.WINDOW, window, False), ("linear library:e1", plain.ENDED, 1, True)]
+    assert timed[0]["us"] == pytest.approx(1.0) and timed[0]["checkpoints_us"] == {1: pytest.approx(1.0),
+                                                                                  probe: pytest.approx(1.0)}
+    assert timed[1]["us"] == pytest.approx(1.8) and timed[1]["checkpoints_us"] == {1: pytest.approx(1.8)}
     assert any("race at M=1" in r.getMessage() for r in caplog.records)
 
 
@@ -385,12 +405,13 @@ class _Slows(_Entry):
 
 def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeypatch):
     """e0's host time read 10 us a call on the calls after binding (the lowest estimate: the start) but its plain
-    call then takes 30, against e1's 20: the first comparison makes e1 the fastest known, so no 50 calls in a row
-    cost over 1.25x e1's (three windows of the start first had made 60 calls at 1.5x)."""
+    call then takes 30, against e1's 20: e0 runs one window, e1's window follows and makes it the fastest known, so
+    no 50 calls in a row cost over 1.25x e1's (three windows of the start first had made 60 calls at 1.5x)."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     plain._decided.pop(("test", "slow start"), None)
     monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
     monkeypatch.setattr(plain, "_synchronize", lambda: None)
+    monkeypatch.setattr(plain, "_mark", lambda: _Mark(_Entry.clock[0], _Entry.clock, 1e3))
     start, faster = _Slows("e0", 10.0, 30.0, cheap=1 + plain.ESTIMATE_CALLS), _Entry("e1", 20.0)
     raced = plain.Raced(start, [faster], [start.table, faster.table], 16, ("test", "slow start"))
     raced("x")  # the first call: both bind and have their host time taken
@@ -406,7 +427,8 @@ def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeyp
 
 class _Queued:
     """A table entry whose launches queue on a fake GPU: a call costs the host `host` µs, the GPU `gpu` µs after the
-    work queued before it; a synchronisation waits for the GPU. `gpu_ms`: the table's known GPU time, or None."""
+    work queued before it; a synchronisation waits for the GPU, a mark is reached once the GPU has done the work
+    queued before it. `gpu_ms`: the table's known GPU time, or None."""
 
     clock = [0.0, 0.0]  # [host now, GPU free at] (µs)
 
@@ -425,6 +447,10 @@ class _Queued:
     def synchronize(cls):
         cls.clock[0] = max(cls.clock)
 
+    @classmethod
+    def mark(cls):
+        return _Mark(max(cls.clock), cls.clock, 1e-3)
+
 
 def _race_queued(monkeypatch, key, other):
     """Race `other` beside a GPU-time winner of 70 us of host and 60 of GPU time a call on the fake GPU, through
@@ -432,6 +458,7 @@ def _race_queued(monkeypatch, key, other):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
     monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
+    monkeypatch.setattr(plain, "_mark", _Queued.mark)
     plain._decided.pop(key, None)
     winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
     raced = plain.Raced(winner, [other], [winner.table, other.table], 16, key)
@@ -444,22 +471,36 @@ def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_other
     """A kernel table whose GPU time is unknown (a library choice's runner-up, never timed) and whose launches cost
     the host 20 us but the GPU 157, against the GPU-time winner's 60 us of GPU time and 70 of host: the kernel
     table's host time alone is no estimate of its plain call (queued behind its GPU time), so it must not drop the
-    winner unprobed; its probe beside the winner drops it, and plain calls run the winner."""
+    winner without a window; its window's checkpoints beside the winner's drop it, and plain calls run the winner."""
     winner, kernels, raced = _race_queued(monkeypatch, ("test", "unknown"), _Queued("kernels", 20.0, 157.0, None))
     assert raced._start == 0 and raced._alive[0]
     assert raced.plain is winner and raced("x") == "winner"
-    # the kernel table ran its binding call, its host-timed calls, one call timed alone (130 us against 177: within
-    # race_first_keep) and one probe, no more
-    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 1 + current_policy().race_probe_calls
+    # the kernel table ran its binding call, its host-timed calls and the calls of its window up to its second
+    # checkpoint's: its first call took 177 us against the winner's 130 (within race_first_keep); its launches
+    # queue, so the mark after its 4th call, not reached by its 8th, is waited for then: 167 us a call against 85
+    probe = current_policy().race_probe_calls
+    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 2 * probe
 
 
 def test_a_table_far_slower_than_the_fastest_is_dropped_after_one_call(monkeypatch):
     """A table of unknown GPU time (no host estimate can rule it out) whose call takes 420 us against the fastest's
-    130 (host and GPU, one call timed alone): over race_first_keep, it is dropped after that call, before a probe."""
+    130 (host and GPU, its window's first call, waited for): over race_first_keep, it is dropped after that call."""
     winner, slow, raced = _race_queued(monkeypatch, ("test", "one call"), _Queued("slow", 20.0, 400.0, None))
     assert 420 / 130 > 1 + current_policy().race_first_keep
     assert slow.calls == 1 + plain.ESTIMATE_CALLS + 1
     assert raced.plain is winner
+
+
+def test_inside_a_window_the_race_waits_for_the_gpu_only_at_an_entrys_first_call(monkeypatch):
+    """A host-bound table 7% slower than the GPU-time winner (75 us of host and 50 of GPU time a call against 70 and
+    60) runs every round; its checkpoints are read once the GPU has reached them, without waiting, except its
+    first window's first call: one wait in the whole race, where a synchronised probe drains the queue each time."""
+    waits = []
+    monkeypatch.setattr(plain, "_wait", lambda mark: waits.append(mark) or mark.synchronize())
+    winner, other, raced = _race_queued(monkeypatch, ("test", "waits"), _Queued("other", 75.0, 50.0, 0.05))
+    window = current_policy().race_calls
+    assert other.calls == 1 + plain.ESTIMATE_CALLS + window + current_policy().race_rounds * window  # every round
+    assert len(waits) == 1 and raced.plain is winner
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
@@ -489,11 +530,16 @@ def test_a_call_while_a_graph_captures_runs_the_gpu_time_winner(monkeypatch):
 def _race_on_cpu(monkeypatch, times):
     """Races on the CPU as on a GPU, with fixed plain-call times and one window of one call per table; records
     which tables were raced."""
-    raced = []
+    raced, seen = [], set()
+
+    def fixed_times(self):
+        if id(self) not in seen:  # once a race: its tables
+            seen.add(id(self))
+            raced.append(list(self.tables))
+        return (times + [float("inf")] * len(self.tables))[:len(self.tables)]
     monkeypatch.setattr(plain, "racing", lambda device: True)
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    monkeypatch.setattr(plain.Raced, "_times", lambda self: raced.append(list(self.tables)) or (
-        times + [float("inf")] * len(self.tables))[:len(self.tables)])
+    monkeypatch.setattr(plain.Raced, "_times", fixed_times)
     # The interpreter's host times say nothing of a GPU's: every table's estimate is the same, none dropped by it,
     # and above every table's GPU time (host-bound, as a race is for).
     monkeypatch.setattr(plain.Raced, "_estimates", lambda self, args: ([1e6] * len(self.tables),) * 2)

@@ -37,10 +37,9 @@ logger = logging.getLogger("autofuse")
 _KEPT = 512
 
 _decided: dict[tuple, int] = {}
-# The kinds of timed windows: a window of race_calls calls (its time a sample of the entry's plain call); one call
-# of an entry timed alone, against race_first_keep (a table far slower than the fastest known is dropped after one
-# call); a probe of race_probe_calls calls, against race_keep.
-WINDOW, FIRST, PROBE = "window", "first", "probe"
+# The kinds of timed windows: a window of race_calls calls (its time a sample of the entry's plain call), and a window
+# ended at a checkpoint, its entry dropped there.
+WINDOW, ENDED = "window", "ended at a checkpoint"
 # Host-timed calls of each entry in a race's first call, after its binding call: the fastest of them is its host
 # time per call (one call alone may meet a collection or a page fault).
 ESTIMATE_CALLS = 2
@@ -127,9 +126,9 @@ def _capturing() -> bool:
 
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
-    tables are dropped): the first call; per other table a call of it and of the fastest known, a probe of each
-    and a window of the fastest known; race_rounds rounds of a window of the fastest and one of each other table;
-    and race_voids windows started again for foreign work in them."""
+    tables are dropped): the first call; a window of the fastest known; per other table a window of it and one of
+    the fastest known; race_rounds rounds of a window of the fastest and one of each other table; and race_voids
+    windows started again for foreign work in them."""
     policy = current()
     return planned_length(tables) + policy.race_voids * policy.race_calls
 
@@ -137,8 +136,30 @@ def race_length(tables: int) -> int:
 def planned_length(tables: int) -> int:
     """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again."""
     policy = current()
-    window, probe = policy.race_calls, policy.race_probe_calls
-    return 1 + (tables - 1) * (2 + 2 * probe + window) + policy.race_rounds * (tables - 1) * 2 * window
+    window = policy.race_calls
+    return 1 + window + (tables - 1) * 2 * window + policy.race_rounds * (tables - 1) * 2 * window
+
+
+class _Window:
+    """A window being timed: its entry, how many calls it makes and has made, when it started (host clock, after a
+    synchronisation) with a mark on the stream there, the marks recorded after its checkpoint calls, and whether it
+    is its entry's first (whose first call is waited for before the second)."""
+
+    __slots__ = ("entry", "calls", "done", "start", "start_mark", "marks", "read", "first")
+
+    def __init__(self, entry: int, calls: int, first: bool) -> None:
+        self.entry, self.calls, self.done, self.first = entry, calls, 0, first
+        self.marks: dict[int, object] = {}  # checkpoint call -> its mark, until the checkpoint is read
+        self.read: dict[int, float] = {}  # checkpoint call -> µs per call up to it, once read
+        self.start_mark = None
+        self.start = 0.0
+
+    def begin(self) -> None:
+        """Start (or start again) from a synchronisation: nothing of the caller's queued work is in its time."""
+        _synchronize()
+        self.done, self.marks, self.read = 0, {}, {}
+        self.start = _now()
+        self.start_mark = _mark() if self.calls > 1 else None  # a window of one call has no checkpoint
 
 
 class Raced:
@@ -155,21 +176,23 @@ class Raced:
       per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time
       winner runs bound kernels only and its host time is under its known GPU time by race_margin, its plain call
       is bound by that GPU time, which no other table's undercuts: the race settles on it there.
-    - Probes: the entry of the lowest such estimate is the fastest known; for each other entry in turn (lowest
-      estimate first), the fastest entry known runs one call timed alone, then the other entry the same: one slower
-      than the fastest's by more than race_first_keep is dropped after that one call (a table of the eager path
-      over the interleaved weights took 380 us a call beside the fastest's 105 and ran a whole probe: 4 such calls
-      in a window of 50 made it 1.35x eager's, H200). Then the fastest runs a probe of race_probe_calls calls and
-      the other entry the same; an entry whose probe is slower than the fastest's, taken just before it, by more
-      than race_keep is dropped. Then the fastest known (the faster of the two probes) runs a window of race_calls
-      calls. A slow table runs 1 + race_probe_calls calls in all, one where it is over 1 + race_first_keep times
-      the fastest, with a window of the fastest between two tables' probes; a start whose estimate was low (a
-      library table's host time, timed on two calls after binding, read under its 100 us of GPU time; its plain
-      call ran 150-175 us, H200) is replaced after its first comparison, not after three windows of its own.
+    - Then the entry of the lowest such estimate (the start) runs a window, and each other entry in turn (lowest
+      estimate first) runs a window followed by one of the fastest entry known (the lowest median window): a span
+      of calls never holds two slower entries' windows back to back.
+    - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and
+      after its race_probe_calls-th gives, once the GPU has reached it, the time from the window's start to then,
+      per call. A window of an entry other than the fastest known ends at a checkpoint slower than the fastest
+      known's windows' at the same checkpoint (their median) by more than race_first_keep (the first call) or
+      race_keep (per call, at race_probe_calls), and the entry is dropped. The marks are read without waiting, the
+      caller's calls going on meanwhile, except the first call's in an entry's first window (waited for before its
+      second: a table of 380 us a call beside the fastest's 105, H200, costs one call) and a checkpoint the GPU has
+      not reached by twice its calls (the entry's launches queue far ahead of its GPU time; waiting for that mark
+      leaves the calls after it queued, so the GPU does not idle). Synchronised probes of 4 calls beside a window of
+      20 had read a table of 88 us a plain call at 190 and one of 133-147 at 184 (H200): each synchronisation
+      drains the queue, about one call's GPU time.
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
-      median window so far), in a rotated order, each after a window of the fastest: a span of calls never holds
-      two slower entries' windows back to back. After each round an entry whose median window is slower than the
-      fastest's by more than race_round_keep is dropped.
+      median window so far), in a rotated order, each after a window of the fastest. Before each round an entry
+      whose median window is slower than the fastest's by more than race_round_keep is dropped.
     - A window in which the caller does other work between two calls (a gap over race_gap_outlier times the last
       window's median gap plus its median time inside a call; the window's time would hold that work) starts
       again from that call, up to race_voids times a race.
@@ -177,7 +200,7 @@ class Raced:
     faster. The decision is kept for the process (`_decided`)."""
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
-                 "_samples", "_probes", "_alive", "_rounds", "_window", "_reference", "_start", "_gaps", "_inside",
+                 "_samples", "_checkpoints", "_alive", "_rounds", "_window", "_start", "_gaps", "_inside",
                  "_returned", "_gap_limit", "voided", "windows")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
@@ -189,14 +212,14 @@ class Raced:
         self.plain_table: dict[str, Choice] | None = None  # its table
         self.calls = 0  # un-graphed calls that went through the race
         self.decided_after: int | None = None  # of them, the call that settled on `plain`
-        self._plan: list[tuple[int | None, int, str]] | None = None  # windows to run: (entry, calls, kind)
+        self._plan: list[tuple[int | None, int, bool]] | None = None  # windows to run: (entry, calls, its first)
         self._samples: list[list[float]] = []  # µs per call of each entry's windows
-        self._probes: list[float | None] = []  # µs per call of each entry's last probe
+        # µs per call at each checkpoint of each entry's whole windows: {checkpoint call: [µs, ...]} an entry
+        self._checkpoints: list[dict[int, list[float]]] = []
         self._alive: list[bool] = []  # entries not dropped
         self._rounds = 0  # rounds of windows planned so far
-        self._window: tuple[int, int, int, str, float] | None = None  # (entry, calls left, calls, kind, start)
-        self._reference: float | None = None  # the fastest known entry's probe just before another's
-        self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any probe
+        self._window: _Window | None = None
+        self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any window
         self._gaps: list[float] = []  # seconds between the window's calls: from one's return to the next one's start
         self._inside: list[float] = []  # seconds inside each of the window's calls
         self._returned = 0.0  # when the window's last call returned
@@ -205,8 +228,8 @@ class Raced:
         self._gap_limit = float("inf")
         self.voided = 0  # windows started again for foreign work in them
         # Where the "autofuse" logger is at DEBUG when the race is made: every window it times, a dict each (the
-        # call that ended it, the table, its calls, µs a call, its kind), and each restart (benchmarks/first_use.py
-        # --race-log keeps them); also logged at DEBUG.
+        # call that ended it, the table, its calls, µs a call, its kind, its checkpoints), and each restart
+        # (benchmarks/first_use.py --race-log keeps them); also logged at DEBUG.
         self.windows: list[dict] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
 
     @property
@@ -237,67 +260,101 @@ class Raced:
         """Run this call through the entry the race has reached, timing its window."""
         if self._plan is None:
             return self._first(args)
-        if self._window is None:
-            window = self._next_window()
-            if window is None:
+        window = self._window
+        if window is None:
+            planned = self._next_window()
+            if planned is None:
                 return self._settle(self._decide())(*args)
-            index, calls, kind = window
-            self._begin(index, calls, kind)
-            called = self._window[4]
+            window = self._window = _Window(*planned)
+            window.begin()
+            self._gaps, self._inside = [], []
+            called = window.start
         else:
             called = _now()
             gap = called - self._returned
-            index, left, calls, kind, start = self._window
             if gap > self._gap_limit and self.voided < current().race_voids:
                 # The caller did other work since the last call, which this window's time would hold: the window
                 # starts again from this call.
                 self.voided += 1
                 self._record(call=self.calls, restarted_after_gap_us=gap * 1e6)
-                self._begin(index, calls, kind)
-                called = self._window[4]
+                window.begin()
+                self._gaps, self._inside = [], []
+                called = window.start
             else:
                 self._gaps.append(gap)
-        index, left, calls, kind, start = self._window
-        out = self.entries[index](*args)
+                if self._ended_at_checkpoint(window):
+                    self._window = None
+                    return self._race(args)  # this call starts the next window
+        out = self.entries[window.entry](*args)
+        window.done += 1
+        if window.done in self._checkpoint_calls() and window.done < window.calls:
+            window.marks[window.done] = _mark()
         self._returned = _now()
         self._inside.append(self._returned - called)
-        if left > 1:
-            self._window = (index, left - 1, calls, kind, start)
+        if window.done < window.calls:
             return out
         _synchronize()
         self._window = None
-        us = (_now() - start) / calls * 1e6
-        self._timed(index, us, kind)
+        us = (_now() - window.start) / window.calls * 1e6
+        self._samples[window.entry].append(us)
+        checkpoints = {**window.read, **{c: _per_call_us(window, mark, c) for c, mark in window.marks.items()}}
+        for c, value in checkpoints.items():
+            self._checkpoints[window.entry].setdefault(c, []).append(value)
         if self.windows is not None:
-            self._record(call=self.calls, table=_describe(self.tables[index]), calls=calls, us=us, kind=kind,
-                         dropped=not self._alive[index])
+            self._record(call=self.calls, table=_describe(self.tables[window.entry]), calls=window.calls, us=us,
+                         kind=WINDOW, checkpoints_us=checkpoints, dropped=False)
         if len(self._gaps) > 1:
             self._gap_limit = current().race_gap_outlier * (statistics.median(self._gaps) +
                                                             statistics.median(self._inside))
         return out
+
+    @staticmethod
+    def _checkpoint_calls() -> tuple[int, ...]:
+        return (1, current().race_probe_calls)
+
+    def _ended_at_checkpoint(self, window: _Window) -> bool:
+        """Before the window's next call: read each checkpoint the GPU has reached (waiting for the first call's in
+        an entry's first window, and for one the GPU has not reached by twice its calls); where one is slower than
+        the fastest known's by more than its bound, the entry is dropped and the window ends (True)."""
+        fastest = self._fastest_known()
+        if window.entry == fastest or not window.marks:
+            return False  # the fastest's checkpoints are read at its window's end
+        policy = current()
+        for c, mark in sorted(window.marks.items()):
+            if not _reached(mark):
+                if not ((c == 1 and window.first) or window.done >= 2 * c):
+                    continue
+                _wait(mark)
+            us = window.read[c] = _per_call_us(window, mark, c)
+            del window.marks[c]
+            reference = self._checkpoints[fastest].get(c)
+            if not reference:
+                continue
+            keep = policy.race_keep if c == policy.race_probe_calls else policy.race_first_keep
+            if us > statistics.median(reference) * (1 + keep):
+                self._alive[window.entry] = False
+                self._record(call=self.calls, table=_describe(self.tables[window.entry]), calls=window.done, us=us,
+                             kind=ENDED, checkpoints_us={c: us}, dropped=True)
+                return True
+        return False
 
     def _record(self, **window) -> None:
         if self.windows is not None:
             self.windows.append(window)
             logger.debug("autofuse: race at M=%d: %s", self.M, window)
 
-    def _begin(self, index: int, calls: int, kind: str) -> None:
-        """Start a window of `calls` calls of entry `index` from a synchronisation."""
-        _synchronize()
-        self._gaps, self._inside = [], []
-        self._window = (index, calls, calls, kind, _now())
-
     def _first(self, args: tuple):
         """The race's first call: every entry binds its launches (the others first) and has its plain call
-        estimated (_estimates); the GPU-time winner's result is returned; then the probes are planned, the entries
+        estimated (_estimates); the GPU-time winner's result is returned; then the windows are planned, the entries
         whose host time alone rules them out dropped."""
         count = len(self.entries)
         for entry in self.entries[1:]:
             entry(*args)
         out = self.entries[0](*args)
         policy = current()
-        window, probe = policy.race_calls, policy.race_probe_calls
-        self._samples, self._probes, self._alive = [[] for _ in range(count)], [None] * count, [True] * count
+        window = policy.race_calls
+        self._samples, self._alive = [[] for _ in range(count)], [True] * count
+        self._checkpoints = [{} for _ in range(count)]
         host, estimate = self._estimates(args)
         if self.windows is not None:
             self._record(call=1, tables=[_describe(t) for t in self.tables], host_us=host, estimate_us=estimate)
@@ -315,7 +372,7 @@ class Raced:
         # Only a table whose GPU time is known has an estimate near its plain call: one whose GPU time is unknown
         # (a library path swapped in by candidates(), never timed) has its host time alone, which its queued
         # launches can leave far under its plain call. So it neither starts the race nor rules others out by
-        # host time; its probe decides.
+        # host time; its checkpoints decide.
         known = [i for i, table in enumerate(self.tables) if known_gpu_ms(table) is not None]
         self._start = min(known, key=estimate.__getitem__, default=0)
         if known:
@@ -327,13 +384,10 @@ class Raced:
         if self.windows is not None:
             self._record(call=1, start=self._start,
                          dropped_by_host_time=[i for i in range(count) if not self._alive[i]])
-        # None: the fastest entry known when the window starts. Each comparison comes before the window of the
-        # fastest known, so that a start whose estimate was low (a library path's host time, timed on two calls
-        # after binding, wanders) is replaced after one comparison, not after three windows of its own.
-        self._plan = [] if order else [(self._start, window, WINDOW)]
+        # None: the fastest entry known when the window starts.
+        self._plan = [(self._start, window, False)]
         for other in order:
-            self._plan += [(None, 1, FIRST), (other, 1, FIRST), (None, probe, PROBE), (other, probe, PROBE),
-                           (None, window, WINDOW)]
+            self._plan += [(other, window, True), (None, window, False)]
         return out
 
     def _estimates(self, args: tuple) -> tuple[list[float], list[float]]:
@@ -353,55 +407,41 @@ class Raced:
         return host, estimate
 
     def _next_window(self) -> tuple[int, int, bool] | None:
-        """The next window to run (entry, calls, kind), planning the next round where the plan is done; None once
-        the rounds are over or one entry is left."""
+        """The next window to run (entry, calls, whether it is the entry's first), planning the next round where the
+        plan is done; None once the rounds are over or one entry is left."""
         while True:
+            if sum(self._alive) < 2:
+                return None
             while self._plan:
-                index, calls, kind = self._plan.pop(0)
+                index, calls, first = self._plan.pop(0)
                 if index is None:
                     index = self._fastest_known()
-                    if kind != WINDOW:
-                        self._reference = None  # taken by this probe, for the next entry's
                 elif not self._alive[index]:
                     continue
-                return index, calls, kind
-            alive = [i for i, up in enumerate(self._alive) if up]
-            if self._rounds == current().race_rounds or len(alive) < 2:
+                return index, calls, first
+            if self._rounds == current().race_rounds:
                 return None
-            if self._rounds:
-                self._drop_slow_windows()
-                alive = [i for i, up in enumerate(self._alive) if up]
-                if len(alive) < 2:
-                    return None
+            self._drop_slow_windows()
+            alive = [i for i, up in enumerate(self._alive) if up]
+            if len(alive) < 2:
+                return None
             # Each other entry's window follows one of the fastest entry's (by its windows so far), so that no
             # span of calls holds two slower entries' windows back to back.
             fastest = min(alive, key=lambda i: _median(self._samples[i]))
             others = [i for i in alive if i != fastest]
             shift = self._rounds % len(others)
             window = current().race_calls
-            self._plan = [w for i in others[shift:] + others[:shift] for w in ((fastest, window, WINDOW),
-                                                                                (i, window, WINDOW))]
+            self._plan = [w for i in others[shift:] + others[:shift] for w in ((fastest, window, False),
+                                                                                (i, window, False))]
             self._rounds += 1
 
     def _fastest_known(self) -> int:
-        """The entry left whose last probe was fastest (the entry of the lowest estimate before any was probed)."""
-        probed = [(us, i) for i, us in enumerate(self._probes) if us is not None and self._alive[i]]
-        return min(probed)[1] if probed else self._start
-
-    def _timed(self, index: int, us: float, kind: str) -> None:
-        if kind == WINDOW:
-            self._samples[index].append(us)
-            return
-        if kind == PROBE:
-            self._probes[index] = us
-        keep = current().race_first_keep if kind == FIRST else current().race_keep
-        if self._reference is None:  # the fastest known entry's probe: the next entry's reference
-            self._reference = us
-        elif us > self._reference * (1 + keep):
-            self._alive[index] = False  # slower than the fastest known by more than keep: dropped
+        """The entry left whose median window is fastest (the start before any window ran)."""
+        timed = [(_median(samples), i) for i, samples in enumerate(self._samples) if samples and self._alive[i]]
+        return min(timed)[1] if timed else self._start
 
     def _drop_slow_windows(self) -> None:
-        """After a round: entries whose median window is slower than the fastest's by more than race_round_keep go."""
+        """Before a round: entries whose median window is slower than the fastest's by more than race_round_keep go."""
         times = self._times()
         alive = [i for i, up in enumerate(self._alive) if up]
         fastest = min(times[i] for i in alive)
@@ -415,8 +455,9 @@ class Raced:
 
     def _decide(self) -> int:
         times = self._times()
-        alive = [i for i, up in enumerate(self._alive) if up and times[i] < float("inf")] or [0]
-        best = min(alive, key=times.__getitem__)
+        alive = [i for i, up in enumerate(self._alive) if up]
+        # the entries left that ran a window; the one left where the others were dropped before it ran any
+        best = min([i for i in alive if times[i] < float("inf")] or alive or [0], key=times.__getitem__)
         if self._alive[0] and times[best] > times[0] * (1 - current().race_margin):
             best = 0
         _remember(self.key, best)
@@ -430,7 +471,7 @@ class Raced:
         self.plain, self.plain_table = self.entries[best], self.tables[best]
         if self.decided_after is None:
             self.decided_after = self.calls
-        self.entries, self.tables, self._samples, self._probes = [], [], [], []
+        self.entries, self.tables, self._samples, self._checkpoints = [], [], [], []
         return self.plain
 
     def race_calls(self) -> int:
@@ -455,6 +496,26 @@ def _remember(key: tuple, best: int) -> None:
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def _mark():
+    """A mark on the current stream: a CUDA event recorded there (its elapsed_time, query and synchronize)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _reached(mark) -> bool:
+    return mark.query()
+
+
+def _wait(mark) -> None:
+    mark.synchronize()
+
+
+def _per_call_us(window: _Window, mark, calls: int) -> float:
+    """µs per call from the window's start to `mark` (reached), after `calls` calls."""
+    return window.start_mark.elapsed_time(mark) * 1e3 / calls
 
 
 def _synchronize() -> None:
