@@ -425,6 +425,39 @@ def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeyp
     assert raced.plain is faster
 
 
+class _ColdAfter(_Entry):
+    """An entry whose call right after another entry's costs `cold` µs once it has made `after` calls (the first call
+    after a switch of tables, slow on a GPU's host for some tables)."""
+
+    last = [None]
+
+    def __init__(self, name, cost, cold, after):
+        super().__init__(name, cost)
+        self.cold, self.after = cold, after
+
+    def __call__(self, *args):
+        switched = self.last[0] is not self
+        self.last[0] = self
+        if switched and self.calls >= self.after:
+            self.clock[0] += (self.cold - self.cost) * 1e-6
+        return super().__call__(*args)
+
+
+def test_in_the_rounds_a_table_is_not_dropped_on_its_windows_first_call(monkeypatch):
+    """e1 runs 3% slower than e0 a call (within race_round_keep) but its first call after e0's costs 1.8x e0's from
+    its second window on: it runs every round (its first call bounds only its first window)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    policy = current_policy()
+    raced, _ = _raced(monkeypatch, [10.0, 10.3], key=("test", "cold"))
+    fastest = _ColdAfter("e0", 10.0, 10.0, 0)
+    cold = _ColdAfter("e1", 10.3, 18.0, 1 + plain.ESTIMATE_CALLS + policy.race_calls)
+    raced.entries = [fastest, cold]
+    for _ in range(raced.race_calls()):
+        raced("x")
+    assert cold.calls == 1 + plain.ESTIMATE_CALLS + policy.race_calls + policy.race_rounds * policy.race_calls
+    assert raced.plain is fastest
+
+
 class _Queued:
     """A table entry whose launches queue on a fake GPU: a call costs the host `host` µs, the GPU `gpu` µs after the
     work queued before it; a synchronisation waits for the GPU, a mark is reached once the GPU has done the work

@@ -182,14 +182,17 @@ class Raced:
     - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and
       after its race_probe_calls-th gives, once the GPU has reached it, the time from the window's start to then,
       per call. A window of an entry other than the fastest known ends at a checkpoint slower than the fastest
-      known's windows' at the same checkpoint (their median) by more than race_first_keep (the first call) or
-      race_keep (per call, at race_probe_calls), and the entry is dropped. The marks are read without waiting, the
-      caller's calls going on meanwhile, except the first call's in an entry's first window (waited for before its
-      second: a table of 380 us a call beside the fastest's 105, H200, costs one call) and a checkpoint the GPU has
-      not reached by twice its calls (the entry's launches queue far ahead of its GPU time; waiting for that mark
-      leaves the calls after it queued, so the GPU does not idle). Synchronised probes of 4 calls beside a window of
-      20 had read a table of 88 us a plain call at 190 and one of 133-147 at 184 (H200): each synchronisation
-      drains the queue, about one call's GPU time.
+      known's windows' at the same checkpoint (their median) by more than race_first_keep (the first call, in the
+      entry's first window only) or race_keep (per call, at race_probe_calls), and the entry is dropped. The first
+      call after a switch of tables runs slow for every table, and more for some (122-182 us for a kernel table of
+      106-118 us a call in its windows, 250-306 for library tables of 110-114, 3840 -> 12688 at M = 128, H200): in
+      the rounds that bound dropped tables as fast as the fastest on that one call. The marks are read without
+      waiting, the caller's calls going on meanwhile, except the first call's in an entry's first window (waited for
+      before its second: a table of 380 us a call beside the fastest's 105, H200, costs one call) and a checkpoint
+      the GPU has not reached by twice its calls (the entry's launches queue far ahead of its GPU time; waiting for
+      that mark leaves the calls after it queued, so the GPU does not idle). Synchronised probes of 4 calls beside a
+      window of 20 had read a table of 88 us a plain call at 190 and one of 133-147 at 184 (H200): each
+      synchronisation drains the queue, about one call's GPU time.
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
       median window so far), in a rotated order, each after a window of the fastest. Before each round an entry
       whose median window is slower than the fastest's by more than race_round_keep is dropped.
@@ -321,6 +324,8 @@ class Raced:
             return False  # the fastest's checkpoints are read at its window's end
         policy = current()
         for c, mark in sorted(window.marks.items()):
+            if c != policy.race_probe_calls and not window.first:
+                continue  # the first call's bound is for an entry's first window (read at the window's end here)
             if not _reached(mark):
                 if not ((c == 1 and window.first) or window.done >= 2 * c):
                     continue
