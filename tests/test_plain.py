@@ -458,6 +458,33 @@ def test_in_the_rounds_a_table_is_not_dropped_on_its_windows_first_call(monkeypa
     assert raced.plain is fastest
 
 
+class _Stalls(_Entry):
+    """An entry whose `nth` call stalls for `stall` µs (a collection, a lazy initialisation) on top of its cost."""
+
+    def __init__(self, name, cost, nth, stall):
+        super().__init__(name, cost)
+        self.nth, self.stall = nth, stall
+
+    def __call__(self, *args):
+        if self.calls + 1 == self.nth:
+            self.clock[0] += self.stall * 1e-6
+        return super().__call__(*args)
+
+
+def test_a_window_holding_a_stall_of_the_process_runs_again(monkeypatch):
+    """A 5 ms stall inside the GPU-time winner's first window (20 us a call; a collection, or a first call's lazy work
+    after graph replays) read that window at 270 us a call, over 4x its estimate: the window runs again, and the
+    race keeps e0 over e1 (22 us), which the stalled window had made the fastest and e0 a table to drop."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, _ = _raced(monkeypatch, [20.0, 22.0], key=("test", "stall"))
+    stalled = _Stalls("e0", 20.0, nth=1 + plain.ESTIMATE_CALLS + 10, stall=5000.0)
+    raced.entries[0] = stalled
+    while raced.plain is None:
+        raced("x")
+    assert raced.voided == 1 and raced.plain is stalled
+    assert 5000.0 / current_policy().race_calls > current_policy().race_gap_outlier * 20.0
+
+
 class _Queued:
     """A table entry whose launches queue on a fake GPU: a call costs the host `host` µs, the GPU `gpu` µs after the
     work queued before it; a synchronisation waits for the GPU, a mark is reached once the GPU has done the work

@@ -198,12 +198,13 @@ class Raced:
       whose median window is slower than the fastest's by more than race_round_keep is dropped.
     - A window in which the caller does other work between two calls (a gap over race_gap_outlier times the last
       window's median gap plus its median time inside a call; the window's time would hold that work) starts
-      again from that call, up to race_voids times a race.
+      again from that call, and a window slower than race_gap_outlier times its entry's estimate (a known GPU time's)
+      runs again: up to race_voids times a race in all.
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
-                 "_samples", "_checkpoints", "_alive", "_rounds", "_window", "_start", "_gaps", "_inside",
+                 "_samples", "_checkpoints", "_stall_us", "_alive", "_rounds", "_window", "_start", "_gaps", "_inside",
                  "_returned", "_gap_limit", "voided", "windows")
 
     def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
@@ -219,6 +220,9 @@ class Raced:
         self._samples: list[list[float]] = []  # µs per call of each entry's windows
         # µs per call at each checkpoint of each entry's whole windows: {checkpoint call: [µs, ...]} an entry
         self._checkpoints: list[dict[int, list[float]]] = []
+        # µs a call over which an entry's window holds a stall of the process, not the entry's pace: race_gap_outlier x
+        # its estimate where its GPU time is known (infinite where not: its estimate is its host time alone)
+        self._stall_us: list[float] = []
         self._alive: list[bool] = []  # entries not dropped
         self._rounds = 0  # rounds of windows planned so far
         self._window: _Window | None = None
@@ -298,7 +302,18 @@ class Raced:
             return out
         _synchronize()
         self._window = None
-        us = (_now() - window.start) / window.calls * 1e6
+        elapsed = _now() - window.start
+        us = elapsed / window.calls * 1e6
+        # (the caller's own work between calls, a model's other layers, is not the entry's)
+        inside_us = (elapsed - sum(self._gaps)) / window.calls * 1e6
+        if inside_us > self._stall_us[window.entry] and self.voided < current().race_voids:
+            # A stall of the process inside the window (a collection, a first call's lazy work after graph replays:
+            # 17-60 ms in one window of calls of 40-70 us, H200): the window runs again.
+            self.voided += 1
+            self._record(call=self.calls, table=_describe(self.tables[window.entry]),
+                         restarted_after_stall_us=inside_us)
+            self._plan.insert(0, (window.entry, window.calls, window.first))
+            return out
         self._samples[window.entry].append(us)
         checkpoints = {**window.read, **{c: _per_call_us(window, mark, c) for c, mark in window.marks.items()}}
         for c, value in checkpoints.items():
@@ -361,6 +376,8 @@ class Raced:
         self._samples, self._alive = [[] for _ in range(count)], [True] * count
         self._checkpoints = [{} for _ in range(count)]
         host, estimate = self._estimates(args)
+        self._stall_us = [policy.race_gap_outlier * us if known_gpu_ms(table) is not None else float("inf")
+                          for us, table in zip(estimate, self.tables)]
         if self.windows is not None:
             self._record(call=1, tables=[_describe(t) for t in self.tables], host_us=host, estimate_us=estimate)
         if host[0] < estimate[0] * (1 - policy.race_margin) and not _runs_library(self.tables[0]):
