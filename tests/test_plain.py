@@ -471,16 +471,21 @@ class _Stalls(_Entry):
         return super().__call__(*args)
 
 
-def test_a_window_holding_a_stall_of_the_process_runs_again(monkeypatch):
-    """A 5 ms stall inside the GPU-time winner's first window (20 us a call; a collection, or a first call's lazy work
-    after graph replays) read that window at 270 us a call, over 4x its estimate: the window runs again, and the
-    race keeps e0 over e1 (22 us), which the stalled window had made the fastest and e0 a table to drop."""
+@pytest.mark.parametrize("between_calls", [False, True])
+def test_a_window_holding_a_stall_of_the_process_runs_again(monkeypatch, between_calls):
+    """A 5 ms stall in the GPU-time winner's first window (20 us a call; a collection, or a first call's lazy work
+    after graph replays), inside one of its calls or between two (in the module's forward around the race), read
+    that window at 270 us a call, over 4x its estimate: the window runs again, and the race keeps e0 over e1
+    (22 us), which the stalled window had made the fastest and e0 a table to drop."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    raced, _ = _raced(monkeypatch, [20.0, 22.0], key=("test", "stall"))
-    stalled = _Stalls("e0", 20.0, nth=1 + plain.ESTIMATE_CALLS + 10, stall=5000.0)
+    raced, _ = _raced(monkeypatch, [20.0, 22.0], key=("test", "stall", between_calls))
+    nth = 1 + plain.ESTIMATE_CALLS + 10
+    stalled = _Stalls("e0", 20.0, nth=-1 if between_calls else nth, stall=5000.0)
     raced.entries[0] = stalled
     while raced.plain is None:
         raced("x")
+        if between_calls and stalled.calls == nth:
+            _Entry.clock[0] += 5000e-6
     assert raced.voided == 1 and raced.plain is stalled
     assert 5000.0 / current_policy().race_calls > current_policy().race_gap_outlier * 20.0
 

@@ -304,8 +304,10 @@ class Raced:
         self._window = None
         elapsed = _now() - window.start
         us = elapsed / window.calls * 1e6
-        # (the caller's own work between calls, a model's other layers, is not the entry's)
-        inside_us = (elapsed - sum(self._gaps)) / window.calls * 1e6
+        # less the caller's steady work between calls (a model's other layers; its median gap a call), not a stall
+        # between two calls: that is in the module's forward around the race (after graph replays, 17-60 ms)
+        steady_gaps = statistics.median(self._gaps) * len(self._gaps) if self._gaps else 0.0
+        inside_us = (elapsed - steady_gaps) / window.calls * 1e6
         if inside_us > self._stall_us[window.entry] and self.voided < current().race_voids:
             # A stall of the process inside the window (a collection, a first call's lazy work after graph replays:
             # 17-60 ms in one window of calls of 40-70 us, H200): the window runs again.
