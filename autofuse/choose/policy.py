@@ -24,24 +24,26 @@ Each default is a measured finding (docs/design.md states them with their number
   largest a first use compiles. Tuning still searches it at every size.
 - An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time overlap
   as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only where its plain
-  call is `race_margin` faster (host times wander more than GPU times). Before that each candidate is probed for
-  `race_probe_calls` calls beside the fastest known, and one slower than it by more than `race_keep` is dropped: the
-  race must not make the caller's calls much slower than the fastest table known (choose/race.py). After each round
-  of windows one slower than the fastest by more than `race_round_keep` is dropped: to win it would have to gain
-  that and `race_margin` more over the rounds left, and while kept each of its windows is a slow span of the
-  caller's calls (3840 -> 12688 at M = 128 ran 119-135 us a call over the nine windows of 50 during its race, 1.25x
-  eager's at worst, and 106-115 after it, H200). The race starts from the table of known GPU time whose estimated
-  plain call (its host time per call, timed after binding, or its GPU time where that is larger) is lowest, and a
-  table whose host time alone exceeds that estimate by more than `race_host_keep` is dropped without a probe; before
-  its probe each table's call is timed alone beside one of the fastest known, and one slower by more than
-  `race_first_keep` is dropped there: one call of a table at 1.5-3.6x the fastest, not a probe of four (the probes
-  of tables at 1.6-1.9x, each after one call within 2x, kept the windows of 50 during a race at 1.18-1.24x eager's,
-  H200). A call timed alone pays host and GPU time in turn, so it reads a host-heavy table slower than its plain
-  call: the bound is wider than race_keep.
+  call is `race_margin` faster (host times wander more than GPU times). Each candidate's window beside the fastest
+  known has checkpoints, after its first call and after `race_probe_calls` calls: one slower there than the fastest
+  known's windows at the same checkpoint by more than `race_first_keep` (the first call of a candidate's first window)
+  or `race_keep` (per call) ends its window and is dropped: the race must not make the caller's calls much slower than
+  the fastest table known (choose/race.py). After the first windows and each round one slower than the fastest by more
+  than `race_round_keep` is dropped: to win it would have to gain that and `race_margin` more over the rounds left,
+  and while kept each of its windows is a slow span of the caller's calls (3840 -> 12688 at M = 128 ran 119-135 us a
+  call over the nine windows of 50 during its race, 1.25x eager's at worst, and 106-115 after it, H200). The race
+  starts from the table of known GPU time whose estimated plain call (its host time per call, timed after binding, or
+  its GPU time where that is larger) is lowest, and a table whose host time alone exceeds that estimate by more than
+  `race_host_keep` is dropped without a window. A first call of a table at 1.5-3.6x the fastest costs that one call
+  (the probes of tables at 1.6-1.9x, each after one call within 2x, kept the windows of 50 during a race at 1.18-1.24x
+  eager's, H200); the first call after a switch of tables runs slow for every table, so the bound is wider than
+  race_keep.
   A window is timed from a synchronisation before its first call to one after its last, so whatever the caller does
   between two of its calls counts in it: a gap between calls over `race_gap_outlier` times (the last window's
-  median gap + its median time inside a call) is foreign work, and the window starts again from the call after it,
-  up to `race_voids` times a race.
+  median gap + its median time inside a call) is foreign work, and the window starts again from the call after it;
+  a window whose time less its median gap a call is over `race_gap_outlier` times its table's estimate holds a stall
+  of the process (17-60 ms in the first window after graph replays, H200) and runs again; up to `race_voids` times a
+  race in all.
   Counted as they were, such windows (a benchmark's 50 eager calls between two of the race's) read 377-403 us a call
   for tables of 105-126, three of the fastest table's five round windows among them, and the race of 3840 -> 12688
   at M = 128 settled on a table of 125 us a call over one whose other windows ran 105 (H200). Gaps of the same
