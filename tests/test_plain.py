@@ -378,14 +378,14 @@ def test_with_the_autofuse_logger_at_debug_a_race_keeps_each_window_it_timed(mon
     first, start, *timed = raced.windows
     assert first["call"] == 1 and len(first["host_us"]) == len(first["estimate_us"]) == 2
     assert start == {"call": 1, "start": 0, "dropped_by_host_time": []}
-    # e0 (the start) ran a window; e1 (1.8x e0: within race_host_keep, over race_first_keep at the first call)
-    # ended its window at its first checkpoint and was dropped there, leaving e0
+    # e0 (the start) ran a window; e1 (1.8x e0: within race_host_keep and race_first_keep, over race_keep) ended its
+    # window at its second checkpoint and was dropped there, leaving e0
     window, probe = current_policy().race_calls, current_policy().race_probe_calls
     assert [(w["table"], w["kind"], w["calls"], w["dropped"]) for w in timed] == [
-        ("linear library:e0", plain.WINDOW, window, False), ("linear library:e1", plain.ENDED, 1, True)]
+        ("linear library:e0", plain.WINDOW, window, False), ("linear library:e1", plain.ENDED, probe, True)]
     assert timed[0]["us"] == pytest.approx(1.0) and timed[0]["checkpoints_us"] == {1: pytest.approx(1.0),
                                                                                   probe: pytest.approx(1.0)}
-    assert timed[1]["us"] == pytest.approx(1.8) and timed[1]["checkpoints_us"] == {1: pytest.approx(1.8)}
+    assert timed[1]["us"] == pytest.approx(1.8) and timed[1]["checkpoints_us"] == {probe: pytest.approx(1.8)}
     assert any("race at M=1" in r.getMessage() for r in caplog.records)
 
 
@@ -443,14 +443,17 @@ class _ColdAfter(_Entry):
         return super().__call__(*args)
 
 
-def test_in_the_rounds_a_table_is_not_dropped_on_its_windows_first_call(monkeypatch):
+@pytest.mark.parametrize("cold, from_its_second_window", [(18.0, True), (25.0, False)])
+def test_a_table_is_not_dropped_on_its_windows_slow_first_call(monkeypatch, cold, from_its_second_window):
     """e1 runs 3% slower than e0 a call (within race_round_keep) but its first call after e0's costs 1.8x e0's from
-    its second window on: it runs every round (its first call bounds only its first window)."""
+    its second window on, or 2.5x from its first: it runs every round (its first call bounds only its first window,
+    within race_first_keep, and is kept out of the second checkpoint's time a call)."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     policy = current_policy()
-    raced, _ = _raced(monkeypatch, [10.0, 10.3], key=("test", "cold"))
+    raced, _ = _raced(monkeypatch, [10.0, 10.3], key=("test", "cold", cold))
     fastest = _ColdAfter("e0", 10.0, 10.0, 0)
-    cold = _ColdAfter("e1", 10.3, 18.0, 1 + plain.ESTIMATE_CALLS + policy.race_calls)
+    after = 1 + plain.ESTIMATE_CALLS + (policy.race_calls if from_its_second_window else 0)
+    cold = _ColdAfter("e1", 10.3, cold, after)
     raced.entries = [fastest, cold]
     for _ in range(raced.race_calls()):
         raced("x")
@@ -542,30 +545,32 @@ def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_other
     assert raced.plain is winner and raced("x") == "winner"
     # the kernel table ran its binding call, its host-timed calls and the calls of its window up to its second
     # checkpoint's: its first call took 177 us against the winner's 130 (within race_first_keep); its launches
-    # queue, so the mark after its 4th call, not reached by its 8th, is waited for then: 167 us a call against 85
+    # queue, so the mark after its 4th call, not reached by its 8th, is waited for then: its 2nd-4th calls took 157
+    # us a call against the winner's 70
     probe = current_policy().race_probe_calls
     assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 2 * probe
 
 
-def test_a_table_far_slower_than_the_fastest_is_dropped_after_one_call(monkeypatch):
+def test_a_table_far_slower_than_the_fastest_is_dropped_after_two_calls(monkeypatch):
     """A table of unknown GPU time (no host estimate can rule it out) whose call takes 420 us against the fastest's
-    130 (host and GPU, its window's first call, waited for): over race_first_keep, it is dropped after that call."""
+    130 (host and GPU, its window's first call): over race_first_keep, it is dropped once the GPU reaches that
+    call's mark, waited for after its second call (queued behind it, so the GPU does not idle)."""
     winner, slow, raced = _race_queued(monkeypatch, ("test", "one call"), _Queued("slow", 20.0, 400.0, None))
     assert 420 / 130 > 1 + current_policy().race_first_keep
-    assert slow.calls == 1 + plain.ESTIMATE_CALLS + 1
+    assert slow.calls == 1 + plain.ESTIMATE_CALLS + 2
     assert raced.plain is winner
 
 
-def test_inside_a_window_the_race_waits_for_the_gpu_only_at_an_entrys_first_call(monkeypatch):
+def test_a_race_of_host_bound_tables_never_waits_for_the_gpu_inside_a_window(monkeypatch):
     """A host-bound table 7% slower than the GPU-time winner (75 us of host and 50 of GPU time a call against 70 and
-    60) runs every round; its checkpoints are read once the GPU has reached them, without waiting, except its
-    first window's first call: one wait in the whole race, where a synchronised probe drains the queue each time."""
+    60) runs every round; its checkpoints are read once the GPU has reached them, without waiting (a synchronised
+    probe drains the queue each time)."""
     waits = []
     monkeypatch.setattr(plain, "_wait", lambda mark: waits.append(mark) or mark.synchronize())
     winner, other, raced = _race_queued(monkeypatch, ("test", "waits"), _Queued("other", 75.0, 50.0, 0.05))
     window = current_policy().race_calls
     assert other.calls == 1 + plain.ESTIMATE_CALLS + window + current_policy().race_rounds * window  # every round
-    assert len(waits) == 1 and raced.plain is winner
+    assert waits == [] and raced.plain is winner
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):

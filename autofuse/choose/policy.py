@@ -34,10 +34,10 @@ Each default is a measured finding (docs/design.md states them with their number
   call over the nine windows of 50 during its race, 1.25x eager's at worst, and 106-115 after it, H200). The race
   starts from the table of known GPU time whose estimated plain call (its host time per call, timed after binding, or
   its GPU time where that is larger) is lowest, and a table whose host time alone exceeds that estimate by more than
-  `race_host_keep` is dropped without a window. A first call of a table at 1.5-3.6x the fastest costs that one call
-  (the probes of tables at 1.6-1.9x, each after one call within 2x, kept the windows of 50 during a race at 1.18-1.24x
-  eager's, H200); the first call after a switch of tables runs slow for every table, so the bound is wider than
-  race_keep.
+  `race_host_keep` is dropped without a window. The first call after a switch of tables runs slow for every table,
+  more for some (250-306 us for library tables of 110-114 a call beside 122-182 for a kernel table of 106-118, H200):
+  bounded at 1.5x it dropped tables as fast as the fastest, so `race_first_keep` is 2.0 (3x), for a table's first
+  window only, and the first call is kept out of the second checkpoint and of a window's sample.
   A window is timed from a synchronisation before its first call to one after its last, so whatever the caller does
   between two of its calls counts in it: a gap between calls over `race_gap_outlier` times (the last window's
   median gap + its median time inside a call) is foreign work, and the window starts again from the call after it;
@@ -86,7 +86,7 @@ class DecisionPolicy:
     race_keep: float = 0.25
     race_round_keep: float = 0.10
     race_host_keep: float = 1.0
-    race_first_keep: float = 0.5
+    race_first_keep: float = 2.0
     race_gap_outlier: float = 4.0
     race_voids: int = 16
     trial_budget_ms: float = 100.0

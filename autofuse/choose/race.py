@@ -145,19 +145,19 @@ class _Window:
     synchronisation) with a mark on the stream there, the marks recorded after its checkpoint calls, and whether it
     is its entry's first (whose first call is waited for before the second)."""
 
-    __slots__ = ("entry", "calls", "done", "start", "start_mark", "marks", "read", "first")
+    __slots__ = ("entry", "calls", "done", "start", "start_mark", "after_first", "marks", "read", "first")
 
     def __init__(self, entry: int, calls: int, first: bool) -> None:
         self.entry, self.calls, self.done, self.first = entry, calls, 0, first
         self.marks: dict[int, object] = {}  # checkpoint call -> its mark, until the checkpoint is read
         self.read: dict[int, float] = {}  # checkpoint call -> µs per call up to it, once read
-        self.start_mark = None
+        self.start_mark = self.after_first = None  # marks at the start and after the first call
         self.start = 0.0
 
     def begin(self) -> None:
         """Start (or start again) from a synchronisation: nothing of the caller's queued work is in its time."""
         _synchronize()
-        self.done, self.marks, self.read = 0, {}, {}
+        self.done, self.marks, self.read, self.after_first = 0, {}, {}, None
         self.start = _now()
         self.start_mark = _mark() if self.calls > 1 else None  # a window of one call has no checkpoint
 
@@ -180,19 +180,20 @@ class Raced:
       estimate first) runs a window followed by one of the fastest entry known (the lowest median window): a span
       of calls never holds two slower entries' windows back to back.
     - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and
-      after its race_probe_calls-th gives, once the GPU has reached it, the time from the window's start to then,
-      per call. A window of an entry other than the fastest known ends at a checkpoint slower than the fastest
-      known's windows' at the same checkpoint (their median) by more than race_first_keep (the first call, in the
-      entry's first window only) or race_keep (per call, at race_probe_calls), and the entry is dropped. The first
-      call after a switch of tables runs slow for every table, and more for some (122-182 us for a kernel table of
-      106-118 us a call in its windows, 250-306 for library tables of 110-114, 3840 -> 12688 at M = 128, H200): in
-      the rounds that bound dropped tables as fast as the fastest on that one call. The marks are read without
-      waiting, the caller's calls going on meanwhile, except the first call's in an entry's first window (waited for
-      before its second: a table of 380 us a call beside the fastest's 105, H200, costs one call) and a checkpoint
-      the GPU has not reached by twice its calls (the entry's launches queue far ahead of its GPU time; waiting for
-      that mark leaves the calls after it queued, so the GPU does not idle). Synchronised probes of 4 calls beside a
-      window of 20 had read a table of 88 us a plain call at 190 and one of 133-147 at 184 (H200): each
-      synchronisation drains the queue, about one call's GPU time.
+      after its race_probe_calls-th gives, once the GPU has reached it, the time of the first call (from the
+      window's start) and the time per call of the calls after it up to the second mark. A window of an entry other
+      than the fastest known ends at a checkpoint slower than the fastest known's windows' at the same checkpoint
+      (their median) by more than race_first_keep (the first call, in the entry's first window only) or race_keep
+      (per call, at race_probe_calls), and the entry is dropped. The first call after a switch of tables runs slow
+      for every table, and more for some (122-182 us for a kernel table of 106-118 us a call in its windows, 250-306
+      for library tables of 110-114, 3840 -> 12688 at M = 128, H200), so it is kept out of the second checkpoint,
+      and its own bound is wide: in the rounds, and at 1.5x, it dropped tables as fast as the fastest (a Linear's
+      eager path and kernel at M = 2, the plain call left 0.85x eager's). The marks are read without waiting, the
+      caller's calls going on meanwhile, except a mark the GPU has not reached by twice its calls (the entry's
+      launches queue ahead of its GPU time): waiting for it then leaves the calls after it queued, so the GPU does
+      not idle; a table of 380 us a call beside the fastest's 105 (H200) costs two calls. Synchronised comparisons
+      drain the queue (about one call's GPU time each) and misrank: probes of 4 calls beside a window of 20 had read
+      a table of 88 us a plain call at 190 and one of 133-147 at 184 (H200).
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
       median window so far), in a rotated order, each after a window of the fastest. Before each round an entry
       whose median window is slower than the fastest's by more than race_round_keep is dropped.
@@ -296,14 +297,20 @@ class Raced:
         window.done += 1
         if window.done in self._checkpoint_calls() and window.done < window.calls:
             window.marks[window.done] = _mark()
+            if window.done == 1:
+                window.after_first = window.marks[1]
         self._returned = _now()
         self._inside.append(self._returned - called)
         if window.done < window.calls:
             return out
+        end = _mark() if window.after_first is not None else None
         _synchronize()
         self._window = None
         elapsed = _now() - window.start
-        us = elapsed / window.calls * 1e6
+        wall_us = elapsed / window.calls * 1e6
+        # The window's sample: µs a call after its first (the first call after a switch of tables runs slow, more for
+        # some tables than others; a decided table runs without switches), on the stream's marks
+        us = wall_us if end is None else window.after_first.elapsed_time(end) * 1e3 / (window.calls - 1)
         # less the caller's steady work between calls (a model's other layers; its median gap a call), not a stall
         # between two calls: that is in the module's forward around the race (after graph replays, 17-60 ms)
         steady_gaps = statistics.median(self._gaps) * len(self._gaps) if self._gaps else 0.0
@@ -322,7 +329,7 @@ class Raced:
             self._checkpoints[window.entry].setdefault(c, []).append(value)
         if self.windows is not None:
             self._record(call=self.calls, table=_describe(self.tables[window.entry]), calls=window.calls, us=us,
-                         kind=WINDOW, checkpoints_us=checkpoints, dropped=False)
+                         wall_us=wall_us, kind=WINDOW, checkpoints_us=checkpoints, dropped=False)
         if len(self._gaps) > 1:
             self._gap_limit = current().race_gap_outlier * (statistics.median(self._gaps) +
                                                             statistics.median(self._inside))
@@ -333,9 +340,9 @@ class Raced:
         return (1, current().race_probe_calls)
 
     def _ended_at_checkpoint(self, window: _Window) -> bool:
-        """Before the window's next call: read each checkpoint the GPU has reached (waiting for the first call's in
-        an entry's first window, and for one the GPU has not reached by twice its calls); where one is slower than
-        the fastest known's by more than its bound, the entry is dropped and the window ends (True)."""
+        """Before the window's next call: read each checkpoint the GPU has reached (waiting for one it has not
+        reached by twice its calls); where one is slower than the fastest known's by more than its bound, the entry
+        is dropped and the window ends (True)."""
         fastest = self._fastest_known()
         if window.entry == fastest or not window.marks:
             return False  # the fastest's checkpoints are read at its window's end
@@ -344,7 +351,7 @@ class Raced:
             if c != policy.race_probe_calls and not window.first:
                 continue  # the first call's bound is for an entry's first window (read at the window's end here)
             if not _reached(mark):
-                if not ((c == 1 and window.first) or window.done >= 2 * c):
+                if window.done < 2 * c:
                     continue
                 _wait(mark)
             us = window.read[c] = _per_call_us(window, mark, c)
@@ -538,8 +545,12 @@ def _wait(mark) -> None:
 
 
 def _per_call_us(window: _Window, mark, calls: int) -> float:
-    """µs per call from the window's start to `mark` (reached), after `calls` calls."""
-    return window.start_mark.elapsed_time(mark) * 1e3 / calls
+    """µs per call up to `mark` (reached), after `calls` calls: from the window's start for its first call; after
+    it, from the first call's end (the first call after a switch of tables runs slow, more for some tables than
+    for others)."""
+    if calls == 1 or window.after_first is None:
+        return window.start_mark.elapsed_time(mark) * 1e3 / calls
+    return window.after_first.elapsed_time(mark) * 1e3 / (calls - 1)
 
 
 def _synchronize() -> None:
