@@ -3,7 +3,6 @@ with its bound entries (dispatch.BoundMLP / BoundLinear) and the last one kept f
 
 from __future__ import annotations
 
-import gc
 import itertools
 
 import torch
@@ -12,7 +11,6 @@ from torch import nn
 from . import compile_workers, traffic
 from .choose import Choice, LinearPlan, MLPPlan, generation, pending, select, table_key
 from .choose import race as plain
-from .choose.check import compared as checks_timed
 from .choose.check import enabled as checks_enabled
 from .configs import KernelConfig, Library
 from .device import capturing, check_device, interpreting
@@ -212,13 +210,7 @@ class FusedModule(nn.Module):
         key = self._key(M, weight, residual)
         bound = self._bound.get(key)
         if bound is None:
-            timed = checks_timed()
             table = self._config_table(M, residual)
-            if checks_timed() != timed and plain.racing(weight.device):
-                # The checks' garbage (their graphs, evaluators, compiled candidates) collected now, in the first use
-                # that made it: left to a later collection, the plain calls after a first use ran 1.1-1.9x their
-                # steady pace for 100-200 calls, and a window of 50 held a 3.3 ms collection (H200).
-                gc.collect()
             key = self._key(M, weight, residual)  # under the generation the table's checks moved it to
             bound = self._bind(table, M)
             if not pending(table):

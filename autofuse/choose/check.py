@@ -220,18 +220,9 @@ def prior(problem: Problem) -> str | None:
     return kind if 2 * count > len(records) else None
 
 
-def compared() -> int:
-    """How many checks this process has timed (a caller tells by it whether a first use ran any)."""
-    return _checks_timed[0]
-
-
-_checks_timed = [0]
-
-
 def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -> Winner:
     """The check's winner: the fastest of `kernels` that passes (the first where none does) against the library
     paths, by the winner rule. `heuristic`: the heuristic's config, recorded with its time where it was timed."""
-    _checks_timed[0] += 1
     # Imported here, not at the top: the evaluator is loaded only where a check runs.
     from ..evaluator import Evaluator
     from .winner import Outcome, choose_winner, fastest_trial, near_fastest
