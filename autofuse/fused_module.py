@@ -226,7 +226,7 @@ class FusedModule(nn.Module):
             return bound
         tables = [table, *others]
         key = plain.memo_key(type(self).__name__, self._plan(residual, M), M, weight.dtype, weight.device, tables)
-        return plain.Raced(bound, [self._bind(t, M) for t in others], tables, M, key)
+        return plain.Raced(bound, [self._bind(t, M) for t in others], tables, M, key, device=weight.device)
 
     def _bind(self, table: dict[str, Choice], M: int):
         raise NotImplementedError

@@ -172,8 +172,8 @@ def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     if fresh:
         plain._decided.pop(key, None)
     monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
-    monkeypatch.setattr(plain, "_synchronize", lambda: None)
-    monkeypatch.setattr(plain, "_mark", lambda: _Mark(_Entry.clock[0], _Entry.clock, 1e3))  # no queue: reached
+    monkeypatch.setattr(plain, "_synchronize", lambda device: None)
+    monkeypatch.setattr(plain, "_mark", lambda device: _Mark(_Entry.clock[0], _Entry.clock, 1e3))  # no queue: reached
     entries = [_Entry(f"e{i}", cost) for i, cost in enumerate(costs)]
     raced = plain.Raced(entries[0], entries[1:], [e.table for e in entries], 1, key)
     return raced, entries
@@ -410,8 +410,8 @@ def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeyp
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     plain._decided.pop(("test", "slow start"), None)
     monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
-    monkeypatch.setattr(plain, "_synchronize", lambda: None)
-    monkeypatch.setattr(plain, "_mark", lambda: _Mark(_Entry.clock[0], _Entry.clock, 1e3))
+    monkeypatch.setattr(plain, "_synchronize", lambda device: None)
+    monkeypatch.setattr(plain, "_mark", lambda device: _Mark(_Entry.clock[0], _Entry.clock, 1e3))
     start, faster = _Slows("e0", 10.0, 30.0, cheap=1 + plain.ESTIMATE_CALLS), _Entry("e1", 20.0)
     raced = plain.Raced(start, [faster], [start.table, faster.table], 16, ("test", "slow start"))
     raced("x")  # the first call: both bind and have their host time taken
@@ -512,11 +512,11 @@ class _Queued:
         return self.name
 
     @classmethod
-    def synchronize(cls):
+    def synchronize(cls, device=None):
         cls.clock[0] = max(cls.clock)
 
     @classmethod
-    def mark(cls):
+    def mark(cls, device=None):
         return _Mark(max(cls.clock), cls.clock, 1e-3)
 
 
@@ -571,6 +571,22 @@ def test_a_race_of_host_bound_tables_never_waits_for_the_gpu_inside_a_window(mon
     window = current_policy().race_calls
     assert other.calls == 1 + plain.ESTIMATE_CALLS + window + current_policy().race_rounds * window  # every round
     assert waits == [] and raced.plain is winner
+
+
+def test_a_race_marks_and_waits_on_its_modules_gpu(monkeypatch):
+    """A module on another GPU than the current one (a model spread over GPUs): the race's marks go on that GPU's
+    stream and its waits are for that GPU's work (the current device's would not hold the module's kernels)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, entries = _raced(monkeypatch, [10.0, 10.5], key=("test", "device"))
+    raced.device = torch.device("cuda", 1)
+    devices = []
+    monkeypatch.setattr(plain, "_synchronize", lambda device: devices.append(("wait", device)))
+    monkeypatch.setattr(plain, "_mark", lambda device: devices.append(("mark", device)) or _Mark(
+        _Entry.clock[0], _Entry.clock, 1e3))
+    while raced.plain is None:
+        raced("x")
+    assert {kind for kind, _ in devices} == {"wait", "mark"}
+    assert {device for _, device in devices} == {torch.device("cuda", 1)}
 
 
 def test_a_race_that_fails_runs_the_gpu_time_winner(monkeypatch, caplog):
@@ -675,6 +691,8 @@ def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(
     assert [t["linear"].config for t in raced[0]] == [Library("eager"), KERNEL, Library("cublas_bias_act")]
     assert layer.config_for(4) == {"linear": Library("eager")}  # the GPU-time winner, what graphs run
     assert layer.plain_config_for(4) == {"linear": KERNEL}
+    entry = next(iter(layer._bound.values()))
+    assert isinstance(entry, plain.Raced) and entry.device == layer.weight.device  # the race's marks and waits
     monkeypatch.setattr(plain, "_capturing", lambda: True)
     with torch.no_grad():
         graphed = layer(x)

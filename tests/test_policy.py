@@ -74,10 +74,10 @@ def test_the_race_margin_decides_which_table_plain_calls_run(monkeypatch):
     entries = [lambda *a: "eager", lambda *a: "other"]
     monkeypatch.setattr(race.Raced, "_times", lambda self: [10.0, 9.7])  # the other 3% faster
     monkeypatch.setattr(race, "_capturing", lambda: False)
-    monkeypatch.setattr(race, "_synchronize", lambda: None)
+    monkeypatch.setattr(race, "_synchronize", lambda device: None)
     ticks = iter(range(10**6))
     monkeypatch.setattr(race, "_now", lambda: next(ticks))  # every call costs the same: no table is dropped
-    monkeypatch.setattr(race, "_mark", lambda: _Tick(next(ticks)))  # the stream's marks on the same clock
+    monkeypatch.setattr(race, "_mark", lambda device: _Tick(next(ticks)))  # the stream's marks on the same clock
 
     def decided(key):
         raced = race.Raced(entries[0], entries[1:], tables, 1, key)

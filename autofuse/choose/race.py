@@ -154,12 +154,12 @@ class _Window:
         self.start_mark = self.after_first = None  # marks at the start and after the first call
         self.start = 0.0
 
-    def begin(self) -> None:
+    def begin(self, device: torch.device | None) -> None:
         """Start (or start again) from a synchronisation: nothing of the caller's queued work is in its time."""
-        _synchronize()
+        _synchronize(device)
         self.done, self.marks, self.read, self.after_first = 0, {}, {}, None
         self.start = _now()
-        self.start_mark = _mark() if self.calls > 1 else None  # a window of one call has no checkpoint
+        self.start_mark = _mark(device) if self.calls > 1 else None  # a window of one call has no checkpoint
 
 
 class Raced:
@@ -204,15 +204,19 @@ class Raced:
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
     faster. The decision is kept for the process (`_decided`)."""
 
-    __slots__ = ("graphed", "entries", "tables", "M", "key", "plain", "plain_table", "calls", "decided_after", "_plan",
-                 "_samples", "_checkpoints", "_stall_us", "_alive", "_rounds", "_window", "_start", "_gaps", "_inside",
-                 "_returned", "_gap_limit", "voided", "windows")
+    __slots__ = ("graphed", "entries", "tables", "M", "key", "device", "plain", "plain_table", "calls",
+                 "decided_after", "_plan", "_samples", "_checkpoints", "_stall_us", "_alive", "_rounds", "_window",
+                 "_start", "_gaps", "_inside", "_returned", "_gap_limit", "voided", "windows")
 
-    def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple) -> None:
+    def __init__(self, graphed, entries: list, tables: list[dict[str, Choice]], M: int, key: tuple,
+                 device: torch.device | None = None) -> None:
         self.graphed = graphed
         self.entries = [graphed, *entries]  # dropped once raced: each may hold an H buffer
         self.tables = tables  # the table of each entry, `graphed`'s first
         self.M, self.key = M, key
+        # the module's GPU: its stream takes the marks and its work is waited for (the current device's need not be
+        # the module's, as with a model spread over GPUs); None: the current device
+        self.device = device
         self.plain = None  # the entry un-graphed calls run, once raced
         self.plain_table: dict[str, Choice] | None = None  # its table
         self.calls = 0  # un-graphed calls that went through the race
@@ -274,7 +278,7 @@ class Raced:
             if planned is None:
                 return self._settle(self._decide())(*args)
             window = self._window = _Window(*planned)
-            window.begin()
+            window.begin(self.device)
             self._gaps, self._inside = [], []
             called = window.start
         else:
@@ -285,7 +289,7 @@ class Raced:
                 # starts again from this call.
                 self.voided += 1
                 self._record(call=self.calls, restarted_after_gap_us=gap * 1e6)
-                window.begin()
+                window.begin(self.device)
                 self._gaps, self._inside = [], []
                 called = window.start
             else:
@@ -296,15 +300,15 @@ class Raced:
         out = self.entries[window.entry](*args)
         window.done += 1
         if window.done in self._checkpoint_calls() and window.done < window.calls:
-            window.marks[window.done] = _mark()
+            window.marks[window.done] = _mark(self.device)
             if window.done == 1:
                 window.after_first = window.marks[1]
         self._returned = _now()
         self._inside.append(self._returned - called)
         if window.done < window.calls:
             return out
-        end = _mark() if window.after_first is not None else None
-        _synchronize()
+        end = _mark(self.device) if window.after_first is not None else None
+        _synchronize(self.device)
         self._window = None
         elapsed = _now() - window.start
         wall_us = elapsed / window.calls * 1e6
@@ -529,10 +533,11 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _mark():
-    """A mark on the current stream: a CUDA event recorded there (its elapsed_time, query and synchronize)."""
+def _mark(device: torch.device | None):
+    """A mark on `device`'s current stream (the current device's where None): a CUDA event recorded there (its
+    elapsed_time, query and synchronize)."""
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event
 
 
@@ -553,9 +558,9 @@ def _per_call_us(window: _Window, mark, calls: int) -> float:
     return window.after_first.elapsed_time(mark) * 1e3 / (calls - 1)
 
 
-def _synchronize() -> None:
+def _synchronize(device: torch.device | None) -> None:
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def _describe(table: dict[str, Choice]) -> str:
