@@ -143,7 +143,7 @@ def planned_length(tables: int) -> int:
 class _Window:
     """A window being timed: its entry, how many calls it makes and has made, when it started (host clock, after a
     synchronisation) with a mark on the stream there, the marks recorded after its checkpoint calls, and whether it
-    is its entry's first (whose first call is waited for before the second)."""
+    is its entry's first (where its first call is bounded)."""
 
     __slots__ = ("entry", "calls", "done", "start", "start_mark", "after_first", "marks", "read", "first")
 
@@ -166,7 +166,8 @@ class Raced:
     """A module's table entry at one M that has other tables to race. Calls made while a CUDA graph captures (or a
     profiler records) run the GPU-time winner's entry, `graphed`. Other calls race the entries on the caller's own
     calls, so that no call waits for a race, and so that the race costs those calls little over the fastest entry
-    known; each window is timed from a synchronisation before its first call to one after its last.
+    known; each window starts from a synchronisation, and its sample is its time a call after its first call, on
+    marks on the module's stream.
     - The first call runs every entry once, each binding its launches then (a module's first call at an M
       resolves and checks its configs anyway; a binding call among the windows had cost them up to 1.8x), then
       each entry ESTIMATE_CALLS more times, timing its host time per call (no synchronisation), and returns the
