@@ -142,22 +142,23 @@ def planned_length(tables: int) -> int:
 
 class _Window:
     """A window being timed: its entry, how many calls it makes and has made, when it started (host clock, after a
-    synchronisation) with a mark on the stream there, the marks recorded after its checkpoint calls, and whether it
-    is its entry's first (where its first call is bounded)."""
+    synchronisation) with a mark on the stream there, the marks recorded after its checkpoint calls, whether it is
+    its entry's first (where its first call is bounded), and the fastest entry known when it was planned (whose
+    checkpoints bound it; no window's samples change while it runs)."""
 
-    __slots__ = ("entry", "calls", "done", "start", "start_mark", "after_first", "marks", "read", "first")
+    __slots__ = ("entry", "calls", "done", "start", "start_mark", "marks", "read", "first", "fastest")
 
-    def __init__(self, entry: int, calls: int, first: bool) -> None:
-        self.entry, self.calls, self.done, self.first = entry, calls, 0, first
-        self.marks: dict[int, object] = {}  # checkpoint call -> its mark, until the checkpoint is read
+    def __init__(self, entry: int, calls: int, first: bool, fastest: int) -> None:
+        self.entry, self.calls, self.done, self.first, self.fastest = entry, calls, 0, first, fastest
+        self.marks: dict[int, object] = {}  # checkpoint call -> its mark
         self.read: dict[int, float] = {}  # checkpoint call -> µs per call up to it, once read
-        self.start_mark = self.after_first = None  # marks at the start and after the first call
+        self.start_mark = None
         self.start = 0.0
 
     def begin(self, device: torch.device | None) -> None:
         """Start (or start again) from a synchronisation: nothing of the caller's queued work is in its time."""
         _synchronize(device)
-        self.done, self.marks, self.read, self.after_first = 0, {}, {}, None
+        self.done, self.marks, self.read = 0, {}, {}
         self.start = _now()
         self.start_mark = _mark(device) if self.calls > 1 else None  # a window of one call has no checkpoint
 
@@ -278,7 +279,7 @@ class Raced:
             planned = self._next_window()
             if planned is None:
                 return self._settle(self._decide())(*args)
-            window = self._window = _Window(*planned)
+            window = self._window = _Window(*planned, fastest=self._fastest_known())
             window.begin(self.device)
             self._gaps, self._inside = [], []
             called = window.start
@@ -302,20 +303,18 @@ class Raced:
         window.done += 1
         if window.done in self._checkpoint_calls() and window.done < window.calls:
             window.marks[window.done] = _mark(self.device)
-            if window.done == 1:
-                window.after_first = window.marks[1]
         self._returned = _now()
         self._inside.append(self._returned - called)
         if window.done < window.calls:
             return out
-        end = _mark(self.device) if window.after_first is not None else None
+        end = _mark(self.device) if 1 in window.marks else None
         _synchronize(self.device)
         self._window = None
         elapsed = _now() - window.start
         wall_us = elapsed / window.calls * 1e6
         # The window's sample: µs a call after its first (the first call after a switch of tables runs slow, more for
         # some tables than others; a decided table runs without switches), on the stream's marks
-        us = wall_us if end is None else window.after_first.elapsed_time(end) * 1e3 / (window.calls - 1)
+        us = wall_us if end is None else _per_call_us(window, end, window.calls)
         # less the caller's steady work between calls (a model's other layers; its median gap a call), not a stall
         # between two calls: that is in the module's forward around the race (after graph replays, 17-60 ms)
         steady_gaps = statistics.median(self._gaps) * len(self._gaps) if self._gaps else 0.0
@@ -329,7 +328,8 @@ class Raced:
             self._plan.insert(0, (window.entry, window.calls, window.first))
             return out
         self._samples[window.entry].append(us)
-        checkpoints = {**window.read, **{c: _per_call_us(window, mark, c) for c, mark in window.marks.items()}}
+        checkpoints = {c: window.read[c] if c in window.read else _per_call_us(window, mark, c)
+                       for c, mark in window.marks.items()}
         for c, value in checkpoints.items():
             self._checkpoints[window.entry].setdefault(c, []).append(value)
         if self.windows is not None:
@@ -348,11 +348,12 @@ class Raced:
         """Before the window's next call: read each checkpoint the GPU has reached (waiting for one it has not
         reached by twice its calls); where one is slower than the fastest known's by more than its bound, the entry
         is dropped and the window ends (True)."""
-        fastest = self._fastest_known()
-        if window.entry == fastest or not window.marks:
+        fastest = window.fastest
+        pending = [(c, mark) for c, mark in sorted(window.marks.items()) if c not in window.read]
+        if window.entry == fastest or not pending:
             return False  # the fastest's checkpoints are read at its window's end
         policy = current()
-        for c, mark in sorted(window.marks.items()):
+        for c, mark in pending:
             if c != policy.race_probe_calls and not window.first:
                 continue  # the first call's bound is for an entry's first window (read at the window's end here)
             if not _reached(mark):
@@ -360,7 +361,6 @@ class Raced:
                     continue
                 _wait(mark)
             us = window.read[c] = _per_call_us(window, mark, c)
-            del window.marks[c]
             reference = self._checkpoints[fastest].get(c)
             if not reference:
                 continue
@@ -554,9 +554,10 @@ def _per_call_us(window: _Window, mark, calls: int) -> float:
     """µs per call up to `mark` (reached), after `calls` calls: from the window's start for its first call; after
     it, from the first call's end (the first call after a switch of tables runs slow, more for some tables than
     for others)."""
-    if calls == 1 or window.after_first is None:
+    after_first = window.marks.get(1)
+    if calls == 1 or after_first is None:
         return window.start_mark.elapsed_time(mark) * 1e3 / calls
-    return window.after_first.elapsed_time(mark) * 1e3 / (calls - 1)
+    return after_first.elapsed_time(mark) * 1e3 / (calls - 1)
 
 
 def _synchronize(device: torch.device | None) -> None:
