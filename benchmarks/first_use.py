@@ -17,8 +17,9 @@ module and of eager PyTorch's MLP on the same weights, in turn by windows of 50 
 ends), µs per call per window, the worst window's ratio autofuse / eager after the first call, and the calls the
 race took; per window also the ms Python's garbage collector ran in autofuse's window and in eager's, and
 autofuse's background threads alive after it (compile workers, a check's store); with --race-log also each
-window the race timed (the call that ended it, the table, µs a call, whether a window, a call timed alone or a
-probe, and whether it dropped the table), each window it started again, and its first call's host-time estimates.
+window the race timed (the call that ended it, the table, µs a call, its checkpoints, whether it ran whole or ended
+at a checkpoint, and whether it dropped the table), each window it started again, and its first call's host-time
+estimates.
 """
 
 from __future__ import annotations
@@ -178,8 +179,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,128,1024")
     parser.add_argument("--seed", type=int, default=36)
     parser.add_argument("--race-log", action="store_true",
-                        help="keep each race's windows (which table, calls, us a call, window / first / probe) in the "
-                             "JSON, beside the windows of 50 they fall in")
+                        help="keep each race's windows (which table, calls, us a call, checkpoints, whole or ended) "
+                             "in the JSON, beside the windows of 50 they fall in")
     parser.add_argument("--calls", type=int, default=2000,
                         help=f"plain calls after the first (0: none; a race of 12 tables takes at most "
                              f"{race_length(12)})")

@@ -28,7 +28,7 @@ KERNEL = KernelConfig(16, 32, 32, group_m=1, num_stages=1)
 HOST_BOUND_MS = current_policy().host_bound_ms
 # A race of windows of one call, one round (plain.race_length says how many calls it takes), that
 # drops no table on the interpreter's times.
-TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1, race_probe_calls=1,
+TINY_RACE = dataclasses.replace(current_policy(), race_calls=1, race_rounds=1, race_checkpoint_calls=1,
                                 race_keep=float("inf"), race_host_keep=float("inf"), race_first_keep=float("inf"))
 FAST = HOST_BOUND_MS / 10  # a decode-sized GPU time (ms)
 # Modules built on the CPU run under the interpreter; with a GPU, the gpu-marked test below races for real.
@@ -179,37 +179,37 @@ def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     return raced, entries
 
 
-@pytest.mark.parametrize("costs, expected, dropped, unprobed", [
+@pytest.mark.parametrize("costs, expected, dropped, unraced", [
     # the fastest plain call; e0's host time alone is 3x e1's: dropped without a window; e2, 1.4x e1 (within
-    # race_first_keep, over race_keep), dropped at its window's race_probe_calls checkpoint
+    # race_first_keep, over race_keep), dropped at its window's race_checkpoint_calls checkpoint
     ([30.0, 10.0, 14.0], "e1", ["e2"], ["e0"]),
     ([30.0, 29.0, 40.0], "e0", ["e2"], []),  # within race_margin of the GPU-time winner: the winner stays
     ([30.0, 29.5, 28.0], "e2", [], []),  # none dropped: within race_round_keep of e2 after each round
 ])
 def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monkeypatch, costs, expected, dropped,
-                                                                           unprobed):
+                                                                           unraced):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     raced, entries = _raced(monkeypatch, costs)
     racing = plain.planned_length(len(costs))
     policy = current_policy()
-    window, probe = policy.race_calls, policy.race_probe_calls
+    window, checkpoint = policy.race_calls, policy.race_checkpoint_calls
     assert racing == 1 + window + (len(costs) - 1) * (2 * window + policy.race_rounds * 2 * window)
     assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
-    assert set(during) == {e.name for e in entries if e.name not in unprobed} | {"e0"}  # the first call: e0's result
+    assert set(during) == {e.name for e in entries if e.name not in unraced} | {"e0"}  # the first call: e0's result
     # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls and
     # the calls of its window up to the checkpoint, no more; one whose host time alone rules it out, its binding
     # and host-timed calls.
     estimate = plain.ESTIMATE_CALLS
-    assert [e.name for e in entries if e.calls == 1 + estimate + probe] == dropped
-    assert [e.name for e in entries if e.calls == 1 + estimate] == unprobed
-    if not dropped and not unprobed:  # the race took every call planned, and its first call ran every entry
+    assert [e.name for e in entries if e.calls == 1 + estimate + checkpoint] == dropped
+    assert [e.name for e in entries if e.calls == 1 + estimate] == unraced
+    if not dropped and not unraced:  # the race took every call planned, and its first call ran every entry
         assert sum(e.calls for e in entries) == racing + len(costs) * (1 + estimate) - 1
     assert [raced("x") for _ in range(3)] == [expected] * 3
     # The call after the race's last window settled it: racing + 1 where the race took every call planned, sooner
     # where tables were dropped; calls after it do not go through the race.
     assert raced.calls == raced.decided_after
-    assert raced.decided_after == racing + 1 if not dropped and not unprobed else raced.decided_after <= racing
+    assert raced.decided_after == racing + 1 if not dropped and not unraced else raced.decided_after <= racing
     assert raced.plain_table == next(e.table for e in entries if e.name == expected)
     assert raced.table is entries[0].table  # what config_for reports: the GPU-time winner's
     # Another module of the same kind, shape and tables reuses the decision without racing.
@@ -221,7 +221,7 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
 def test_each_entry_runs_a_window_beside_the_fastest_known_then_the_rounds_rotate(monkeypatch):
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     # (race_round_keep as wide as race_keep: the three run every round, whose order this test follows)
-    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_probe_calls=1,
+    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=3, race_checkpoint_calls=1,
                                         race_round_keep=0.25)):
         raced, entries = _raced(monkeypatch, [1.0, 1.1, 0.9], key=("test", "order"))
         order = [raced("x") for _ in range(plain.planned_length(3))]
@@ -353,7 +353,7 @@ def test_the_race_starts_from_the_lowest_estimate_of_host_and_known_gpu_time(mon
     """A table of cheap host time but long known GPU time is neither started from nor dropped without a window: its
     estimate is its GPU time, and host time alone does not rule it out."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
-    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=1, race_probe_calls=1)):
+    with use_policy(dataclasses.replace(current_policy(), race_calls=2, race_rounds=1, race_checkpoint_calls=1)):
         raced, entries = _raced(monkeypatch, [10.0, 2.0, 30.0], key=("test", "estimate"))
         entries[1].table = {"linear": Choice(Library("e1"), Source.USER_CACHE, 0.05)}  # 50 µs of GPU time
         raced.tables[1] = entries[1].table
@@ -380,12 +380,12 @@ def test_with_the_autofuse_logger_at_debug_a_race_keeps_each_window_it_timed(mon
     assert start == {"call": 1, "start": 0, "dropped_by_host_time": []}
     # e0 (the start) ran a window; e1 (1.8x e0: within race_host_keep and race_first_keep, over race_keep) ended its
     # window at its second checkpoint and was dropped there, leaving e0
-    window, probe = current_policy().race_calls, current_policy().race_probe_calls
+    window, checkpoint = current_policy().race_calls, current_policy().race_checkpoint_calls
     assert [(w["table"], w["kind"], w["calls"], w["dropped"]) for w in timed] == [
-        ("linear library:e0", plain.WINDOW, window, False), ("linear library:e1", plain.ENDED, probe, True)]
+        ("linear library:e0", plain.WINDOW, window, False), ("linear library:e1", plain.ENDED, checkpoint, True)]
     assert timed[0]["us"] == pytest.approx(1.0) and timed[0]["checkpoints_us"] == {1: pytest.approx(1.0),
-                                                                                  probe: pytest.approx(1.0)}
-    assert timed[1]["us"] == pytest.approx(1.8) and timed[1]["checkpoints_us"] == {probe: pytest.approx(1.8)}
+                                                                                  checkpoint: pytest.approx(1.0)}
+    assert timed[1]["us"] == pytest.approx(1.8) and timed[1]["checkpoints_us"] == {checkpoint: pytest.approx(1.8)}
     assert any("race at M=1" in r.getMessage() for r in caplog.records)
 
 
@@ -547,8 +547,8 @@ def test_a_table_of_unknown_gpu_time_neither_starts_the_race_nor_drops_the_other
     # checkpoint's: its first call took 177 us against the winner's 130 (within race_first_keep); its launches
     # queue, so the mark after its 4th call, not reached by its 8th, is waited for then: its 2nd-4th calls took 157
     # us a call against the winner's 70
-    probe = current_policy().race_probe_calls
-    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 2 * probe
+    checkpoint = current_policy().race_checkpoint_calls
+    assert kernels.calls == 1 + plain.ESTIMATE_CALLS + 2 * checkpoint
 
 
 def test_a_table_far_slower_than_the_fastest_is_dropped_after_two_calls(monkeypatch):

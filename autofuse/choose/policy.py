@@ -25,7 +25,7 @@ Each default is a measured finding (docs/design.md states them with their number
 - An un-graphed call's race calls each candidate `race_calls` times back to back (so that host and GPU time overlap
   as in a decode loop), `race_rounds` times in turn; another table replaces the GPU-time winner only where its plain
   call is `race_margin` faster (host times wander more than GPU times). Each candidate's window beside the fastest
-  known has checkpoints, after its first call and after `race_probe_calls` calls: one slower there than the fastest
+  known has checkpoints, after its first call and after `race_checkpoint_calls` calls: one slower there than the fastest
   known's windows at the same checkpoint by more than `race_first_keep` (the first call of a candidate's first window)
   or `race_keep` (per call) ends its window and is dropped: the race must not make the caller's calls much slower than
   the fastest table known (choose/race.py). After the first windows and each round one slower than the fastest by more
@@ -82,7 +82,7 @@ class DecisionPolicy:
     race_calls: int = 20
     race_rounds: int = 5
     race_margin: float = 0.05
-    race_probe_calls: int = 4
+    race_checkpoint_calls: int = 4
     race_keep: float = 0.25
     race_round_keep: float = 0.10
     race_host_keep: float = 1.0

@@ -182,11 +182,11 @@ class Raced:
       estimate first) runs a window followed by one of the fastest entry known (the lowest median window): a span
       of calls never holds two slower entries' windows back to back.
     - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and
-      after its race_probe_calls-th gives, once the GPU has reached it, the time of the first call (from the
+      after its race_checkpoint_calls-th gives, once the GPU has reached it, the time of the first call (from the
       window's start) and the time per call of the calls after it up to the second mark. A window of an entry other
       than the fastest known ends at a checkpoint slower than the fastest known's windows' at the same checkpoint
       (their median) by more than race_first_keep (the first call, in the entry's first window only) or race_keep
-      (per call, at race_probe_calls), and the entry is dropped. The first call after a switch of tables runs slow
+      (per call, at race_checkpoint_calls), and the entry is dropped. The first call after a switch of tables runs slow
       for every table, and more for some (122-182 us for a kernel table of 106-118 us a call in its windows, 250-306
       for library tables of 110-114, 3840 -> 12688 at M = 128, H200), so it is kept out of the second checkpoint,
       and its own bound is wide: in the rounds, and at 1.5x, it dropped tables as fast as the fastest (a Linear's
@@ -342,7 +342,7 @@ class Raced:
 
     @staticmethod
     def _checkpoint_calls() -> tuple[int, ...]:
-        return (1, current().race_probe_calls)
+        return (1, current().race_checkpoint_calls)
 
     def _ended_at_checkpoint(self, window: _Window) -> bool:
         """Before the window's next call: read each checkpoint the GPU has reached (waiting for one it has not
@@ -354,7 +354,7 @@ class Raced:
             return False  # the fastest's checkpoints are read at its window's end
         policy = current()
         for c, mark in pending:
-            if c != policy.race_probe_calls and not window.first:
+            if c != policy.race_checkpoint_calls and not window.first:
                 continue  # the first call's bound is for an entry's first window (read at the window's end here)
             if not _reached(mark):
                 if window.done < 2 * c:
@@ -364,7 +364,7 @@ class Raced:
             reference = self._checkpoints[fastest].get(c)
             if not reference:
                 continue
-            keep = policy.race_keep if c == policy.race_probe_calls else policy.race_first_keep
+            keep = policy.race_keep if c == policy.race_checkpoint_calls else policy.race_first_keep
             if us > statistics.median(reference) * (1 + keep):
                 self._alive[window.entry] = False
                 self._record(call=self.calls, table=_describe(self.tables[window.entry]), calls=window.done, us=us,
