@@ -1,4 +1,5 @@
-"""Comparison helpers shared by the kernel tests, and a JSON file writer for the CLI tests."""
+"""Comparison helpers shared by the kernel tests, a JSON file writer for the CLI tests, and a fake stream mark for
+the un-graphed race's tests."""
 
 import json
 from pathlib import Path
@@ -83,3 +84,20 @@ def write_json(path: Path, data) -> Path:
     """`data` as JSON at `path` (a shapes file, a model config); returns the path."""
     path.write_text(json.dumps(data))
     return path
+
+
+class FakeMark:
+    """A mark on a fake stream (what choose/race.py's _mark gives: query, synchronize, elapsed_time in ms): the GPU
+    reaches it at `at` on the fake clock `clock` (clock[0]: the host's now; `ms`: milliseconds a unit of the clock)."""
+
+    def __init__(self, at, clock, ms):
+        self.at, self.clock, self.ms = at, clock, ms
+
+    def query(self):
+        return self.clock[0] >= self.at
+
+    def synchronize(self):
+        self.clock[0] = max(self.clock[0], self.at)
+
+    def elapsed_time(self, other):
+        return (other.at - self.at) * self.ms

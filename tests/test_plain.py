@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from _helpers import FakeMark
 
 import autofuse
 from autofuse import ops
@@ -151,29 +152,13 @@ class _Entry:
         return self.name
 
 
-class _Mark:
-    """A mark on a fake stream: the GPU reaches it at `at` on the fake clock `clock` (clock[0]: the host's now;
-    `ms`: milliseconds a unit of the clock)."""
-
-    def __init__(self, at, clock, ms):
-        self.at, self.clock, self.ms = at, clock, ms
-
-    def query(self):
-        return self.clock[0] >= self.at
-
-    def synchronize(self):
-        self.clock[0] = max(self.clock[0], self.at)
-
-    def elapsed_time(self, other):
-        return (other.at - self.at) * self.ms
-
-
 def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     if fresh:
         plain._decided.pop(key, None)
     monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
     monkeypatch.setattr(plain, "_synchronize", lambda device: None)
-    monkeypatch.setattr(plain, "_mark", lambda device: _Mark(_Entry.clock[0], _Entry.clock, 1e3))  # no queue: reached
+    # no queue: a mark is reached once recorded
+    monkeypatch.setattr(plain, "_mark", lambda device: FakeMark(_Entry.clock[0], _Entry.clock, 1e3))
     entries = [_Entry(f"e{i}", cost) for i, cost in enumerate(costs)]
     raced = plain.Raced(entries[0], entries[1:], [e.table for e in entries], 1, key)
     return raced, entries
@@ -411,7 +396,7 @@ def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeyp
     plain._decided.pop(("test", "slow start"), None)
     monkeypatch.setattr(plain, "_now", lambda: _Entry.clock[0])
     monkeypatch.setattr(plain, "_synchronize", lambda device: None)
-    monkeypatch.setattr(plain, "_mark", lambda device: _Mark(_Entry.clock[0], _Entry.clock, 1e3))
+    monkeypatch.setattr(plain, "_mark", lambda device: FakeMark(_Entry.clock[0], _Entry.clock, 1e3))
     start, faster = _Slows("e0", 10.0, 30.0, cheap=1 + plain.ESTIMATE_CALLS), _Entry("e1", 20.0)
     raced = plain.Raced(start, [faster], [start.table, faster.table], 16, ("test", "slow start"))
     raced("x")  # the first call: both bind and have their host time taken
@@ -517,7 +502,7 @@ class _Queued:
 
     @classmethod
     def mark(cls, device=None):
-        return _Mark(max(cls.clock), cls.clock, 1e-3)
+        return FakeMark(max(cls.clock), cls.clock, 1e-3)
 
 
 def _race_queued(monkeypatch, key, other):
@@ -581,7 +566,7 @@ def test_a_race_marks_and_waits_on_its_modules_gpu(monkeypatch):
     raced.device = torch.device("cuda", 1)
     devices = []
     monkeypatch.setattr(plain, "_synchronize", lambda device: devices.append(("wait", device)))
-    monkeypatch.setattr(plain, "_mark", lambda device: devices.append(("mark", device)) or _Mark(
+    monkeypatch.setattr(plain, "_mark", lambda device: devices.append(("mark", device)) or FakeMark(
         _Entry.clock[0], _Entry.clock, 1e3))
     while raced.plain is None:
         raced("x")

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from _helpers import FakeMark
 
 from autofuse.choose import Choice, DecisionPolicy, Source, current, race, use
 from autofuse.choose import check as checked
@@ -53,22 +54,6 @@ def test_the_near_tie_width_decides_what_is_timed_again():
     assert evaluator.names is None
 
 
-class _Tick:
-    """A mark on a fake stream that the GPU has reached at once, at tick `at`."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return float(other.at - self.at)
-
-
 def test_the_race_margin_decides_which_table_plain_calls_run(monkeypatch):
     tables = [{"linear": Choice(Library(name), Source.USER_CACHE, 0.001)} for name in ("eager", "other")]
     entries = [lambda *a: "eager", lambda *a: "other"]
@@ -77,7 +62,8 @@ def test_the_race_margin_decides_which_table_plain_calls_run(monkeypatch):
     monkeypatch.setattr(race, "_synchronize", lambda device: None)
     ticks = iter(range(10**6))
     monkeypatch.setattr(race, "_now", lambda: next(ticks))  # every call costs the same: no table is dropped
-    monkeypatch.setattr(race, "_mark", lambda device: _Tick(next(ticks)))  # the stream's marks on the same clock
+    # the stream's marks on the same clock, reached at once
+    monkeypatch.setattr(race, "_mark", lambda device: FakeMark(next(ticks), [float("inf")], 1.0))
 
     def decided(key):
         raced = race.Raced(entries[0], entries[1:], tables, 1, key)
