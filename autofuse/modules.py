@@ -14,7 +14,8 @@ from torch import nn
 
 from . import custom_ops, ops, traffic  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
-from .choose import LinearPlan, MLPPlan, generation, pending, resolve_checked
+from .choose import LinearPlan, MLPPlan, current, generation, pending, resolve_checked
+from .configs import KernelConfig
 from .device import capturing, check_device
 from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
@@ -215,10 +216,12 @@ class FusedLinear(FusedModule):
         N, K = padded
         plan = LinearPlan(K, N, self.activation, self.bias is not None, residual)
         choice = resolve_checked(plan.problem(max(M, 1), weight.dtype, weight.device), self.tuned)
+        config = current().unraced_config(choice)  # a training step is never raced
+        kernel = config if isinstance(config, KernelConfig) else None
         if not pending({"linear": choice}):
             self._seen_generation()
-            self._training_configs[(M, residual, weight.dtype, weight.device, generation())] = choice.kernel
-        return choice.kernel
+            self._training_configs[(M, residual, weight.dtype, weight.device, generation())] = kernel
+        return kernel
 
     def _check_residual(self, residual: object, x: torch.Tensor, out_shape: tuple) -> None:
         if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != out_shape:
@@ -553,8 +556,12 @@ class FusedMLP(FusedModule):
         down = resolve_checked(plan.problem("down", M, weight.dtype, weight.device), self.tuned)
         backward = None if save_hidden else resolve_checked(plan.problem("gated_bwd", M, weight.dtype,
                                                                          weight.device), self.tuned)
-        # The down projection's kernel (None: its library path); the backward's kernel or library path.
-        configs = (self.activation, down.kernel, None if backward is None else backward.config)
+        # The down projection's kernel (None: its library path); the backward's kernel or library path. A training
+        # step is never raced: a host-bound library choice runs its runner-up kernel where that is as fast.
+        unraced = current().unraced_config
+        down_config = unraced(down)
+        configs = (self.activation, down_config if isinstance(down_config, KernelConfig) else None,
+                   None if backward is None else unraced(backward))
         if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
             return TrainingStep(*configs, None, save_hidden)
         self._seen_generation()  # kept under the generation its checks moved to, as _config_table keeps

@@ -21,9 +21,7 @@ KEY = Problem("linear", 72, 40, 4, torch.float32, "gelu", True).key(4, current_e
 def _check_picks(library_ms: float, kernel_ms: float) -> object:
     """A first-use check's winner rule on these times, as a GPU run applies it."""
     outcome = Outcome({KERNEL: TrialRecord(KERNEL, "ok", kernel_ms)}, {"eager": library_ms}, KERNEL, 0.1)
-    policy = current()
-    margin = policy.kernel_margin(outcome.library_ms, policy.check_margin)
-    return choose_winner(KEY, outcome, "checked", kernel_margin=margin).config
+    return choose_winner(KEY, outcome, "checked", kernel_margin=current().check_margin).config
 
 
 def test_the_check_margin_decides_a_near_tie():
@@ -32,10 +30,21 @@ def test_the_check_margin_decides_a_near_tie():
         assert _check_picks(1.0, 0.98) == KERNEL
 
 
-def test_the_host_bound_time_turns_the_margin():
-    assert _check_picks(0.05, 0.0505) == KERNEL  # under 0.1 ms: the kernel is kept within the margin
+def test_a_host_bound_check_still_chooses_by_gpu_time():
+    assert _check_picks(0.05, 0.0505) == Library("eager")  # what a graph replays; plain calls race (race.py)
+
+
+def test_the_host_bound_time_decides_what_an_unraced_step_runs():
+    library = Choice(Library("eager"), Source.CHECKED, 0.05, runner_up=KERNEL, runner_up_ms=0.0505)
+    assert current().unraced_config(library) == KERNEL  # under 0.1 ms and within check_margin: one bound launch
     with use(dataclasses.replace(current(), host_bound_ms=0.01)):
-        assert _check_picks(0.05, 0.0505) == Library("eager")
+        assert current().unraced_config(library) == Library("eager")
+    with use(dataclasses.replace(current(), check_margin=0.005)):
+        assert current().unraced_config(library) == Library("eager")
+    alone = Choice(Library("eager"), Source.CHECKED, 0.05)  # no runner-up kernel was correct
+    assert current().unraced_config(alone) == Library("eager")
+    kernel = Choice(KERNEL, Source.CHECKED, 0.05)
+    assert current().unraced_config(kernel) == KERNEL
 
 
 def test_the_near_tie_width_decides_what_is_timed_again():

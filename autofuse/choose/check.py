@@ -251,7 +251,7 @@ def _compare(key, M: int, kernels: list, device: torch.device, heuristic=None) -
     outcome = Outcome(done, library_ms, heuristic or kernels[0], time.perf_counter() - start,
                       confirmed=record if record is not None and record.status == "ok" else None)
     return choose_winner(key, outcome, CHECKED, times_mean_speed=not interpreting(),
-                         kernel_margin=policy.kernel_margin(library_ms, policy.check_margin))
+                         kernel_margin=policy.check_margin)
 
 
 def _times_on_gpu(device: torch.device) -> bool:
@@ -278,19 +278,6 @@ def _side_by_side_if_near(evaluator, record, library_ms: dict[str, float], rival
         return record, library_ms
     retimed, library_ms = evaluator.retimed_side_by_side(record if kernel_near else None, library_ms, near, rivals)
     return (retimed if kernel_near else record), library_ms
-
-
-def kernel_on_host_bound_tie(first: tuple[str, Choice], second: tuple[str, Choice]) -> str | None:
-    """Of two ops' choices computing the same result (gated_up and gated_pairs), the one that runs a kernel
-    where the other runs a library path taking under host_bound_ms, if the kernel's time is within
-    check_margin of it (the kernel margin's rule, between two ops' records); else None."""
-    policy = current()
-    (op_a, a), (op_b, b) = first, second
-    for (kernel_op, kernel), library in (((op_a, a), b), ((op_b, b), a)):
-        if (kernel.kernel is not None and library.kernel is None and policy.is_host_bound(library.time_ms)
-                and kernel.time_ms <= library.time_ms * (1 + policy.check_margin)):
-            return kernel_op
-    return None
 
 
 def faster_of(first: tuple[str, Choice], second: tuple[str, Choice], problem: Problem) -> str:

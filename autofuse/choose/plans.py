@@ -121,7 +121,7 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
         others.append(with_pairs)
         if None not in (one_gemm.time_ms, up.time_ms):
             candidates = (("gated_pairs", one_gemm), ("gated_up", up))
-            faster = check.kernel_on_host_bound_tie(*candidates) or check.faster_of(*candidates, up_problem)
+            faster = check.faster_of(*candidates, up_problem)
             if faster == "gated_pairs":
                 pair, others = with_pairs, [pair]
     if not tuned or M > policy.one_launch_max_m or not plan.one_launch:

@@ -9,9 +9,12 @@ Each default is a measured finding (docs/design.md states them with their number
 - Candidates timed one after the other differ by drift as well as by speed: where the best two are within
   `near_tie` of each other they are timed again side by side, replayed in turn, and that decides (a kernel
   timed after its library paths lost to one by 2% alone and won by 8% side by side).
-- Below `host_bound_ms` of GPU time an un-graphed call's host time is of the order of its GPU time: a bound
-  kernel launch costs a few microseconds of host time where each library op costs a PyTorch op's. There
-  the margin turns: the kernel is kept unless a library path beats it by `check_margin`. A table that runs a
+- A choice is made by GPU time, which a graph replays; an un-graphed call's host time is raced (below). Below
+  `host_bound_ms` of GPU time an un-graphed call's host time is of the order of its GPU time: a bound kernel
+  launch costs a few microseconds of host time where each library op costs a PyTorch op's. A training step is
+  not raced, so it runs a library choice's runner-up kernel where that is within `check_margin` of the library
+  path's time (unraced_config). Keeping the kernel there in the check itself would choose it for graphs too: a Linear
+  627 -> 8288 at M = 2 so chosen replayed in 11.4 us against torch.compile's 10.6 (H200). A table that runs a
   library path may be bound by its host time up to `library_host_bound_ms`: a cuBLAS GEMM through its nvjet
   kernels costs 35-58 us of host time, and 6304 -> 7040's paired GEMM + split-K down projection took 116 us a call
   un-graphed for 100 us of GPU time at M = 2, against eager's 120 (H100); such a table's un-graphed calls race.
@@ -102,13 +105,15 @@ class DecisionPolicy:
         """Whether two times are a near tie, to be timed again side by side."""
         return abs(a - b) <= self.near_tie * min(a, b)
 
-    def kernel_margin(self, library_ms: dict[str, float], margin: float) -> float:
-        """By how much a kernel must beat the fastest library path to be chosen: `margin` (check_margin for a
-        check, tune_margin for tuning), or where that path takes under host_bound_ms, -check_margin (the
-        kernel is kept unless a library path beats it by that much)."""
-        if library_ms and self.is_host_bound(min(library_ms.values())):
-            return -self.check_margin
-        return margin
+    def unraced_config(self, choice):
+        """What a call that is never raced (a training step) runs for `choice` (a choose.Choice): its config, or
+        its runner-up kernel where the choice is a library path under host_bound_ms and the kernel's time is
+        within check_margin of it (one bound launch in place of the library path's PyTorch ops)."""
+        if (choice.kernel is None and choice.runner_up is not None and None not in (choice.time_ms, choice.runner_up_ms)
+                and self.is_host_bound(choice.time_ms)
+                and choice.runner_up_ms <= choice.time_ms * (1 + self.check_margin)):
+            return choice.runner_up
+        return choice.config
 
 
 _current = DecisionPolicy()

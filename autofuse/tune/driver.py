@@ -252,7 +252,7 @@ def tune_key(job: Job, store: Store, device: torch.device, options: TuneOptions 
     outcome, resumed = run_trials(job, store, device, options, progress)
     policy = current_policy()
     winner = choose_winner(job.key, outcome, options.policy, times_mean_speed=not interpreting(),
-                           kernel_margin=policy.kernel_margin(outcome.library_ms, policy.tune_margin))
+                           kernel_margin=policy.tune_margin)
     stored = store.put_winner(winner, replace=options.replace)
     done = outcome.done
     failures: dict[str, int] = {}
