@@ -42,7 +42,7 @@ import torch  # noqa: E402 - after TRITON_CACHE_DIR: Triton reads it when first 
 import autofuse  # noqa: E402
 from autofuse import evaluator  # noqa: E402
 from autofuse.choose import check  # noqa: E402
-from autofuse.choose.race import Raced, race_length  # noqa: E402
+from autofuse.choose.race import race_length  # noqa: E402
 
 
 def draw(seed: int, count: int) -> list[tuple[int, int, str]]:
@@ -132,10 +132,10 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
             theirs.append(eager_us)
             gc_ms.append([round(ours_gc, 3), round(eager_gc, 3)])
             threads.append(alive)
-    entry = mlp._bound.get(mlp._key(x.shape[0], wg, False))
+    entry = harness.race_of(mlp, x.shape[0])
     decided_after = None  # no race: the entry has one table, which runs from the first call
     race_windows = None
-    if isinstance(entry, Raced):
+    if entry is not None:
         decided_after = "undecided" if entry.plain is None else entry.decided_after  # the call that settled it
         race_windows = entry.windows  # with --race-log: each window the race timed, which table, µs a call
     # Against eager's median window too: a window's host can stall for milliseconds (both providers' windows

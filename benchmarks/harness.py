@@ -74,3 +74,14 @@ def write(folder: Path, name: str, payload: dict, run: dict | None = None) -> Pa
     os.replace(tmp, path)
     print(f"wrote {path}", file=sys.stderr)
     return path
+
+
+def race_of(module, M: int, residual: bool = False):
+    """The un-graphed race (autofuse.choose.race.Raced) of `module`'s table entry at M rows, or None where its entry
+    has one table (no race) or no call at M has bound one yet."""
+    from autofuse.choose.race import Raced
+
+    weight = module._reference_weight()
+    entry = module._bound.get(module._key(M, weight, residual))
+    return entry if isinstance(entry, Raced) else None
+

@@ -1,10 +1,10 @@
 """The "never slower" sweep: autofuse on shapes nobody tuned, against the best peer.
 
   python benchmarks/never_slower.py [--out DIR] [--mlps 12] [--linears 4]
-      [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000] [--public] [--write-shapes FILE]
+      [--tokens 1,2,5,16,48,77,128,300,1000,2048,5000] [--public] [--write-shapes FILE] [--race-log]
 
 --public adds public model shapes (PUBLIC_MLPS, PUBLIC_LINEARS) after the drawn ones; `--mlps 0 --linears 0
---public` times those alone.
+--public` times those alone. --race-log keeps, in each row with an un-graphed race, the windows the race timed.
 
 Shapes come from a seeded generator (d_model 512-8192, d_ff 1-8x d_model, some not multiples of 8 or
 64; activations gelu_tanh / silu, Linear with a bias and gelu_tanh), none of them in the shipped files.
@@ -197,6 +197,9 @@ def main() -> None:
     parser.add_argument("--write-shapes", metavar="FILE", default=None,
                         help="write the drawn shapes and --tokens as a shapes file for `autofuse tune`, then stop "
                              "(the tuned rerun: tune them, then run this sweep again on that cache)")
+    parser.add_argument("--race-log", action="store_true",
+                        help="keep each un-graphed race's windows (which table, calls, us a call, checkpoints) in its "
+                             "row of the JSON")
     args = parser.parse_args()
     args.out = harness.out_dir(args.out)
     if args.write_shapes:
@@ -206,8 +209,10 @@ def main() -> None:
     # The first-use checks' decisions, with the times they compared (choose/check.py).
     handler = logging.FileHandler(Path(args.out, "checks.log"))
     handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.INFO)
     logging.getLogger("autofuse").addHandler(handler)
-    logging.getLogger("autofuse").setLevel(logging.INFO)
+    # With --race-log the races made from now on keep their windows (choose/race.py), each row then holding them.
+    logging.getLogger("autofuse").setLevel(logging.DEBUG if args.race_log else logging.INFO)
     tokens = [int(t) for t in args.tokens.split(",")]
     gated, linear = draw_shapes(args.seed, args.mlps, args.linears)
     if args.public:
@@ -224,6 +229,9 @@ def main() -> None:
                     row = dict(kind=kind, **{"name": "drawn", **shape}, **measure(providers, d_in, M))
                     row["sources"] = providers["autofuse"].config_sources(M)
                     row["choices"] = {op: c.short() for op, c in providers["autofuse"].config_for(M).items()}
+                    race = harness.race_of(providers["autofuse"], M)
+                    if race is not None and race.windows is not None:  # --race-log
+                        row["race"] = dict(decided_after=race.decided_after, voided=race.voided, windows=race.windows)
                     plain_choices = providers["autofuse"].plain_config_for(M)
                     if plain_choices is not None and plain_choices != providers["autofuse"].config_for(M):
                         row["plain_choices"] = {op: c.short() for op, c in plain_choices.items()}
