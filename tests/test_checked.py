@@ -562,7 +562,8 @@ def test_a_plans_tuned_kernels_are_compiled_at_once_too(device, monkeypatch):
 @pytest.mark.parametrize("pairs_tuned", [False, True])
 def test_at_one_row_a_gemv_up_projection_leaves_the_unchecked_gated_pairs_out(device, monkeypatch, pairs_tuned):
     """gated_pairs has no GEMV variant: where the gated up-projection's check times (and chooses) a GEMV at M = 1,
-    gated_pairs is neither compiled nor checked, unless a record of it exists."""
+    gated_pairs's kernels are neither compiled nor checked, unless a record of it exists: its library paths alone
+    (their passes compiled ahead, a job without a choice)."""
     from autofuse.choose import MLPPlan, heuristics, plans
     from autofuse.configs import Device
 
@@ -577,9 +578,20 @@ def test_at_one_row_a_gemv_up_projection_leaves_the_unchecked_gated_pairs_out(de
     assert plans._pairs_left_out(pairs, gemv) == (not pairs_tuned)
     assert not plans._pairs_left_out(pairs, _TILE) and not plans._pairs_left_out(pairs, None)
     jobs = []
-    monkeypatch.setattr(checked, "precompile", lambda work: jobs.extend(p.op for p, _ in work))
+    monkeypatch.setattr(checked, "precompile", lambda work: jobs.extend((p.op, c is None) for p, c in work))
     plans._precompile(plan, 1, torch.float32, torch.device(device))
-    assert ("gated_pairs" in jobs) == pairs_tuned and {"gated_up", "down"} <= set(jobs)
+    assert ("gated_pairs", not pairs_tuned) in jobs and {("gated_up", False), ("down", False)} <= set(jobs)
+
+
+def test_a_check_of_the_library_paths_alone_compiles_no_kernel(device, monkeypatch):
+    _fake_timer(monkeypatch, library_ms=1.0, kernel_ms=0.5)
+    evaluated = []
+    monkeypatch.setattr(objective.Evaluator, "evaluate", lambda self, config: evaluated.append(config))
+    problem = Problem("gated_pairs", F_, D, 1, torch.float32, "silu")
+    choice = checked.checked(problem, resolve.resolve(problem), libraries_only=True)
+    assert evaluated == [] and isinstance(choice.config, Library) and choice.runner_up is None
+    assert choice.source is Source.CHECKED and choice.time_ms == 1.0
+    assert [w.key.op for w in Store().winners()] == ["gated_pairs"]  # stored: the next process reads it
 
 
 def test_the_forward_after_the_checks_does_not_resolve_again(device, monkeypatch):

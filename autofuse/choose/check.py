@@ -64,20 +64,21 @@ def enabled() -> bool:
     return os.environ.get("AUTOFUSE_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def checked(problem: Problem, choice: Choice) -> Choice:
+def checked(problem: Problem, choice: Choice, libraries_only: bool = False) -> Choice:
     """`choice`, where tuning or a check chose it for this key, or checks are off; otherwise (a nearest
     key's choice, the heuristic's) the fastest of its kernels (the nearest key's and this bucket's heuristic
     config, or the heuristic's alone where the nearest key chose a library path; none or fewer where nearby tuned
-    records narrow them: _kernels_to_check) and the op's library candidates, checked and stored now (or the eager
-    library path, PENDING, where no check can run now)."""
+    records narrow them: _kernels_to_check; none with `libraries_only`) and the op's library candidates, checked
+    and stored now (or the eager library path, PENDING, where no check can run now)."""
     if not choice.source.unchecked or not enabled():
         return choice
     if _cannot_time(problem.device):
         return Choice(Library("eager"), Source.PENDING)
     key = problem.key()
     heuristic = heuristic_for(problem.replace(M=problem.bucket))
+    kernels = [] if libraries_only else _kernels_to_check(problem, choice, heuristic)
     try:
-        winner = _compare(key, problem.M, _kernels_to_check(problem, choice, heuristic), problem.device, heuristic)
+        winner = _compare(key, problem.M, kernels, problem.device, heuristic)
     except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
         logger.warning("autofuse: could not check %s's %s config (%s: %s); running its eager library path",
                        problem.op, choice.source.value, type(e).__name__, e)
@@ -89,7 +90,7 @@ def checked(problem: Problem, choice: Choice) -> Choice:
     return Choice.of(winner, Source.CHECKED if winner.policy == CHECKED else Source.USER_CACHE)
 
 
-def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
+def precompile(jobs: list[tuple[Problem, Choice | None]]) -> None:
     """Compile at once, on threads, the kernels that checks of these choices are about to time, and the Triton
     passes of their library paths (a module's plan checks its ops one after another, and compiling is most of a
     check's time: uncontended on an H100, 0.14-0.28 s a GEMV, 0.3-0.8 s a tile or split-K kernel, 0.15 s a
@@ -104,6 +105,10 @@ def precompile(jobs: list[tuple[Problem, Choice]]) -> None:
     work = []
     for problem, choice in jobs:
         if not enabled() or not _times_on_gpu(problem.device) or _cannot_time(problem.device):
+            continue
+        if choice is None:  # a check of the library paths alone (checked(..., libraries_only=True))
+            if set(problem.spec.library_for(problem.activation, problem.bias, problem.residual)) - {"eager"}:
+                work.append((problem, None, False))
             continue
         if not choice.source.unchecked:
             if choice.kernel is not None:  # run by the module, not by a check: compiled before this returns
