@@ -661,6 +661,23 @@ def test_a_library_winner_under_its_gpu_time_in_host_time_still_races(monkeypatc
 
 
 @ON_THE_CPU
+@pytest.mark.parametrize("slower_by, settled", [(current_policy().check_margin / 2, True),
+                                                (2 * current_policy().check_margin, False)])
+def test_a_bound_kernel_table_near_a_library_winners_gpu_time_settles_at_the_first_call(monkeypatch, caplog,
+                                                                                        slower_by, settled):
+    """A library path won by GPU time (what a graph replays); its runner-up kernel's table, of host time under its
+    GPU time, is within check_margin of it: no plain call of the library path can be faster by more, so un-graphed
+    calls run the kernel from the first call, without a race's windows. Beyond check_margin the race runs."""
+    library = _settle_on_host_time(monkeypatch, caplog, Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL,
+                                                       runner_up_ms=FAST * (1 + slower_by)))
+    assert isinstance(library, plain.Raced) and library.table["linear"].config == Library("eager")
+    if settled:
+        assert library.decided_after == 1 and library.plain_table["linear"].config == KERNEL
+    else:
+        assert library.decided_after is None and library.plain is None
+
+
+@ON_THE_CPU
 def test_an_un_graphed_linear_runs_its_runner_up_kernel_where_that_races_faster(monkeypatch):
     Store().put_winner(Winner(_key(), Library("eager"), FAST, FAST, runner_up=KERNEL, runner_up_ms=2 * FAST))
     resolve.invalidate()

@@ -175,9 +175,10 @@ class Raced:
       GPU-time winner's result. An entry's estimate is the larger of that host time and its table's known GPU
       time; an entry whose host time alone exceeds the lowest estimate of an entry of known GPU time by more
       than race_host_keep is dropped there (its plain call cannot be faster: a bound table's host took 19-20 us
-      per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where the GPU-time
-      winner runs bound kernels only and its host time is under its known GPU time by race_margin, its plain call
-      is bound by that GPU time, which no other table's undercuts: the race settles on it there.
+      per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where a table runs
+      bound kernels only, its host time is under its known GPU time by race_margin and that GPU time is within
+      check_margin of the GPU-time winner's, its plain call is bound by that GPU time, which no other table's
+      undercuts by more: the race settles on it there (_bound_by_gpu_time).
     - Then the entry of the lowest such estimate (the start) runs a window, and each other entry in turn (lowest
       estimate first) runs a window followed by one of the fastest entry known (the lowest median window): a span
       of calls never holds two slower entries' windows back to back.
@@ -394,16 +395,10 @@ class Raced:
                           for us, table in zip(estimate, self.tables)]
         if self.windows is not None:
             self._record(call=1, tables=[_describe(t) for t in self.tables], host_us=host, estimate_us=estimate)
-        if host[0] < estimate[0] * (1 - policy.race_margin) and not _runs_library(self.tables[0]):
-            # The GPU-time winner's host time is under its known GPU time (its estimate, where larger): its plain
-            # call is bound by that GPU time, which no other table's undercuts: settled now, before any window (a
-            # race's probes had put 2 of 40 windows of 3840 -> 12688 at M = 16 over 1.25x eager's for no gain, H100).
-            # Not where it runs a library path: a PyTorch op's host time wanders (cuBLAS's nvjet GEMMs 35-58 us a
-            # call), and a library table settled so on two calls' host time under its 100 us of GPU time then ran
-            # 124-145 us a plain call for 1,500 calls beside eager's 105-118 and a kernel table's 105 (3840 ->
-            # 12688 at M = 128, H200).
-            _remember(self.key, 0)
-            self._settle(0)
+        bound = self._bound_by_gpu_time(host)
+        if bound is not None:
+            _remember(self.key, bound)
+            self._settle(bound)
             return out
         # Only a table whose GPU time is known has an estimate near its plain call: one whose GPU time is unknown
         # (a library path swapped in by candidates(), never timed) has its host time alone, which its queued
@@ -425,6 +420,27 @@ class Raced:
         for other in order:
             self._plan += [(other, window, True), (None, window, False)]
         return out
+
+    def _bound_by_gpu_time(self, host: list[float]) -> int | None:
+        """The entry whose plain call is bound by its known GPU time, where that is within check_margin of the
+        GPU-time winner's (no other table's plain call, never under its GPU time, undercuts it by more): a table of
+        bound kernels only whose host time is under its GPU time by race_margin; the lowest GPU time of them; None
+        where none is. The race settles on it before any window: a race's probes had put 2 of 40 windows of 3840 ->
+        12688 at M = 16 over 1.25x eager's for no gain (H100), and where a library path won by GPU time, racing it
+        beside a kernel table of 110 us put 3 windows of 50 calls at 1.25-1.38x eager's (3840 -> 12688 at M = 128,
+        its library tables 139-169 us a plain call, H200). Not a table that runs a library path: a PyTorch op's host
+        time wanders (cuBLAS's nvjet GEMMs 35-58 us a call), and a library table settled so on two calls' host time
+        under its 100 us of GPU time then ran 124-145 us a plain call for 1,500 calls beside eager's 105-118 and a
+        kernel table's 105 (3840 -> 12688 at M = 128, H200)."""
+        policy = current()
+        winner_ms = known_gpu_ms(self.tables[0])
+        if winner_ms is None:
+            return None
+        bound = [(gpu_ms, i) for i, table in enumerate(self.tables)
+                 if not _runs_library(table) and (gpu_ms := known_gpu_ms(table)) is not None
+                 and host[i] < gpu_ms * 1e3 * (1 - policy.race_margin)
+                 and gpu_ms <= winner_ms * (1 + policy.check_margin)]
+        return min(bound)[1] if bound else None
 
     def _estimates(self, args: tuple) -> tuple[list[float], list[float]]:
         """(host, estimate), µs per plain call of each entry: its host time, the fastest of ESTIMATE_CALLS calls
