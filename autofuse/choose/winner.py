@@ -41,9 +41,9 @@ def near_fastest(done: dict, at_most: int) -> list[TrialRecord]:
 def choose_winner(key: TuningKey, outcome: Outcome, policy_name: str, times_mean_speed: bool = True,
                   kernel_margin: float = 0.0) -> Winner:
     """The fastest correct kernel if it beats the fastest library candidate by more than `kernel_margin` (a
-    fraction of the library's time: DecisionPolicy.kernel_margin), else that library candidate, with the
-    kernel as its runner-up. Where times do not mean speed (the interpreter), the best kernel, so that tuning
-    there still exercises every kernel path."""
+    fraction of the library's time: DecisionPolicy.check_margin for a check, tune_margin for tuning), else that
+    library candidate, with the kernel as its runner-up. Where times do not mean speed (the interpreter), the best
+    kernel, so that tuning there still exercises every kernel path."""
     done = outcome.done
     best = outcome.confirmed if outcome.confirmed is not None else fastest_trial(done)
     library, library_time = min(outcome.library_ms.items(), key=lambda kv: kv[1])
