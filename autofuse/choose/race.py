@@ -428,10 +428,10 @@ class Raced:
         where none is. The race settles on it before any window: a race's probes had put 2 of 40 windows of 3840 ->
         12688 at M = 16 over 1.25x eager's for no gain (H100), and where a library path won by GPU time, racing it
         beside a kernel table of 110 us put 3 windows of 50 calls at 1.25-1.38x eager's (3840 -> 12688 at M = 128,
-        its library tables 139-169 us a plain call, H200). Not a table that runs a library path: a PyTorch op's host
-        time wanders (cuBLAS's nvjet GEMMs 35-58 us a call), and a library table settled so on two calls' host time
-        under its 100 us of GPU time then ran 124-145 us a plain call for 1,500 calls beside eager's 105-118 and a
-        kernel table's 105 (3840 -> 12688 at M = 128, H200)."""
+        its library tables 139-169 us a call in windows right after the first use, H200). Not a table that runs a
+        library path: a PyTorch op's host time wanders (cuBLAS's nvjet GEMMs 35-58 us a call), and a library table
+        settled so on two calls' host time under its 100 us of GPU time then ran 124-145 us a plain call for 1,500
+        calls beside eager's 105-118 and a kernel table's 105 (3840 -> 12688 at M = 128, H200)."""
         policy = current()
         winner_ms = known_gpu_ms(self.tables[0])
         if winner_ms is None:
