@@ -281,9 +281,7 @@ class Raced:
             if planned is None:
                 return self._settle(self._decide())(*args)
             window = self._window = _Window(*planned, fastest=self._fastest_known())
-            window.begin(self.device)
-            self._gaps, self._inside = [], []
-            called = window.start
+            called = self._begin(window)
         else:
             called = _now()
             gap = called - self._returned
@@ -292,9 +290,7 @@ class Raced:
                 # starts again from this call.
                 self.voided += 1
                 self._record(call=self.calls, restarted_after_gap_us=gap * 1e6)
-                window.begin(self.device)
-                self._gaps, self._inside = [], []
-                called = window.start
+                called = self._begin(window)
             else:
                 self._gaps.append(gap)
                 if self._ended_at_checkpoint(window):
@@ -340,6 +336,13 @@ class Raced:
             self._gap_limit = current().race_gap_outlier * (statistics.median(self._gaps) +
                                                             statistics.median(self._inside))
         return out
+
+    def _begin(self, window: _Window) -> float:
+        """Start (or start again) `window` from a synchronisation, its gaps and times inside calls afresh; returns
+        when it started."""
+        window.begin(self.device)
+        self._gaps, self._inside = [], []
+        return window.start
 
     @staticmethod
     def _checkpoint_calls() -> tuple[int, ...]:
