@@ -106,16 +106,13 @@ def precompile(jobs: list[tuple[Problem, Choice | None]]) -> None:
     for problem, choice in jobs:
         if not enabled() or not _times_on_gpu(problem.device) or _cannot_time(problem.device):
             continue
-        if choice is None:  # a check of the library paths alone (checked(..., libraries_only=True))
-            if set(problem.spec.library_for(problem.activation, problem.bias, problem.residual)) - {"eager"}:
-                work.append((problem, None, False))
-            continue
-        if not choice.source.unchecked:
+        if choice is not None and not choice.source.unchecked:
             if choice.kernel is not None:  # run by the module, not by a check: compiled before this returns
                 work.append((problem, choice.kernel, False))
             continue
-        heuristic = heuristic_for(problem.replace(M=problem.bucket))
-        work.extend((problem, kernel, True) for kernel in _kernels_to_check(problem, choice, heuristic))
+        if choice is not None:  # None: a check of the library paths alone (checked(..., libraries_only=True))
+            heuristic = heuristic_for(problem.replace(M=problem.bucket))
+            work.extend((problem, kernel, True) for kernel in _kernels_to_check(problem, choice, heuristic))
         if set(problem.spec.library_for(problem.activation, problem.bias, problem.residual)) - {"eager"}:
             work.append((problem, None, False))  # the library paths' pointwise passes: 0.15 s each to compile
     if len(work) < 2:  # one kernel compiles as fast in its own check
