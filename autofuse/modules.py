@@ -15,7 +15,6 @@ from torch import nn
 from . import custom_ops, ops, traffic  # noqa: F401 - custom_ops registers torch.ops.autofuse.*
 from .activations import GATED_ACTIVATIONS, LINEAR_ACTIVATIONS, canonical_activation
 from .choose import LinearPlan, MLPPlan, current, generation, pending, resolve_checked
-from .configs import KernelConfig
 from .device import capturing, check_device
 from .dispatch import BoundLinear, BoundMLP
 from .errors import AutofuseError, shown
@@ -216,8 +215,7 @@ class FusedLinear(FusedModule):
         N, K = padded
         plan = LinearPlan(K, N, self.activation, self.bias is not None, residual)
         choice = resolve_checked(plan.problem(max(M, 1), weight.dtype, weight.device), self.tuned)
-        config = current().unraced_config(choice)  # a training step is never raced
-        kernel = config if isinstance(config, KernelConfig) else None
+        kernel = current().unraced(choice).kernel  # a training step is never raced
         if not pending({"linear": choice}):
             self._seen_generation()
             self._training_configs[(M, residual, weight.dtype, weight.device, generation())] = kernel
@@ -558,10 +556,8 @@ class FusedMLP(FusedModule):
                                                                          weight.device), self.tuned)
         # The down projection's kernel (None: its library path); the backward's kernel or library path. A training
         # step is never raced: a host-bound library choice runs its runner-up kernel where that is as fast.
-        unraced = current().unraced_config
-        down_config = unraced(down)
-        configs = (self.activation, down_config if isinstance(down_config, KernelConfig) else None,
-                   None if backward is None else unraced(backward))
+        unraced = current().unraced
+        configs = (self.activation, unraced(down).kernel, None if backward is None else unraced(backward).config)
         if pending({"down": down, **({} if backward is None else {"gated_bwd": backward})}):
             return TrainingStep(*configs, None, save_hidden)
         self._seen_generation()  # kept under the generation its checks moved to, as _config_table keeps

@@ -36,15 +36,15 @@ def test_a_host_bound_check_still_chooses_by_gpu_time():
 
 def test_the_host_bound_time_decides_what_an_unraced_step_runs():
     library = Choice(Library("eager"), Source.CHECKED, 0.05, runner_up=KERNEL, runner_up_ms=0.0505)
-    assert current().unraced_config(library) == KERNEL  # under 0.1 ms and within check_margin: one bound launch
+    assert current().unraced(library).config == KERNEL  # under 0.1 ms and within check_margin: one bound launch
     with use(dataclasses.replace(current(), host_bound_ms=0.01)):
-        assert current().unraced_config(library) == Library("eager")
+        assert current().unraced(library).config == Library("eager")
     with use(dataclasses.replace(current(), check_margin=0.005)):
-        assert current().unraced_config(library) == Library("eager")
+        assert current().unraced(library).config == Library("eager")
     alone = Choice(Library("eager"), Source.CHECKED, 0.05)  # no runner-up kernel was correct
-    assert current().unraced_config(alone) == Library("eager")
+    assert current().unraced(alone).config == Library("eager")
     kernel = Choice(KERNEL, Source.CHECKED, 0.05)
-    assert current().unraced_config(kernel) == KERNEL
+    assert current().unraced(kernel).config == KERNEL
 
 
 def test_the_near_tie_width_decides_what_is_timed_again():

@@ -13,7 +13,7 @@ Each default is a measured finding (docs/design.md states them with their number
   `host_bound_ms` of GPU time an un-graphed call's host time is of the order of its GPU time: a bound kernel
   launch costs a few microseconds of host time where each library op costs a PyTorch op's. A training step is
   not raced, so it runs a library choice's runner-up kernel where that is within `check_margin` of the library
-  path's time (unraced_config). Keeping the kernel there in the check itself would choose it for graphs too: a Linear
+  path's time (unraced). Keeping the kernel there in the check itself would choose it for graphs too: a Linear
   627 -> 8288 at M = 2 so chosen replayed in 11.4 us against torch.compile's 10.6 (H200). A table that runs a
   library path may be bound by its host time up to `library_host_bound_ms`: a cuBLAS GEMM through its nvjet
   kernels costs 35-58 us of host time, and 6304 -> 7040's paired GEMM + split-K down projection took 116 us a call
@@ -105,15 +105,16 @@ class DecisionPolicy:
         """Whether two times are a near tie, to be timed again side by side."""
         return abs(a - b) <= self.near_tie * min(a, b)
 
-    def unraced_config(self, choice):
-        """What a call that is never raced (a training step) runs for `choice` (a choose.Choice): its config, or
-        its runner-up kernel where the choice is a library path under host_bound_ms and the kernel's time is
-        within check_margin of it (one bound launch in place of the library path's PyTorch ops)."""
-        if (choice.kernel is None and choice.runner_up is not None and None not in (choice.time_ms, choice.runner_up_ms)
-                and self.is_host_bound(choice.time_ms)
-                and choice.runner_up_ms <= choice.time_ms * (1 + self.check_margin)):
-            return choice.runner_up
-        return choice.config
+    def unraced(self, choice):
+        """What a call that is never raced (a training step) runs for `choice` (a choose.Choice): the choice, or its
+        runner-up kernel in its place (Choice.kernel_instead) where the choice is a library path under host_bound_ms
+        and the kernel's time is within check_margin of it (one bound launch in place of the library path's PyTorch
+        ops)."""
+        instead = choice.kernel_instead()
+        if (instead is not None and None not in (choice.time_ms, instead.time_ms) and self.is_host_bound(choice.time_ms)
+                and instead.time_ms <= choice.time_ms * (1 + self.check_margin)):
+            return instead
+        return choice
 
 
 _current = DecisionPolicy()
