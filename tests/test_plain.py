@@ -410,6 +410,21 @@ def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeyp
     assert raced.plain is faster
 
 
+def test_a_table_bound_by_its_gpu_time_starts_before_a_host_bound_one_estimated_near_it(monkeypatch):
+    """e0 (the GPU-time winner, 10 us) read 10 us a call of host time after binding, e1 4 us of host for 11 us of GPU
+    time: e0's estimate is the lower (10 against 11), but host times read then run up to 1.45x slower right after a
+    first use, so e1, bound by its GPU time, starts and runs the race's first window."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, entries = _raced(monkeypatch, [10.0, 4.0], key=("test", "bound start"))
+    entries[0].table = {"linear": Choice(Library("e0"), Source.USER_CACHE, 0.010)}
+    entries[1].table = {"linear": Choice(Library("e1"), Source.USER_CACHE, 0.011)}
+    raced.tables[:] = [entries[0].table, entries[1].table]
+    order = [raced("x") for _ in range(1 + current_policy().race_calls + 1)]
+    assert raced._start == 1 and raced._alive == [True, True]
+    # the first call returns the GPU-time winner's result; the start's window follows, then e0's first window
+    assert order == ["e0", *["e1"] * current_policy().race_calls, "e0"]
+
+
 class _ColdAfter(_Entry):
     """An entry whose call right after another entry's costs `cold` µs once it has made `after` calls (the first call
     after a switch of tables, slow on a GPU's host for some tables)."""

@@ -35,9 +35,13 @@ Each default is a measured finding (docs/design.md states them with their number
   than `race_round_keep` is dropped: to win it would have to gain that and `race_margin` more over the rounds left,
   and while kept each of its windows is a slow span of the caller's calls (3840 -> 12688 at M = 128 ran 119-135 us a
   call over the nine windows of 50 during its race, 1.25x eager's at worst, and 106-115 after it, H200). The race
-  starts from the table of known GPU time whose estimated plain call (its host time per call, timed after binding, or
-  its GPU time where that is larger) is lowest, and a table whose host time alone exceeds that estimate by more than
-  `race_host_keep` is dropped without a window. The first call after a switch of tables runs slow for every table,
+  starts from the table of known GPU time whose estimated plain call (its host time per call, timed after binding,
+  with `race_host_slack` on it, or its GPU time where that is larger) is lowest: host times read at the first call
+  run up to 1.45x slower over the next few hundred calls, so of a host-bound table and one bound by a GPU time near
+  it, the latter starts (3840 -> 12688 at M = 128: library tables estimated at 96-102 us a call ran 134-146 in
+  their first windows, a kernel table of 111 us of GPU time 104; eager 107, H200). A table whose host time alone
+  exceeds the lowest estimate (without the slack) by more than `race_host_keep` is dropped without a window. The
+  first call after a switch of tables runs slow for every table,
   more for some (250-306 us for library tables of 110-114 a call beside 122-182 for a kernel table of 106-118, H200):
   bounded at 1.5x it dropped tables as fast as the fastest, so `race_first_keep` is 2.0 (3x), for a table's first
   window only, and the first call is kept out of the second checkpoint and of a window's sample.
@@ -89,6 +93,7 @@ class DecisionPolicy:
     race_keep: float = 0.25
     race_round_keep: float = 0.10
     race_host_keep: float = 1.0
+    race_host_slack: float = 0.5
     race_first_keep: float = 2.0
     race_gap_outlier: float = 4.0
     race_voids: int = 16

@@ -179,9 +179,10 @@ class Raced:
       bound kernels only, its host time is under its known GPU time by race_margin and that GPU time is within
       check_margin of the GPU-time winner's, its plain call is bound by that GPU time, which no other table's
       undercuts by more: the race settles on it there (_bound_by_gpu_time).
-    - Then the entry of the lowest such estimate (the start) runs a window, and each other entry in turn (lowest
-      estimate first) runs a window followed by one of the fastest entry known (the lowest median window): a span
-      of calls never holds two slower entries' windows back to back.
+    - Then the entry of known GPU time of the lowest rank (its estimate, or its host time with race_host_slack on it
+      where that is larger: _ranked) starts, running a window, and each other entry in turn (lowest rank first) runs
+      a window followed by one of the fastest entry known (the lowest median window): a span of calls never holds
+      two slower entries' windows back to back.
     - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and
       after its race_checkpoint_calls-th gives, once the GPU has reached it, the time of the first call (from the
       window's start) and the time per call of the calls after it up to the second mark. A window of an entry other
@@ -234,7 +235,7 @@ class Raced:
         self._alive: list[bool] = []  # entries not dropped
         self._rounds = 0  # rounds of windows planned so far
         self._window: _Window | None = None
-        self._start = 0  # the entry of the lowest estimated plain call: the fastest known before any window
+        self._start = 0  # the entry of the lowest rank (_ranked): the fastest known before any window
         self._gaps: list[float] = []  # seconds between the window's calls: from one's return to the next one's start
         self._inside: list[float] = []  # seconds inside each of the window's calls
         self._returned = 0.0  # when the window's last call returned
@@ -408,13 +409,16 @@ class Raced:
         # launches can leave far under its plain call. So it neither starts the race nor rules others out by
         # host time; its checkpoints decide.
         known = [i for i, table in enumerate(self.tables) if known_gpu_ms(table) is not None]
-        self._start = min(known, key=estimate.__getitem__, default=0)
+        # The start and the order of the others: by the estimate with race_host_slack on the host time, so that of a
+        # host-bound table and one bound by a GPU time near it, the one bound by its GPU time runs first (_ranked).
+        ranked = _ranked(host, estimate)
+        self._start = min(known, key=ranked.__getitem__, default=0)
         if known:
-            lowest = estimate[self._start]
+            lowest = min(estimate[i] for i in known)
             for i, us in enumerate(host):
                 if us > lowest * (1 + policy.race_host_keep):
                     self._alive[i] = False
-        order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=estimate.__getitem__)
+        order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=ranked.__getitem__)
         if self.windows is not None:
             self._record(call=1, start=self._start,
                          dropped_by_host_time=[i for i in range(count) if not self._alive[i]])
@@ -582,6 +586,16 @@ def _per_call_us(window: _Window, mark, calls: int) -> float:
 def _synchronize(device: torch.device | None) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize(device)
+
+
+def _ranked(host: list[float], estimate: list[float]) -> list[float]:
+    """Each entry's rank for the race's start and order (lowest first): its host time per call with the policy's
+    race_host_slack on it, or its estimate where that is larger. Host times read at a module's first call run up to
+    1.45x slower over the next few hundred calls (3840 -> 12688 at M = 128, H200: library tables estimated at 96-102
+    us a call ran 134-146 in their first windows, while a kernel table estimated by its 111 us of GPU time ran 104),
+    so a table bound by its GPU time starts before a host-bound one whose estimate is near it."""
+    slack = 1 + current().race_host_slack
+    return [max(us * slack, guess) for us, guess in zip(host, estimate)]
 
 
 def _describe(table: dict[str, Choice]) -> str:
