@@ -181,6 +181,23 @@ def test_the_cublaslt_epilogue_computes_the_tanh_gelu():
     assert error("tanh") < 2e-5 < 5e-5 < error("none")
 
 
+def test_the_down_projections_cublaslt_path_puts_the_preferred_blas_backend_back():
+    """library:cublaslt switches PyTorch's preferred BLAS backend for its one GEMM: after it, and after a GEMM that
+    raised inside it, the backend the caller had is in place again, and its product matches cuBLAS's."""
+    from autofuse import ops
+
+    run = ops.get("down").library["cublaslt"]
+    before = torch._C._get_blas_preferred_backend()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    out = run({"x": x, "w": w}, "none")
+    assert torch._C._get_blas_preferred_backend() == before
+    torch.testing.assert_close(out, torch.mm(x, w.t()), rtol=2e-2, atol=2e-2)  # bf16 rounding of another kernel
+    with pytest.raises(RuntimeError):
+        run({"x": x, "w": w[:, :100]}, "none")
+    assert torch._C._get_blas_preferred_backend() == before
+
+
 @pytest.mark.parametrize("n", [2048, 8192])
 def test_graph_timing_scales_with_the_work(n):
     """timing.graph_median_ms, which ranks every tuning trial and first-use check: two back-to-back
