@@ -30,6 +30,19 @@ def test_the_check_margin_decides_a_near_tie():
         assert _check_picks(1.0, 0.98) == KERNEL
 
 
+@pytest.mark.parametrize("other_ms, chosen", [(0.98, "eager"), (0.95, "cublaslt_gelu_tanh")])
+def test_a_check_keeps_eager_over_another_library_path_within_the_check_margin(other_ms, chosen):
+    """Another library path must beat eager by check_margin in a check, as a kernel must (tuning's margin is its
+    own, tune_margin: 0, the fastest)."""
+    outcome = Outcome({KERNEL: TrialRecord(KERNEL, "ok", 2.0)}, {"eager": 1.0, "cublaslt_gelu_tanh": other_ms},
+                      KERNEL, 0.1)
+    checked = choose_winner(KEY, outcome, "checked", kernel_margin=current().check_margin)
+    assert checked.config == Library(chosen) and checked.runner_up == KERNEL
+    assert checked.time_ms == (1.0 if chosen == "eager" else other_ms)
+    tuned = choose_winner(KEY, outcome, "random", kernel_margin=current().tune_margin)
+    assert tuned.config == Library("cublaslt_gelu_tanh")
+
+
 def test_a_host_bound_check_still_chooses_by_gpu_time():
     assert _check_picks(0.05, 0.0505) == Library("eager")  # what a graph replays; plain calls race (race.py)
 

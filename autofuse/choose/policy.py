@@ -4,8 +4,8 @@
 Each default is a measured finding (docs/design.md states them with their numbers):
 - A first-use check times each candidate once and briefly, so a kernel must beat the fastest library path
   by `check_margin` of its time to be chosen: on a near tie the library path, which the user's PyTorch
-  runs anyway, is the safe choice. Sized from how far a check's times and the same paths timed side by
-  side later differed (up to 3%).
+  runs anyway, is the safe choice; so is eager among library paths (another must beat it by the same margin).
+  Sized from how far a check's times and the same paths timed side by side later differed (up to 3%).
 - Candidates timed one after the other differ by drift as well as by speed: where the best two are within
   `near_tie` of each other they are timed again side by side, replayed in turn, and that decides (a kernel
   timed after its library paths lost to one by 2% alone and won by 8% side by side).

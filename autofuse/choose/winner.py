@@ -40,13 +40,20 @@ def near_fastest(done: dict, at_most: int) -> list[TrialRecord]:
 
 def choose_winner(key: TuningKey, outcome: Outcome, policy_name: str, times_mean_speed: bool = True,
                   kernel_margin: float = 0.0) -> Winner:
-    """The fastest correct kernel if it beats the fastest library candidate by more than `kernel_margin` (a
-    fraction of the library's time: DecisionPolicy.check_margin for a check, tune_margin for tuning), else that
-    library candidate, with the kernel as its runner-up. Where times do not mean speed (the interpreter), the best
-    kernel, so that tuning there still exercises every kernel path."""
+    """The fastest correct kernel if it beats the library candidate by more than `kernel_margin` (a fraction of the
+    library's time: DecisionPolicy.check_margin for a check, tune_margin for tuning), else that library candidate,
+    with the kernel as its runner-up. The library candidate is the fastest, except that eager stays unless another
+    beats it by `kernel_margin` too: eager is what the user's PyTorch runs anyway, and a check's brief times cannot
+    tell a few percent apart between library paths either (a Linear 627 -> 8288 at M = 1 chose cuBLASLt's epilogue
+    on a check's near tie and ran it 7.36 us a call graph-replayed, against eager's 7.05 and torch.compile's 6.96,
+    H200). Where times do not mean speed (the interpreter), the best kernel, so that tuning there still exercises
+    every kernel path."""
     done = outcome.done
     best = outcome.confirmed if outcome.confirmed is not None else fastest_trial(done)
     library, library_time = min(outcome.library_ms.items(), key=lambda kv: kv[1])
+    eager_ms = outcome.library_ms.get("eager")
+    if eager_ms is not None and not library_time < eager_ms * (1 - kernel_margin):
+        library, library_time = "eager", eager_ms
     heuristic_record = done.get(outcome.heuristic)
     heuristic_ms = heuristic_record.time_ms if heuristic_record and heuristic_record.status == "ok" else None
     common = dict(heuristic_ms=heuristic_ms, trials=len(done), tune_seconds=outcome.seconds, policy=policy_name)
