@@ -19,7 +19,8 @@ race took; per window also the ms Python's garbage collector ran in autofuse's w
 autofuse's background threads alive after it (compile workers, a check's store); with --race-log also each
 window the race timed (the call that ended it, the table, µs a call, its checkpoints, whether it ran whole or ended
 at a checkpoint, and whether it dropped the table), each window it started again, and its first call's host-time
-estimates.
+estimates. The summary counts the windows over 1.25x eager's, and of them those in which the collector ran during
+autofuse's calls.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ def plain_windows(mlp, x: torch.Tensor, calls: int) -> dict:
     return dict(autofuse_us=ours, eager_us=theirs, worst_ratio=max(o / e for o, e in zip(ours, theirs)),
                 worst_over_eager_median=max(ours) / eager_us,
                 windows_over_1_25=sum(o > 1.25 * e for o, e in zip(ours, theirs)),
+                # of them, those in which the garbage collector ran during autofuse's calls (a pause of the process)
+                windows_over_1_25_with_collection=sum(o > 1.25 * e and ms[0] > 0
+                                                      for o, e, ms in zip(ours, theirs, gc_ms)),
                 windows_over_1_25_eager_median=sum(o > 1.25 * eager_us for o in ours),
                 steady_ratio=statistics.median(o / e for o, e in zip(ours[-5:], theirs[-5:])), race=decided_after,
                 gc_ms=gc_ms, background_threads=threads,
@@ -224,6 +228,7 @@ def _summary(rows: list[dict], tokens: list[int]) -> dict:
                     worst_window_ratio=max(p["worst_ratio"] for p in plain),
                     worst_window_over_eager_median=max(p["worst_over_eager_median"] for p in plain),
                     windows_over_1_25=sum(p["windows_over_1_25"] for p in plain),
+                    windows_over_1_25_with_collection=sum(p["windows_over_1_25_with_collection"] for p in plain),
                     windows_over_1_25_eager_median=sum(p["windows_over_1_25_eager_median"] for p in plain),
                     windows=sum(len(p["autofuse_us"]) for p in plain),
                     race_settled_by_call=max((p["race"] for p in plain if isinstance(p["race"], int)), default=None),
