@@ -116,8 +116,8 @@ def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
     pair, others = {"gated_up": up, "down": down}, []
     if plan.pairs and tuned:
         pairs_problem = plan.problem("gated_pairs", M, dtype, device)
-        one_gemm = (check.checked(pairs_problem, lookup.resolve(pairs_problem), libraries_only=True)
-                    if _pairs_left_out(pairs_problem, up.kernel) else resolve_checked(pairs_problem))
+        pairs_choice = lookup.resolve(pairs_problem)
+        one_gemm = check.checked(pairs_problem, pairs_choice, libraries_only=_pairs_left_out(pairs_choice, up.kernel))
         with_pairs = {"gated_pairs": one_gemm, "down": down}
         others.append(with_pairs)
         if None not in (one_gemm.time_ms, up.time_ms):
@@ -155,17 +155,14 @@ def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device)
     (check.precompile): the ops' choices, the one-launch kernel's record, or its heuristic where the two ops are
     about to be checked and no one-launch record exists."""
     up_problem = plan.problem("gated_up", M, dtype, device)
-    problems = [up_problem, plan.problem("down", M, dtype, device)]
-    pairs_alone = False
-    if plan.pairs:  # left out where the up-projection's check will time a GEMV (the gemv alternative at this M)
+    jobs = [(problem, lookup.resolve(problem)) for problem in (up_problem, plan.problem("down", M, dtype, device))]
+    if plan.pairs:  # its kernels left out where the up-projection's check will time a GEMV (the gemv alternative at
+        # this M): its library paths' passes alone then (None)
         bucketed = up_problem.replace(M=up_problem.bucket)
         gemv = next((c for c in (heuristic_for(bucketed), *alternatives_for(bucketed)) if _gemv(c)), None)
         pairs_problem = plan.problem("gated_pairs", M, dtype, device)
-        pairs_alone = _pairs_left_out(pairs_problem, gemv)
-        problems += [] if pairs_alone else [pairs_problem]
-    jobs = [(problem, lookup.resolve(problem)) for problem in problems]
-    if pairs_alone:
-        jobs.append((pairs_problem, None))  # its library paths' passes alone
+        pairs_choice = lookup.resolve(pairs_problem)
+        jobs.append((pairs_problem, None if _pairs_left_out(pairs_choice, gemv) else pairs_choice))
     if M <= current().one_launch_max_m and plan.one_launch:
         problem = plan.problem("mlp", M, dtype, device)
         record = lookup.resolve_tuned(problem)
@@ -180,14 +177,14 @@ def _gemv(kernel: KernelConfig | None) -> bool:
     return kernel is not None and variants.is_gemv(kernel.variant)
 
 
-def _pairs_left_out(pairs_problem: Problem, up_kernel: KernelConfig | None) -> bool:
+def _pairs_left_out(pairs_choice: Choice, up_kernel: KernelConfig | None) -> bool:
     """Whether gated_pairs's kernels are left out of a plan's comparison, its library paths alone checked: the gated
-    up-projection runs a GEMV (`up_kernel`) and no tuning or check has a record of gated_pairs at this M, which has
-    no GEMV variant. Its library paths cost no kernel compile and may beat the GEMV: cuBLAS's one GEMM over the
-    interleaved gate and up rows ran 70.2-71.7 us against the GEMV's 76.4 at 3328 -> 20256, M = 1 (H200). At M = 1
-    its tiles lost to gated_up's GEMV at 4 of 4 tuned keys (by 4-37%, H100), at 12 of 12 first-use checks of six
-    held-out MLPs (two runs) and at 23 of 24 of twelve others on an H100 and an H200 (the one exception, 576 ->
-    2665, ran 9.2 us on it against the GEMVs' 6.1 in a later run), while their compiles (two tile configs, 0.3-0.5 s
-    each) set the first forward's time."""
-    return _gemv(up_kernel) and lookup.resolve(pairs_problem).source.unchecked
+    up-projection runs a GEMV (`up_kernel`) and no tuning or check has a record of gated_pairs at this M
+    (`pairs_choice`, lookup.resolve's, is unchecked), which has no GEMV variant. Its library paths cost no kernel
+    compile and may beat the GEMV: cuBLAS's one GEMM over the interleaved gate and up rows ran 70.2-71.7 us against the
+    GEMV's 76.4 at 3328 -> 20256, M = 1 (H200). At M = 1 its tiles lost to gated_up's GEMV at 4 of 4 tuned keys (by
+    4-37%, H100), at 12 of 12 first-use checks of six held-out MLPs (two runs) and at 23 of 24 of twelve others on an
+    H100 and an H200 (the one exception, 576 -> 2665, ran 9.2 us on it against the GEMVs' 6.1 in a later run), while
+    their compiles (two tile configs, 0.3-0.5 s each) set the first forward's time."""
+    return _gemv(up_kernel) and pairs_choice.source.unchecked
 
