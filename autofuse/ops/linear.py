@@ -54,6 +54,11 @@ def _eager(ops: dict, activation: str) -> torch.Tensor:
     return eager_linear(ops["x"], ops["w"], ops.get("b"), ops.get("r"), activation)
 
 
+def _on_cublas(x: torch.Tensor) -> bool:
+    """Whether x's GEMMs run through NVIDIA's cuBLAS / cuBLASLt (a CUDA tensor, not on ROCm)."""
+    return x.is_cuda and torch.version.hip is None
+
+
 def _cublaslt_gelu_tanh(ops: dict, activation: str) -> torch.Tensor:
     """cuBLASLt's GEMM with its bias + GELU epilogue (torch._addmm_activation): one kernel, no separate
     pointwise pass. On CUDA its GELU is the tanh approximation (float32 on an H200:
@@ -61,7 +66,7 @@ def _cublaslt_gelu_tanh(ops: dict, activation: str) -> torch.Tensor:
     Elsewhere (the CPU, ROCm) PyTorch's fallback may compute another GELU: the same function is
     computed unfused there."""
     x, w, b = ops["x"], ops["w"], ops["b"]
-    if x.is_cuda and torch.version.hip is None:
+    if _on_cublas(x):
         y = torch._addmm_activation(b, x, w.t(), use_gelu=True)
     else:
         y = F.gelu(torch.addmm(b, x, w.t()), approximate="tanh")
@@ -84,7 +89,7 @@ def _cublaslt(ops: dict, activation: str) -> torch.Tensor:
     the process's: a GEMM another thread runs meanwhile may run through cuBLASLt too (the same product up to
     rounding). Elsewhere (the CPU, ROCm) torch.mm as it is."""
     x, w = ops["x"], ops["w"]
-    if not x.is_cuda or torch.version.hip is not None:
+    if not _on_cublas(x):
         return torch.mm(x, w.t())
     before = torch._C._get_blas_preferred_backend()
     torch._C._set_blas_preferred_backend(torch._C._BlasBackend.Cublaslt)
