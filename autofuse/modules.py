@@ -258,7 +258,7 @@ class FusedLinearFp8(FusedLinear):
             raise AutofuseError(f"FusedLinearFp8 takes weights {' or '.join(map(repr, FP8_WEIGHTS))}, "
                                 f"got {shown(self.weights)}")
         self._op = f"linear_{self.weights}"  # linear_fp8 or linear_w8a8, as the MLP's gated_up_<weights>
-        w8, scale = quantize_weight(self.weight)  # rows 16 bytes apart, whole 16 x 16 blocks (layout.padded_rows)
+        w8, scale = quantize_weight(self.weight)  # rows whole 128-byte lines apart, 16 x 16 blocks (layout.padded_rows)
         self.register_buffer("weight_fp8", w8)
         self.register_buffer("weight_scale", scale)
         # The activations' dtype and device: what the tables are keyed by and inputs are checked against.
@@ -597,7 +597,7 @@ class FusedMLPFp8(FusedModule):
     `bias`), run as the gated up-projection (op gated_up_fp8, or gated_up_w8a8 with weights="w8a8", which quantizes
     x too) and the down projection (down_fp8, or down_w8a8, which quantizes H), each checked, tuned and raced as any
     op. Inference only. A Hugging Face MLP's state_dict (gate_proj.weight, ...) quantizes as
-    it loads. The interleaved gate/up layout does not apply; each projection's fp8 rows start 16 bytes apart
+    it loads. The interleaved gate/up layout does not apply; each projection's fp8 rows start whole 128-byte lines apart
     (layout.padded_rows), whatever d_model and d_ff are."""
 
     def __init__(self, d_model: int, d_ff: int, *, bias: bool, activation: str, dtype: torch.dtype,

@@ -14,7 +14,7 @@ from autofuse import evaluator, ops
 from autofuse.choose import check as checked
 from autofuse.choose import lookup as resolve
 from autofuse.choose.plans import MLPPlan
-from autofuse.layout import PAD_TO, input_width, row_width, run_width
+from autofuse.layout import PAD_TO, input_width, mlp_strides, row_width, run_width
 from autofuse.reference import eager_linear, eager_mlp, linear_reference
 from autofuse.shapes import LinearShape, MLPShape
 from autofuse.store import TrialRecord
@@ -51,15 +51,30 @@ def test_odd_d_ff_runs_padded_and_correct(dtype, bias, M, device):
 
 
 def test_aligned_d_ff_keeps_plain_parameters_when_not_interleaved(device):
-    module = autofuse.get_mlp(48, 80, dtype=torch.float16, device=device, interleaved=False)
-    assert module.d_ff_run == 80 and all(p.is_contiguous() for p in module.parameters()) and not module.runs_pairs
+    # Rows of 64 and 128 float16 elements: whole 128-byte lines.
+    module = autofuse.get_mlp(64, 128, dtype=torch.float16, device=device, interleaved=False)
+    assert module.d_ff_run == 128 and all(p.is_contiguous() for p in module.parameters()) and not module.runs_pairs
     assert "interleaved=False" in repr(module)
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "plain"])
+def test_weight_rows_start_whole_lines_apart_at_the_sizes_they_run(interleaved, device):
+    """d_model 48 and d_ff 80 are multiples of 16 (nothing padded, no copy of x), but rows of 96 and 160 bytes: the
+    weights are held with rows 128 and 256 bytes apart (layout.LINE_BYTES), the parameters views of that storage."""
+    module = autofuse.get_mlp(48, 80, activation="silu", dtype=torch.float16, device=device, interleaved=interleaved)
+    assert module.d_ff_run == 80 and module.d_in_run == 48 and module.runs_pairs == interleaved
+    step = 2 if interleaved else 1
+    assert module.gate_proj.weight.stride() == module.up_proj.weight.stride() == (step * 64, 1)
+    assert module.down_proj.weight.stride() == (128, 1)
+    assert [tuple(p.shape) for p in module.parameters()] == [(80, 48), (80, 48), (48, 80)]
+    check_mlp(module, torch.randn(5, 48, dtype=torch.float16, device=device))
+    assert all(t.is_contiguous() for t in module.state_dict().values())
+
+
 def test_gate_and_up_are_interleaved_by_default(device):
-    module = autofuse.get_mlp(48, 80, dtype=torch.float16, device=device)
-    assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == 80
-    assert module.down_proj.weight.is_contiguous()  # aligned d_ff: the down projection stays as it was
+    module = autofuse.get_mlp(64, 128, dtype=torch.float16, device=device)
+    assert _is_interleaved(module) and module.runs_pairs and module.d_ff_run == 128
+    assert module.down_proj.weight.is_contiguous()  # aligned d_ff in whole lines: the down projection stays as it was
 
 
 def test_state_dict_is_plain_and_round_trips(device):
@@ -175,8 +190,8 @@ def test_training_and_tuning_keys_with_an_odd_d_model(device):
 
 def _is_interleaved(module) -> bool:
     wg, wu = module.gate_proj.weight, module.up_proj.weight
-    d = module.d_model
-    return (wg.stride() == wu.stride() == (2 * d, 1) and wu.storage_offset() == d
+    rows = mlp_strides(module.d_model, module.d_ff, wg.element_size())[0]  # whole 128-byte lines
+    return (wg.stride() == wu.stride() == (2 * rows, 1) and wu.storage_offset() == rows
             and wg.untyped_storage().data_ptr() == wu.untyped_storage().data_ptr())
 
 
@@ -274,11 +289,12 @@ def test_a_training_forward_makes_the_parameters_plain_and_inference_lays_them_o
 def test_padded_rows_hold_a_weight_in_whole_16_by_16_blocks_of_zero_filled_storage():
     from autofuse.layout import padded_rows, padded_whole
 
-    w = torch.randn(24, 72)
+    w = torch.randn(24, 72)  # float32: rows of 288 bytes, held 384 (three 128-byte lines) apart
     view = padded_rows(w)
-    assert torch.equal(view, w) and view.stride() == (80, 1)
+    assert torch.equal(view, w) and view.stride() == (96, 1)
     whole = padded_whole(view)
-    assert whole.shape == (32, 80) and not whole[24:].any() and not whole[:, 72:].any()
+    assert whole.shape == (32, 96) and not whole[24:].any() and not whole[:, 72:].any()
+    assert padded_rows(torch.randn(24, 72, dtype=torch.bfloat16)).stride() == (128, 1)  # 144 bytes: two lines
     assert padded_rows(view) is view  # already held so
     aligned = torch.randn(32, 64)
     assert padded_rows(aligned) is aligned and padded_whole(aligned).shape == (32, 64)
@@ -292,10 +308,10 @@ def test_two_padded_weights_stack_as_the_halves_of_one_storage():
 
     a, b = torch.randn(24, 72), torch.randn(24, 72)
     sa, sb = stack_padded(a, b)
-    assert torch.equal(sa, a) and torch.equal(sb, b) and sb.storage_offset() == 32 * 80
-    assert padded_whole(sb).shape == (32, 80) and padded_rows(sb) is sb
+    assert torch.equal(sa, a) and torch.equal(sb, b) and sb.storage_offset() == 32 * 96
+    assert padded_whole(sb).shape == (32, 96) and padded_rows(sb) is sb
     joint = stacked_padded(sa, sb)
-    assert joint.shape == (64, 80) and torch.equal(joint[:24, :72], a) and torch.equal(joint[32:56, :72], b)
+    assert joint.shape == (64, 96) and torch.equal(joint[:24, :72], a) and torch.equal(joint[32:56, :72], b)
     assert not joint[24:32].any() and not joint[56:].any() and not joint[:, 72:].any()
     assert stacked_padded(sb, sa) is None  # b's half before a's
     assert stacked_padded(padded_rows(a), padded_rows(b)) is None  # two storages
@@ -388,13 +404,16 @@ def test_a_linear_of_odd_sizes_trains_on_plain_parameters_and_sees_replaced_ones
 
 def test_a_linear_of_aligned_rows_runs_unpadded_and_pads_only_an_unaligned_size(device):
     """in_features 40 and out_features 88 are multiples of 8, not of 16: their rows are 16-byte aligned, and padding
-    them would copy x every call for little (layout.linear_width), so the parameters stay plain and the key holds
-    the sizes as they are; 40 -> 45 pads out_features alone, so x is never copied."""
+    them would copy x every call for little (layout.linear_width), so the key holds the sizes as they are, the
+    weight's rows held whole 128-byte lines apart (64 float32 elements); 40 -> 45 pads out_features alone, so x is
+    never copied."""
     aligned = autofuse.get_linear(40, 88, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
-    assert aligned._layout is None and aligned.weight.is_contiguous() and aligned.weight.stride() == (40, 1)
+    assert (aligned._layout.k_run, aligned._layout.n_run) == (40, 88) and aligned.weight.stride() == (64, 1)
     assert ops.get("linear").dims(LinearShape("aligned", 40, 88, "gelu_tanh"), 1)[:2] == (88, 40)
+    lined = autofuse.get_linear(64, 88, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
+    assert lined._layout is None and lined.weight.is_contiguous()  # rows of 256 bytes: plain
     one_side = autofuse.get_linear(40, 45, bias=True, activation="gelu_tanh", dtype=torch.float32, device=device)
-    assert (one_side._layout.k_run, one_side._layout.n_run) == (40, 64) and one_side.weight.stride() == (40, 1)
+    assert (one_side._layout.k_run, one_side._layout.n_run) == (40, 64) and one_side.weight.stride() == (64, 1)
     x = torch.randn(6, 40, device=device)
     for module in (aligned, one_side):
         with torch.no_grad():

@@ -204,18 +204,18 @@ def test_an_fp8_linear_refuses_training_and_bad_options_in_one_line(device):
     assert torch.allclose(kept.weight_scale, quantize_fp8(kept.weight)[1])
 
 
-def test_fp8_rows_start_16_bytes_apart_and_save_without_their_padding(device):
+def test_fp8_rows_start_whole_128_byte_lines_apart_and_save_without_their_padding(device):
     module = _module(device)  # K = 40 fp8 bytes a row: 8-byte aligned
     w8 = module.weight_fp8
-    assert tuple(w8.shape) == (N, K) and w8.stride() == (48, 1) and w8.data_ptr() % 16 == 0
+    assert tuple(w8.shape) == (N, K) and w8.stride() == (128, 1) and w8.data_ptr() % 16 == 0
     state = module.state_dict()
     assert state["weight_fp8"].is_contiguous() and state["weight_fp8"].untyped_storage().nbytes() == N * K
     restored = _module(device)
     restored.load_state_dict(state)
-    assert restored.weight_fp8.stride() == (48, 1)
+    assert restored.weight_fp8.stride() == (128, 1)
     assert torch.equal(restored.weight_fp8.view(torch.uint8), w8.view(torch.uint8))
     moved = module.to("cpu").to(device)
-    assert moved.weight_fp8.stride() == (48, 1)
+    assert moved.weight_fp8.stride() == (128, 1)
     x = torch.randn(M, K, device=device, dtype=torch.float16)
     with torch.no_grad():
         out = restored(x)

@@ -128,10 +128,10 @@ def test_an_fp8_module_races_scaled_mm_at_every_size_over_its_padded_weights(dev
     assert ragged._libraries(False) == {"linear": ("eager", "scaled_mm", "scaled_mm_unit")}
     mlp = autofuse.get_mlp(64, 72, activation="silu", dtype=torch.bfloat16, weights="w8a8", device=device)
     assert all("scaled_mm" in names for names in mlp._libraries(False).values())
-    # [24, 72] held in zero-filled [32, 80] storage: what torch._scaled_mm (multiples of 16 only) multiplies.
+    # [24, 72] held in zero-filled [32, 128] storage: what torch._scaled_mm (multiples of 16 only) multiplies.
     w8 = ragged.weight_fp8
     whole = padded_whole(w8)
-    assert whole.shape == (32, 80) and torch.equal(whole[:N, :K].view(torch.uint8), w8.view(torch.uint8))
+    assert whole.shape == (32, 128) and torch.equal(whole[:N, :K].view(torch.uint8), w8.view(torch.uint8))
     assert not whole[N:].view(torch.uint8).any() and not whole[:, K:].view(torch.uint8).any()
     moved = ragged.to("cpu")  # a device move keeps the padded storage
     assert padded_whole(moved.weight_fp8) is not None

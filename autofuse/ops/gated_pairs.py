@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, Shape, gemm_heuristic
-from ..layout import input_width, run_width
+from ..layout import input_width, line_rows, run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
 from .gated_act import pairs_activation
@@ -44,11 +44,13 @@ def gate_and_up(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pairs_of(w_gate: torch.Tensor, b_gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The interleaved weight [2F, K] (and bias [2F]) behind the gate views of an interleaved layout
-    (layout.lay_out(interleaved=True): w_gate [F, K] with row stride 2K at the buffer's start)."""
+    (layout.lay_out(interleaved=True): w_gate [F, K] with row stride 2S at the buffer's start, the buffer's rows S
+    >= K elements apart)."""
     F_, K = w_gate.shape
-    L.require(w_gate.stride() == (2 * K, 1) and w_gate.storage_offset() == 0,
+    rows = w_gate.stride(0) // 2
+    L.require(w_gate.stride() == (2 * rows, 1) and rows >= K and w_gate.storage_offset() == 0,
               "pairs_of: the gate weight is not the first view of an interleaved buffer")
-    return (w_gate.as_strided((2 * F_, K), (K, 1), 0),
+    return (w_gate.as_strided((2 * F_, K), (rows, 1), 0),
             None if b_gate is None else b_gate.as_strided((2 * F_,), (1,), 0))
 
 
@@ -100,8 +102,8 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    # nn.Linear-like scale: G and U of order one.
-    return {"x": rand(M, k), "w": rand(2 * n, k) * k**-0.5, "b": rand(2 * n) if bias else None}
+    # nn.Linear-like scale: G and U of order one; the rows whole lines apart, as FusedMLP holds them.
+    return {"x": rand(M, k), "w": line_rows(rand(2 * n, k) * k**-0.5), "b": rand(2 * n) if bias else None}
 
 
 def _heuristic(shape: Shape, device: Device, kinds: frozenset[str]) -> KernelConfig:

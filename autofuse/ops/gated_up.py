@@ -9,7 +9,7 @@ import torch
 from .. import launch as L
 from ..activations import GATED_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import input_width, run_width
+from ..layout import input_width, line_rows, run_width
 from ..opspec import GEMM_VARIANTS, Operand, OpSpec
 from ..reference import eager_gated, gated_reference
 from .gated_act import gated_activation
@@ -102,7 +102,8 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    return {"x": rand(M, k), "wg": rand(n, k) * k**-0.5, "wu": rand(n, k) * k**-0.5,
+    # The weights' rows whole lines apart, as FusedMLP holds them (layout.mlp_strides).
+    return {"x": rand(M, k), "wg": line_rows(rand(n, k) * k**-0.5), "wu": line_rows(rand(n, k) * k**-0.5),
             "bg": rand(n) if bias else None, "bu": rand(n) if bias else None}
 
 

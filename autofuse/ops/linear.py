@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import launch as L
 from ..activations import LINEAR_ACTIVATIONS
 from ..configs import KernelConfig
-from ..layout import input_width, linear_sizes, linear_width, row_width, run_width
+from ..layout import input_width, line_rows, linear_sizes, linear_width, row_width, run_width
 from ..opspec import GEMM_VARIANTS, LibraryPath, Operand, OpSpec
 from ..reference import eager_linear, linear_reference
 from .bias_act import bias_activation
@@ -104,9 +104,10 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    # nn.Linear-like scale: outputs of order one. The weight's rows as FusedLinear keeps them: where k elements are
-    # not 16-byte aligned, the first k columns of aligned rows (layout.LinearLayout, linear_sizes).
-    return {"x": rand(M, k), "w": (rand(n, linear_width(k)) * k**-0.5)[:, :k], "b": rand(n) if bias else None,
+    # nn.Linear-like scale: outputs of order one. The weight's rows as FusedLinear and FusedMLP keep them: whole
+    # lines apart, and where k elements are not 16-byte aligned, the first k columns of aligned rows
+    # (layout.LinearLayout, linear_sizes).
+    return {"x": rand(M, k), "w": line_rows(rand(n, k) * k**-0.5, linear_width(k)), "b": rand(n) if bias else None,
             "r": rand(M, n) if residual else None}
 
 

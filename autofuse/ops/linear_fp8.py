@@ -56,12 +56,13 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_fp8 of a weight [N, K], W8 a view of zero-filled storage whose rows start 16 bytes apart and whose
-    row count is a multiple of 16 (layout.padded_rows): how modules and tuning hold fp8 weights. Triton specialises
-    a kernel on integer arguments divisible by 16, and only then vectorises the loads along a row: rows of d_ff =
-    27640 fp8 bytes (8-byte aligned) streamed at 27-31% of the read ceiling at M = 4 and 16 (H100, the best tile
-    configs) and at 69% at M = 1 (the GEMV; 95% for the same MLP's 16-byte aligned up-projection). The whole
-    storage, [16 k, 16 k'], is what torch._scaled_mm reads (linear_w8a8.scaled_mm_quantized)."""
+    """quantize_fp8 of a weight [N, K], W8 a view of zero-filled storage whose rows start whole 128-byte lines
+    apart and whose row count is a multiple of 16 (layout.padded_rows): how modules and tuning hold fp8 weights.
+    Triton specialises a kernel on integer arguments divisible by 16, and only then vectorises the loads along a
+    row: rows of d_ff = 27640 fp8 bytes (8-byte aligned) streamed at 27-31% of the read ceiling at M = 4 and 16
+    (H100, the best tile configs) and at 69% at M = 1 (the GEMV; 95% for the same MLP's 16-byte aligned
+    up-projection); rows a whole number of lines apart read faster still (layout.LINE_BYTES). The whole storage,
+    [16 k, 128 k'], is what torch._scaled_mm reads (linear_w8a8.scaled_mm_quantized)."""
     w8, scale = quantize_fp8(weight)
     return padded_rows(w8), scale
 

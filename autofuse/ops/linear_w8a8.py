@@ -20,7 +20,7 @@ import torch
 
 from ..configs import KernelConfig
 from ..device import capturing
-from ..layout import aligned_width, padded_whole
+from ..layout import padded_whole
 from .bias_act import bias_activation
 from .linear_fp8 import DOWN_FIELDS, LINEAR_FP8, dequantize_fp8, launch_linear, quantize_fp8
 from .quantize_rows import launch_quantize_rows
@@ -71,17 +71,20 @@ def scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 
 def scaled_mm_width(w8: torch.Tensor) -> int:
-    """The width x's quantized rows take for torch._scaled_mm with `w8` ([N, K]): K rounded up to a multiple of 16,
-    the zeros past K meeting the zero columns of w8's padded storage (layout.padded_rows)."""
-    return aligned_width(w8.shape[1])
+    """The width x's quantized rows take for torch._scaled_mm with `w8` ([N, K]): the row width of w8's padded
+    storage where it is so held (layout.padded_rows), the zeros past K meeting its zero columns; else K."""
+    whole = padded_whole(w8)
+    return w8.shape[1] if whole is None else whole.shape[1]
 
 
 def _whole(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
-    """The [N', K'] weight torch._scaled_mm multiplies for w8 ([N, K]): w8 itself where N and K are multiples of 16,
-    else its padded storage (layout.padded_whole), zero rows and columns included; ValueError where w8 is not so held
-    or x8's quantized rows are not K' wide."""
+    """The [N', K'] weight torch._scaled_mm multiplies for w8 ([N, K]): its padded storage where it is so held
+    (layout.padded_whole), zero rows and columns included, else w8 itself where N and K are multiples of 16 and its
+    rows contiguous; ValueError where neither, or x8's quantized rows are not K' wide."""
     n, k = w8.shape
-    whole = w8 if scaled_mm_fits(n, k) else padded_whole(w8)
+    whole = padded_whole(w8)
+    if whole is None and scaled_mm_fits(n, k) and w8.is_contiguous():
+        whole = w8
     if whole is None or x8.shape[1] != whole.shape[1]:
         raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W [{n}, {k}] is not held in padded "
                          f"storage, or x's quantized rows ({x8.shape[1]} wide) do not meet it")

@@ -13,7 +13,7 @@ from .. import launch as L
 from .. import workspaces
 from ..activations import GATED_ACTIVATIONS
 from ..configs import Device, KernelConfig, Rule, SearchSpace, Shape, clamp_to_problem, fit_shared_memory, from_rules
-from ..layout import input_width, run_width
+from ..layout import input_width, line_rows, run_width
 from ..opspec import Operand, OpSpec
 from ..reference import eager_mlp, mlp_reference_rounded
 
@@ -110,7 +110,9 @@ def _reference(ops: dict, activation: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _make_operands(n: int, k: int, M: int, bias: bool, residual: bool, rand) -> dict:
-    ops = {"x": rand(M, k), "wg": rand(n, k) * k**-0.5, "wu": rand(n, k) * k**-0.5, "wd": rand(k, n) * n**-0.5}
+    # The weights' rows whole lines apart, as FusedMLP holds them (layout.mlp_strides).
+    ops = {"x": rand(M, k), "wg": line_rows(rand(n, k) * k**-0.5), "wu": line_rows(rand(n, k) * k**-0.5),
+           "wd": line_rows(rand(k, n) * n**-0.5)}
     if bias:
         ops.update(bg=rand(n), bu=rand(n), bd=rand(k))
     return ops
