@@ -200,12 +200,15 @@ INTERPRETER_SPACE = SearchSpace(block_m=(16, 32, 64), block_n=(32, 64), block_k=
                                 num_warps=(4,), num_stages=(1, 2))
 
 
-def shared_memory_bytes(config: KernelConfig, operand_tiles: tuple[int, int], dtype: torch.dtype) -> int:
+def shared_memory_bytes(config: KernelConfig, operand_tiles: tuple[int, int], dtype: torch.dtype,
+                        weight_bytes: int | None = None) -> int:
     """Estimate of the shared memory a config's software pipeline needs: `operand_tiles` activation
-    tiles [BLOCK_M, BLOCK_K] and weight tiles [BLOCK_K, BLOCK_N] per stage (an OpSpec's). Used to
-    drop configs that would fail with OutOfResources."""
+    tiles [BLOCK_M, BLOCK_K] and weight tiles [BLOCK_K, BLOCK_N] per stage (an OpSpec's), the weights
+    `weight_bytes` an element (dtype's by default). Used to drop configs that would fail with OutOfResources."""
     activations, weights = operand_tiles
-    per_stage = (activations * config.block_m + weights * config.block_n) * config.block_k * dtype.itemsize
+    weight_bytes = dtype.itemsize if weight_bytes is None else weight_bytes
+    per_stage = (activations * config.block_m * dtype.itemsize + weights * config.block_n * weight_bytes)
+    per_stage *= config.block_k
     # Triton keeps up to num_stages tiles in flight; count them all (Inductor estimates the same way).
     return config.num_stages * per_stage
 
@@ -220,9 +223,9 @@ def clamp_to_problem(config: KernelConfig, M: int, N: int, K: int) -> KernelConf
 
 
 def fit_shared_memory(config: KernelConfig, operand_tiles: tuple[int, int], dtype: torch.dtype,
-                      limit: int) -> KernelConfig:
+                      limit: int, weight_bytes: int | None = None) -> KernelConfig:
     """Drop pipeline stages, then halve BLOCK_K, until the estimate fits under `limit` bytes."""
-    while shared_memory_bytes(config, operand_tiles, dtype) > limit:
+    while shared_memory_bytes(config, operand_tiles, dtype, weight_bytes) > limit:
         if config.num_stages > 2:
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         elif config.block_k > 16:
@@ -344,35 +347,61 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
 
 
 # Tensor-core tiles of the weight-only fp8 ops at decode sizes above the GEMV's M (2 <= M <= FP8_DECODE_MAX_M), per
-# weight-matrix count: the first-use config, then the alternative a first-use check times beside it; as (block_n,
-# block_k, num_warps, num_stages, fill), split-K added until the programs cover `fill` times the SMs (0: none).
-# Swept on an H100 (bf16 activations, weights widened by bit moves; 8 MLPs, d_model 896-8192, d_ff 4864-28672;
-# M = 2 and 16; 16 tile shapes times split-K 1-16, graph-replayed side by side). Which tile is fastest turns on how
-# the programs fill the SMs' waves, so no one config holds everywhere: the faster of each pair was within 1.054x of
-# each shape's fastest config by geometric mean (max 1.156) for the gate and up matrices, 1.015x (max 1.044) for
-# one matrix, where the dense GEMM rule's config ran 1.199x (max 1.432) and 1.057x (max 1.195).
+# weight-matrix count: the first-use config, then the alternatives a first-use check times beside it; as (block_n,
+# block_k, num_warps, num_stages, split): `split` > 0 adds split-K until the programs cover that many times the SMs,
+# 0 none, RESIDENT the largest split whose programs are all resident at once (_split_to_resident).
+# The first two swept on an H100 (bf16 activations, weights widened by bit moves; 8 MLPs, d_model 896-8192, d_ff
+# 4864-28672; M = 2 and 16; 16 tile shapes times split-K 1-16, graph-replayed side by side). Which tile is fastest
+# turns on how the programs fill the SMs' waves, so no one config holds everywhere: the faster of each pair was within
+# 1.054x of each shape's fastest config by geometric mean (max 1.156) for the gate and up matrices, 1.015x (max
+# 1.044) for one matrix, where the dense GEMM rule's config ran 1.199x (max 1.432) and 1.057x (max 1.195).
+# The third of each, from a sweep on an H200 (five MLPs of 267-1217 MB, weights in rows of whole 128-byte lines):
+# the down projection of 6480 -> 27640 at M = 2 ran 80.3 us at the pair's split of 4 (408 programs), 66.9 at 5
+# (510, of 528 resident) and 200-240 with 64 x 256 tiles at every split; 4224 -> 23104's 33.8 at 4 and 30.5 at 8
+# (528). The gate and up matrices of 6480 -> 27640 ran 106.8 us in 128-wide tiles against the pair's 121.7,
+# 7616 -> 26624's 121.4 against 127.2 (4224 -> 23104: the pair's 57.9 the fastest).
 FP8_DECODE_MAX_M = 16
-_FP8_DECODE_TILES = {1: ((64, 128, 4, 4, 2), (64, 256, 4, 3, 1)),
-                     2: ((64, 128, 4, 6, 0), (64, 256, 4, 2, 0))}
+RESIDENT = -1
+_FP8_DECODE_TILES = {1: ((64, 128, 4, 4, 2), (64, 256, 4, 3, 1), (64, 128, 4, 4, RESIDENT)),
+                     2: ((64, 128, 4, 6, 0), (64, 256, 4, 2, 0), (128, 128, 4, 4, 0))}
+# One e4m3 byte a weight in shared memory.
+_FP8_WEIGHT_BYTES = 1
 
 
 def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
                      ) -> tuple[KernelConfig, ...]:
-    """The weight-only fp8 ops' first-use config and its alternative at decode sizes (_FP8_DECODE_TILES), or ()
+    """The weight-only fp8 ops' first-use config and its alternatives at decode sizes (_FP8_DECODE_TILES), or ()
     where they do not apply: under the interpreter, above FP8_DECODE_MAX_M, and where the GEMV applies (decode's
     smallest M, where the GEMV config is the heuristic's or its alternative)."""
     if device.interpret or shape.M > FP8_DECODE_MAX_M or "gemv" in kinds:
         return ()
     configs = []
-    for block_n, block_k, warps, stages, fill in _FP8_DECODE_TILES[1 if operand_tiles[1] == 1 else 2]:
+    for i, (block_n, block_k, warps, stages, split) in enumerate(_FP8_DECODE_TILES[1 if operand_tiles[1] == 1 else 2]):
         config = clamp_to_problem(KernelConfig(16, block_n, block_k, group_m=8, num_warps=warps,
                                                num_stages=stages), shape.M, shape.N, shape.K)
-        if fill and "split_k" in kinds:
-            config = _split_to_fill(config, shape, fill * device.multiprocessors)
-        # Counted as if the weights were as wide as the activations: every pair above fits with bf16 activations;
-        # float32 activations drop stages.
-        configs.append(fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit))
+        if split > 0 and "split_k" in kinds:
+            config = _split_to_fill(config, shape, split * device.multiprocessors)
+        # Counted as if the weights were as wide as the activations (as swept: every pair above fits with bf16
+        # activations; float32 activations drop stages), the third with 16-bit activations as the weights are held,
+        # one byte a weight (as swept).
+        weight_bytes = _FP8_WEIGHT_BYTES if i == 2 and shape.dtype.itemsize == 2 else None
+        config = fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit, weight_bytes)
+        if split == RESIDENT and "split_k" in kinds:
+            config = _split_to_resident(config, shape, device, operand_tiles)
+        configs.append(config)
     return tuple(dict.fromkeys(configs))
+
+
+def _split_to_resident(config: KernelConfig, shape: Shape, device: Device, operand_tiles: tuple[int, int]
+                       ) -> KernelConfig:
+    """`config` split K the most ways (up to 16, two K blocks a slice at least) whose programs are all resident on
+    the SMs at once: the SMs times how many programs' pipelines (fp8 weight tiles) one SM's shared memory holds. A
+    second, partial wave of programs streams at a fraction of the rate (the down projection of 6480 -> 27640 at
+    M = 2: 816 programs over 528 resident slots ran 75.2 us, 510 ran 66.9; H200)."""
+    per_program = shared_memory_bytes(config, operand_tiles, shape.dtype, _FP8_WEIGHT_BYTES)
+    resident = device.multiprocessors * max(1, device.shared_memory_limit // per_program)
+    k_blocks = -(-shape.K // config.block_k)
+    return with_split_k(config, max(1, min(16, resident // tiles(shape.M, shape.N, config), k_blocks // 2)))
 
 
 def tiles(M: int, N: int, config: KernelConfig) -> int:
