@@ -21,6 +21,11 @@ to input_width(d_model), it writes [M, input_width(d_model)], and the module ret
 configs against 58.3 at N = 7248 (cuBLAS 325.8 against 51.2), 20024 -> 5681 175.1 against 131.7 (cuBLAS 670.2
 against 106.9), at M = 64 54.0 against 43.9; writing only the output's rows padded gained nothing (H100).
 
+Lines. Storage the layout makes holds each weight row a whole number of 128-byte lines apart (LINE_BYTES,
+mlp_strides), also where the sizes that run need no padding: rows that start part-way into a line cost the
+weight-streaming decode kernels up to 16% of their read rate (docs/design.md). Only the row stride grows; the
+sizes that run, and so the tuning keys, stay as above.
+
 Interleaving (the default; get_mlp(interleaved=False) / fuse(..., interleaved=False) opt out). The gate
 and up weights live in ONE [2W, d_model] buffer, row 2j the gate's row j and row 2j + 1 the up's, each
 parameter a strided view of it (row stride 2 d_model), so that op gated_pairs runs the gated up-projection
