@@ -616,18 +616,19 @@ def test_a_second_backward_through_one_forward_is_refused_clearly(nodes, device,
 def test_training_stacks_gate_and_up_into_one_buffer_and_both_layouts_give_the_gradients(interleaved, device):
     """A training forward lays the gate and up weights (and biases) out as the halves of one buffer
     (ops.gated_up.stacked: one GEMM for G | U and one for dX), the same parameter objects with the same
-    values, each dense; a module that starts with two plain tensors (interleaved=False, no padding) keeps
-    them and runs two GEMMs each. Both give the reference's gradients, and inference afterwards its output."""
+    values, each dense; a module that starts with two plain tensors (interleaved=False, no padding, rows of
+    whole lines: float32 64 -> 96) keeps them and runs two GEMMs each. Both give the reference's gradients, and
+    inference afterwards its output."""
     from autofuse.ops.gated_up import stacked
 
     dtype = torch.float32
-    module = autofuse.get_mlp(48, 80, activation="silu", bias=True, dtype=dtype, device=device,
+    module = autofuse.get_mlp(64, 96, activation="silu", bias=True, dtype=dtype, device=device,
                               interleaved=interleaved)
     params = _mlp_params(module)
     before = {k: v.detach().clone() for k, v in params.items()}
     objects = [module.gate_proj.weight, module.up_proj.weight]
-    x = torch.randn(13, 48, dtype=dtype, device=device)
-    dy = torch.randn(13, 48, dtype=dtype, device=device)
+    x = torch.randn(13, 64, dtype=dtype, device=device)
+    dy = torch.randn(13, 64, dtype=dtype, device=device)
     names = ["gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b"]
     got = _module_grads(module, x, dy, names)
     assert [module.gate_proj.weight, module.up_proj.weight] == objects
