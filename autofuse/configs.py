@@ -349,7 +349,8 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
 # Tensor-core tiles of the weight-only fp8 ops at decode sizes above the GEMV's M (2 <= M <= FP8_DECODE_MAX_M), per
 # weight-matrix count: the first-use config, then the alternatives a first-use check times beside it; as (block_n,
 # block_k, num_warps, num_stages, split): `split` > 0 adds split-K until the programs cover that many times the SMs,
-# 0 none, RESIDENT the largest split whose programs are all resident at once (_split_to_resident).
+# 0 none, RESIDENT the largest split whose programs are all resident at once (_split_to_resident), BALANCED the
+# split up to 4 whose programs fill their waves best (_split_to_balance).
 # The first two swept on an H100 (bf16 activations, weights widened by bit moves; 8 MLPs, d_model 896-8192, d_ff
 # 4864-28672; M = 2 and 16; 16 tile shapes times split-K 1-16, graph-replayed side by side). Which tile is fastest
 # turns on how the programs fill the SMs' waves, so no one config holds everywhere: the faster of each pair was within
@@ -360,10 +361,17 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
 # (510, of 528 resident) and 200-240 with 64 x 256 tiles at every split; 4224 -> 23104's 33.8 at 4 and 30.5 at 8
 # (528). The gate and up matrices of 6480 -> 27640 ran 106.8 us in 128-wide tiles against the pair's 121.7,
 # 7616 -> 26624's 121.4 against 127.2 (4224 -> 23104: the pair's 57.9 the fastest).
+# The fourth, for the gate and up matrices: the first config split K so that its waves are full. That config's
+# pipeline (6 stages, 123 KB) leaves one program an SM, and its read rate followed how evenly its programs spread
+# over the SMs: 3456 -> 17344 (271 programs, 3 waves of 132 for 2.05 waves of work) 66% of the read ceiling,
+# 7616 -> 26624 (416, 4 for 3.15) 79%, 6480 -> 27640 (432, 4 for 3.27) 73%, 4224 -> 23104 (361, 3 for 2.73) 84%.
 FP8_DECODE_MAX_M = 16
 RESIDENT = -1
+BALANCED = -2
 _FP8_DECODE_TILES = {1: ((64, 128, 4, 4, 2), (64, 256, 4, 3, 1), (64, 128, 4, 4, RESIDENT)),
-                     2: ((64, 128, 4, 6, 0), (64, 256, 4, 2, 0), (128, 128, 4, 4, 0))}
+                     2: ((64, 128, 4, 6, 0), (64, 256, 4, 2, 0), (128, 128, 4, 4, 0), (64, 128, 4, 6, BALANCED))}
+# The most K slices _split_to_balance gives the gate and up matrices.
+_BALANCED_MAX_SPLIT = 4
 # One e4m3 byte a weight in shared memory.
 _FP8_WEIGHT_BYTES = 1
 
@@ -382,12 +390,14 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
         if split > 0 and "split_k" in kinds:
             config = _split_to_fill(config, shape, split * device.multiprocessors)
         # Counted as if the weights were as wide as the activations (as swept: every pair above fits with bf16
-        # activations; float32 activations drop stages), the third with 16-bit activations as the weights are held,
-        # one byte a weight (as swept).
-        weight_bytes = _FP8_WEIGHT_BYTES if i == 2 and shape.dtype.itemsize == 2 else None
+        # activations; float32 activations drop stages), the others with 16-bit activations as the weights are
+        # held, one byte a weight (as swept).
+        weight_bytes = _FP8_WEIGHT_BYTES if i >= 2 and shape.dtype.itemsize == 2 else None
         config = fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit, weight_bytes)
         if split == RESIDENT and "split_k" in kinds:
             config = _split_to_resident(config, shape, device, operand_tiles)
+        elif split == BALANCED and "split_k" in kinds:
+            config = _split_to_balance(config, shape, device, operand_tiles)
         configs.append(config)
     return tuple(dict.fromkeys(configs))
 
@@ -398,10 +408,33 @@ def _split_to_resident(config: KernelConfig, shape: Shape, device: Device, opera
     the SMs at once: the SMs times how many programs' pipelines (fp8 weight tiles) one SM's shared memory holds. A
     second, partial wave of programs streams at a fraction of the rate (the down projection of 6480 -> 27640 at
     M = 2: 816 programs over 528 resident slots ran 75.2 us, 510 ran 66.9; H200)."""
-    per_program = shared_memory_bytes(config, operand_tiles, shape.dtype, _FP8_WEIGHT_BYTES)
-    resident = device.multiprocessors * max(1, device.shared_memory_limit // per_program)
     k_blocks = -(-shape.K // config.block_k)
+    resident = _resident_programs(config, shape, device, operand_tiles)
     return with_split_k(config, max(1, min(16, resident // tiles(shape.M, shape.N, config), k_blocks // 2)))
+
+
+def _split_to_balance(config: KernelConfig, shape: Shape, device: Device, operand_tiles: tuple[int, int]
+                      ) -> KernelConfig:
+    """`config` split K 1 to _BALANCED_MAX_SPLIT ways (two K blocks a slice at least), the split whose programs
+    fill their waves of resident programs best (programs over the slots of the waves they take), the fewest slices
+    among equals: the last wave of a run of programs streams with its empty slots idle."""
+    slots = _resident_programs(config, shape, device, operand_tiles)
+    output_tiles = tiles(shape.M, shape.N, config)
+    k_blocks = -(-shape.K // config.block_k)
+
+    def filled(split: int) -> float:
+        programs = output_tiles * split
+        return programs / (-(-programs // slots) * slots)
+
+    splits = range(1, max(1, min(_BALANCED_MAX_SPLIT, k_blocks // 2)) + 1)
+    return with_split_k(config, max(splits, key=lambda split: (filled(split), -split)))
+
+
+def _resident_programs(config: KernelConfig, shape: Shape, device: Device, operand_tiles: tuple[int, int]) -> int:
+    """How many of `config`'s programs the SMs hold at once: the SMs times how many programs' pipelines (fp8 weight
+    tiles, one byte a weight) one SM's shared memory holds."""
+    per_program = shared_memory_bytes(config, operand_tiles, shape.dtype, _FP8_WEIGHT_BYTES)
+    return device.multiprocessors * max(1, device.shared_memory_limit // per_program)
 
 
 def tiles(M: int, N: int, config: KernelConfig) -> int:
