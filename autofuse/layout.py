@@ -27,9 +27,10 @@ weight-streaming decode kernels up to 16% of their read rate (docs/design.md). O
 sizes that run, and so the tuning keys, stay as above.
 
 Interleaving (the default; get_mlp(interleaved=False) / fuse(..., interleaved=False) opt out). The gate
-and up weights live in ONE [2W, d_model] buffer, row 2j the gate's row j and row 2j + 1 the up's, each
-parameter a strided view of it (row stride 2 d_model), so that op gated_pairs runs the gated up-projection
-as one GEMM over the buffer (ops/gated_pairs.py) while every other path reads the two views.
+and up weights live in ONE buffer of 2W rows (d_model wide, held mlp_strides apart), row 2j the gate's row j
+and row 2j + 1 the up's, each parameter a strided view of it (row stride twice the buffer's), so that op
+gated_pairs runs the gated up-projection as one GEMM over the buffer (ops/gated_pairs.py) while every other path
+reads the two views.
 
 Either way the weights are kept ONCE: the views have the parameters' own shapes, so state_dict keys
 and shapes, optimizers and user code see the same tensors; a state_dict saves plain contiguous
@@ -136,7 +137,7 @@ def padded_rows(t: torch.Tensor) -> torch.Tensor:
 
 def padded_whole(t: torch.Tensor) -> torch.Tensor | None:
     """The [aligned_width(N), line_width(K)] storage behind a padded_rows view `t` ([N, K]), or None where `t` is
-    not one (its rows not aligned_width(K) apart from the start of the storage or of a whole such block of it, as
+    not one (its rows not line_width(K) apart from the start of the storage or of a whole such block of it, as
     stack_padded stacks two, or the storage too short). Its padding is zero as padded_rows or stack_padded made it:
     nothing writes there."""
     n, k = t.shape

@@ -71,10 +71,11 @@ def scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 
 def scaled_mm_width(w8: torch.Tensor) -> int:
-    """The width x's quantized rows take for torch._scaled_mm with `w8` ([N, K]): the row width of w8's padded
-    storage where it is so held (layout.padded_rows), the zeros past K meeting its zero columns; else K."""
-    whole = padded_whole(w8)
-    return w8.shape[1] if whole is None else whole.shape[1]
+    """The width x's quantized rows take for torch._scaled_mm with `w8` ([N, K]): w8's row stride, which is the row
+    width of its padded storage where it is so held (layout.padded_rows), the zeros past K meeting its zero columns,
+    and K where its rows are contiguous: the width of what _whole multiplies (read from the stride, not by a storage
+    lookup: it runs every call of the library paths)."""
+    return w8.stride(0)
 
 
 def _whole(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
@@ -82,9 +83,7 @@ def _whole(x8: torch.Tensor, w8: torch.Tensor) -> torch.Tensor:
     (layout.padded_whole), zero rows and columns included, else w8 itself where N and K are multiples of 16 and its
     rows contiguous; ValueError where neither, or x8's quantized rows are not K' wide."""
     n, k = w8.shape
-    whole = padded_whole(w8)
-    if whole is None and scaled_mm_fits(n, k) and w8.is_contiguous():
-        whole = w8
+    whole = w8 if scaled_mm_fits(n, k) and w8.is_contiguous() else padded_whole(w8)
     if whole is None or x8.shape[1] != whole.shape[1]:
         raise ValueError(f"torch._scaled_mm needs sizes that are multiples of 16: W [{n}, {k}] is not held in padded "
                          f"storage, or x's quantized rows ({x8.shape[1]} wide) do not meet it")
