@@ -23,7 +23,7 @@ from .errors import shown
 from .variants import Device, Shape
 
 __all__ = ["Device", "EAGER", "KernelConfig", "Library", "SearchSpace", "Shape", "choice_from_json",
-           "fp8_decode_tiles", "gemm_heuristic", "gemv_alternative", "gemv_starts"]
+           "fp8_decode_tiles", "gemm_heuristic", "gemv_configs", "gemv_starts"]
 
 _WARPS = (1, 2, 4, 8, 16)
 
@@ -298,22 +298,25 @@ def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, oper
     return fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit)
 
 
-def gemv_alternative(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
-                     ) -> KernelConfig | None:
-    """The GEMV config a first-use check times beside the heuristic's on a GPU where the gemv variant applies
-    (decode's smallest M), or None. Swept on an H100 (bf16, M = 1, graph-replayed, the kernel compiled for its K;
+def gemv_configs(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
+                 ) -> tuple[KernelConfig, ...]:
+    """The GEMV configs a first-use check times on a GPU where the gemv variant applies (decode's smallest M), its
+    first-use config first, or (). Swept on an H100 (bf16, M = 1, graph-replayed, the kernel compiled for its K;
     eight MLPs, d_model 896-7237, d_ff 4864-16384, 36-165 GEMV configs per op): the gate and up matrices take
     1 x 1024 on 4 warps (within 1.044x of each shape's fastest GEMV config on the six MLPs of at least 2**25
     elements a matrix, 1.075x on the two smaller); one weight matrix (a Linear, a down projection) takes 1 x 512
     on 8 warps where it holds at least 2**25 elements (within 1.064x), else 4 x 8192 on 8 (1.032x; outputs x K
-    per program, K clamped to the problem's)."""
+    per program, K clamped to the problem's). The second of each is where those ran furthest from the fastest on an
+    H200 (46 GEMV configs a matrix, six MLPs): one matrix 2 x 8192 on 4 warps (down projections of 6304 -> 7040 and
+    4096 -> 5696: 22.3 and 10.6 us against 24.8 and 13.1 for the first), the gate and up 1 x 2048 on 8 (4096 ->
+    5696: 22.9 against 26.8)."""
     if device.interpret or "gemv" not in kinds:
-        return None
+        return ()
     if operand_tiles[1] == 1:
-        block_n, block_k, warps = (1, 512, 8) if shape.N * shape.K >= 1 << 25 else (4, 8192, 8)
+        sizes = ((1, 512, 8) if shape.N * shape.K >= 1 << 25 else (4, 8192, 8), (2, 8192, 4))
     else:
-        block_n, block_k, warps = 1, 1024, 4
-    return _gemv_config(shape, block_n, block_k, warps, 1)
+        sizes = ((1, 1024, 4), (1, 2048, 8))
+    return tuple(dict.fromkeys(_gemv_config(shape, block_n, block_k, warps, 1) for block_n, block_k, warps in sizes))
 
 
 def _gemv_config(shape: Shape, block_n: int, block_k: int, warps: int, split: int) -> KernelConfig:
@@ -323,7 +326,7 @@ def _gemv_config(shape: Shape, block_n: int, block_k: int, warps: int, split: in
     return clamp_to_problem(config, shape.M, shape.N, shape.K)
 
 
-# Where a tuning run's GEMV search starts, after the first-use config (gemv_alternative), from the eight MLPs'
+# Where a tuning run's GEMV search starts, after the first-use configs (gemv_configs), from the eight MLPs'
 # sweeps of its docstring (H100, bf16): the configs of the lowest geometric mean of time over each shape's fastest
 # on the MLPs of at least 2**25 elements a matrix (1.01-1.07x), and for one matrix the two best on the smaller
 # MLPs; as (outputs, K, warps, split_k) per program, one weight matrix, then the gate and up matrices.
@@ -339,11 +342,11 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
     the gemv variant does not apply. TPE alone, over a space that holds every variant, left four of six held-out
     MLPs slower at M = 1 after 30 trials than their first-use configs (H100, graph-replayed); starting from these,
     one (a tensor-core config of gated_pairs won its up projection, 1.4% slower)."""
-    first = gemv_alternative(shape, device, kinds, operand_tiles)
-    if first is None:
+    first = gemv_configs(shape, device, kinds, operand_tiles)
+    if not first:
         return ()
     starts = (_gemv_config(shape, *sizes) for sizes in _GEMV_STARTS[1 if operand_tiles[1] == 1 else 2])
-    return tuple(dict.fromkeys([first, *(c for c in starts if variant_registry.GEMV.fits(c, shape))]))
+    return tuple(dict.fromkeys([*first, *(c for c in starts if variant_registry.GEMV.fits(c, shape))]))
 
 
 # Tensor-core tiles of the weight-only fp8 ops at decode sizes above the GEMV's M (2 <= M <= FP8_DECODE_MAX_M), per

@@ -24,7 +24,7 @@ from .configs import (
     Shape,
     fp8_decode_tiles,
     gemm_heuristic,
-    gemv_alternative,
+    gemv_configs,
     gemv_starts,
 )
 
@@ -203,7 +203,7 @@ class OpSpec:
     # up-projections: their fastest split config ran 0.99-3.4x the unsplit tile's time, slower at 24 of 25 points
     # (gated_up and gated_pairs, N 2688-5376, K 576-4096, M 16-256, H100; docs/design.md).
     split_k_fill: bool = True
-    # At decode's smallest M the GEMV config (configs.gemv_alternative) is the heuristic's, not an alternative a
+    # At decode's smallest M the first GEMV config (configs.gemv_configs) is the heuristic's, not an alternative a
     # first-use check times beside it: gated_up, whose tensor-core tile gated_pairs times beside it in the MLP's
     # plan (one kernel less to compile at first use).
     gemv_first: bool = False
@@ -299,9 +299,9 @@ class OpSpec:
         kinds = self._kinds(shape, device)
         if self.heuristic is not None:
             return self.heuristic(shape, device, kinds)
-        gemv = gemv_alternative(shape, device, kinds, self.operand_tiles) if self.gemv_first else None
-        if gemv is not None:
-            return gemv
+        gemv = gemv_configs(shape, device, kinds, self.operand_tiles) if self.gemv_first else ()
+        if gemv:
+            return gemv[0]
         fp8 = self._fp8_decode_tiles(shape, device, kinds)
         if fp8:
             return fp8[0]
@@ -310,13 +310,14 @@ class OpSpec:
 
     def alternative_configs(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
         """Configs a first-use check times beside the heuristic's, where one rule cannot tell which is faster, for
-        the GEMM-shaped ops without a heuristic of their own: the GEMV config at decode's smallest M (where it is
-        not the heuristic's), and the weight-only fp8 ops' second tile at decode sizes (configs.fp8_decode_tiles)."""
+        the GEMM-shaped ops without a heuristic of their own: the GEMV configs at decode's smallest M (but the first
+        where it is the heuristic's), and the weight-only fp8 ops' other tiles at decode sizes
+        (configs.fp8_decode_tiles)."""
         if self.heuristic is not None:
             return ()
         kinds = self._kinds(shape, device)
-        gemv = None if self.gemv_first else gemv_alternative(shape, device, kinds, self.operand_tiles)
-        return (*self._fp8_decode_tiles(shape, device, kinds)[1:], *(() if gemv is None else (gemv,)))
+        gemv = gemv_configs(shape, device, kinds, self.operand_tiles)
+        return (*self._fp8_decode_tiles(shape, device, kinds)[1:], *(gemv[1:] if self.gemv_first else gemv))
 
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
         """Configs a tuning run times right after the heuristic's: the op's own measured starting points (`starts`),

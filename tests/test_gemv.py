@@ -103,26 +103,31 @@ H100 = variants.Device(interpret=False, shared_memory_limit=232448, multiprocess
 
 
 @pytest.mark.parametrize("M", [1, 2, 3])
-def test_a_first_use_check_times_the_gemv_config_beside_the_heuristic_where_it_applies(M):
+def test_a_first_use_check_times_the_gemv_configs_beside_the_heuristic_where_they_apply(M):
     small, large = Shape(M, 896, 4864, torch.bfloat16), Shape(M, 8192, 8192, torch.bfloat16)
-    # (outputs, K, warps) per program: one weight matrix, then gate and up; one matrix of 2**25 elements or more
-    # takes one output and a short K step, a smaller one four outputs over all of its K (8192, past 4864).
-    expected = {(LINEAR, small): (4, 8192, 8), (LINEAR, large): (1, 512, 8), (DOWN, small): (4, 8192, 8),
-                (GATED_UP, small): (1, 1024, 4), (GATED_UP, large): (1, 1024, 4)}
+    # (outputs, K, warps) per program, the first-use config then its alternative: one weight matrix of 2**25
+    # elements or more takes one output and a short K step first, a smaller one four outputs over all of its K
+    # (8192, past 4864); either then two outputs over 8192 of K on 4 warps. Gate and up: 1 x 1024 on 4, 1 x 2048 on 8.
+    expected = {(LINEAR, small): ((4, 8192, 8), (2, 8192, 4)), (LINEAR, large): ((1, 512, 8), (2, 8192, 4)),
+                (DOWN, small): ((4, 8192, 8), (2, 8192, 4)), (GATED_UP, small): ((1, 1024, 4), (1, 2048, 8)),
+                (GATED_UP, large): ((1, 1024, 4), (1, 2048, 8))}
     for (op, shape), sizes in expected.items():
-        # The gated up projection runs its GEMV as its heuristic (gated_pairs times the tensor-core tile
-        # beside it); the others time it beside theirs.
-        found = (op.default_config(shape, H100),) if op is GATED_UP else op.alternative_configs(shape, H100)
+        # The gated up projection runs its first GEMV config as its heuristic (gated_pairs times the tensor-core
+        # tile beside it) and times the second beside it; the others time both beside theirs.
+        found = op.alternative_configs(shape, H100)
+        if op is GATED_UP:
+            found = (op.default_config(shape, H100), *found)
         if M > variants.GEMV_MAX_M:
             assert op.alternative_configs(shape, H100) == () and op.default_config(shape, H100).variant != "gemv"
-        else:
-            (config,) = found
+            continue
+        assert len(found) == 2
+        for config, (block_n, block_k, warps) in zip(found, sizes, strict=True):
             assert config.variant == "gemv" and config.block_m == M and config.knob("split_k") == 1
-            assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (*sizes, 1)
-            if op is GATED_UP:
-                assert op.alternative_configs(shape, H100) == ()
-            else:
-                assert op.default_config(shape, H100).variant != "gemv"  # beside the heuristic, not instead
+            # K clamped to the problem's (4864 takes 8192)
+            assert (config.block_n, config.block_k, config.num_warps, config.num_stages) == (
+                block_n, min(block_k, 1 << (shape.K - 1).bit_length()), warps, 1)
+        if op is not GATED_UP:
+            assert op.default_config(shape, H100).variant != "gemv"  # beside the heuristic, not instead
     assert LINEAR.alternative_configs(small, variants.Device(interpret=True)) == ()
 
 
