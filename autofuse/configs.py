@@ -298,8 +298,8 @@ def gemm_heuristic(shape: Shape, device: Device, kinds: Collection[str], *, oper
     return fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit)
 
 
-def gemv_configs(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
-                 ) -> tuple[KernelConfig, ...]:
+def gemv_configs(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int],
+                 fp8_weights: bool = False) -> tuple[KernelConfig, ...]:
     """The GEMV configs a first-use check times on a GPU where the gemv variant applies (decode's smallest M), its
     first-use config first, or (). Swept on an H100 (bf16, M = 1, graph-replayed, the kernel compiled for its K;
     eight MLPs, d_model 896-7237, d_ff 4864-16384, 36-165 GEMV configs per op): the gate and up matrices take
@@ -309,13 +309,19 @@ def gemv_configs(shape: Shape, device: Device, kinds: Collection[str], operand_t
     per program, K clamped to the problem's). The second of each is where those ran furthest from the fastest on an
     H200 (46 GEMV configs a matrix, six MLPs): one matrix 2 x 8192 on 4 warps (down projections of 6304 -> 7040 and
     4096 -> 5696: 22.3 and 10.6 us against 24.8 and 13.1 for the first), the gate and up 1 x 2048 on 8 (4096 ->
-    5696: 22.9 against 26.8)."""
+    5696: 22.9 against 26.8).
+    With fp8 weights (`fp8_weights`, one byte an element) the same H200 sweep over five MLPs of 267-1217 MB (34
+    configs a matrix) found one matrix fastest in 1 x 1024 on 4 warps, 8 bytes a thread a step, as bf16's 1 x 512 on 8
+    loads (the down projections of 3456 -> 17344, 4224 -> 23104 and 6480 -> 27640: 18.7, 29.8 and 50.2 us against
+    25.4, 36.1 and 64.3 in 1 x 512 on 8), and the gate and up matrices as bf16's first, then 1 x 512 on 4 (4224 ->
+    23104: 62.4 against 65.3; 1 x 2048 on 8 ran 1.18-1.33x the fastest)."""
     if device.interpret or "gemv" not in kinds:
         return ()
+    large = shape.N * shape.K >= 1 << 25
     if operand_tiles[1] == 1:
-        sizes = ((1, 512, 8) if shape.N * shape.K >= 1 << 25 else (4, 8192, 8), (2, 8192, 4))
+        sizes = (((1, 1024, 4) if fp8_weights else (1, 512, 8)) if large else (4, 8192, 8), (2, 8192, 4))
     else:
-        sizes = ((1, 1024, 4), (1, 2048, 8))
+        sizes = ((1, 1024, 4), (1, 512, 4) if fp8_weights else (1, 2048, 8))
     return tuple(dict.fromkeys(_gemv_config(shape, block_n, block_k, warps, 1) for block_n, block_k, warps in sizes))
 
 
@@ -336,13 +342,13 @@ _GEMV_STARTS = {1: ((1, 512, 8, 1), (1, 8192, 16, 1), (1, 8192, 4, 1), (4, 2048,
                     (4, 512, 4, 1))}
 
 
-def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
-                ) -> tuple[KernelConfig, ...]:
+def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int],
+                fp8_weights: bool = False) -> tuple[KernelConfig, ...]:
     """The GEMV configs a tuning run times right after the heuristic's (the first-use one first), or () where
     the gemv variant does not apply. TPE alone, over a space that holds every variant, left four of six held-out
     MLPs slower at M = 1 after 30 trials than their first-use configs (H100, graph-replayed); starting from these,
     one (a tensor-core config of gated_pairs won its up projection, 1.4% slower)."""
-    first = gemv_configs(shape, device, kinds, operand_tiles)
+    first = gemv_configs(shape, device, kinds, operand_tiles, fp8_weights)
     if not first:
         return ()
     starts = (_gemv_config(shape, *sizes) for sizes in _GEMV_STARTS[1 if operand_tiles[1] == 1 else 2])

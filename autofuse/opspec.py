@@ -299,7 +299,7 @@ class OpSpec:
         kinds = self._kinds(shape, device)
         if self.heuristic is not None:
             return self.heuristic(shape, device, kinds)
-        gemv = gemv_configs(shape, device, kinds, self.operand_tiles) if self.gemv_first else ()
+        gemv = self._gemv_configs(shape, device, kinds) if self.gemv_first else ()
         if gemv:
             return gemv[0]
         fp8 = self._fp8_decode_tiles(shape, device, kinds)
@@ -316,7 +316,7 @@ class OpSpec:
         if self.heuristic is not None:
             return ()
         kinds = self._kinds(shape, device)
-        gemv = gemv_configs(shape, device, kinds, self.operand_tiles)
+        gemv = self._gemv_configs(shape, device, kinds)
         return (*self._fp8_decode_tiles(shape, device, kinds)[1:], *(gemv[1:] if self.gemv_first else gemv))
 
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
@@ -327,7 +327,11 @@ class OpSpec:
         if self.heuristic is not None:
             return () if self.starts is None else self.starts(shape, device, kinds)
         return (*self._fp8_decode_tiles(shape, device, kinds)[1:],
-                *gemv_starts(shape, device, kinds, self.operand_tiles))
+                *gemv_starts(shape, device, kinds, self.operand_tiles, self.weights == "fp8"))
+
+    def _gemv_configs(self, shape: Shape, device: Device, kinds: frozenset[str]) -> tuple[KernelConfig, ...]:
+        """configs.gemv_configs for this op's weight format."""
+        return gemv_configs(shape, device, kinds, self.operand_tiles, self.weights == "fp8")
 
     def _fp8_decode_tiles(self, shape: Shape, device: Device, kinds: frozenset[str]) -> tuple[KernelConfig, ...]:
         """configs.fp8_decode_tiles for an op with weight-only fp8 weights, () for the others."""

@@ -261,9 +261,18 @@ def test_fp8_ops_run_their_own_decode_tiles_and_time_the_second_at_first_use(M):
         shape = Shape(M, n, k, torch.bfloat16)
         for fp8, dense in ((gated_up, GATED_UP), (DOWN_FP8, DOWN)):
             first, alternatives = fp8.default_config(shape, H100), fp8.alternative_configs(shape, H100)
-            if M == 1 or M > 16:  # the GEMV's M (its config is the heuristic's or beside it), and above decode
+            if M == 1 or M > 16:  # the GEMV's M (its first config is the heuristic's or beside it), above decode
                 assert first == dense.default_config(shape, H100)
+            if M > 16:
                 assert alternatives == dense.alternative_configs(shape, H100)
+                continue
+            if M == 1:  # the GEMV's M: its configs load 8 bytes a thread a step with one byte a weight
+                gemv = (first, *alternatives) if fp8 is gated_up else alternatives
+                whole_k = 1 << (k - 1).bit_length()
+                expected = [(1, 1024, 4), (1, 512, 4)] if fp8 is gated_up else [
+                    (1, 1024, 4) if n * k >= 1 << 25 else (4, min(8192, whole_k), 8), (2, min(8192, whole_k), 4)]
+                assert [(c.block_n, c.block_k, c.num_warps) for c in gemv] == expected
+                assert all(c.variant == "gemv" for c in gemv)
                 continue
             # Two alternatives for one matrix, three for the gate and up matrices, fewer where one is the same config
             # as another (a resident or balanced split that is the first's).
