@@ -10,6 +10,7 @@ others it compared too (the un-graphed race, choose/race.py, runs them against e
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch
 
@@ -98,9 +99,17 @@ class MLPPlan:
 def select(plan: LinearPlan | MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
            tuned: bool) -> tuple[Table, list[Table]]:
     """(the table of choices a module runs at M rows, the other tables that choice was compared with)."""
+    before = check.comparisons()
     if isinstance(plan, LinearPlan):
-        return {"linear": resolve_checked(plan.problem(M, dtype, device), tuned)}, []
-    return _select_mlp(plan, M, dtype, device, tuned)
+        found = {"linear": resolve_checked(plan.problem(M, dtype, device), tuned)}, []
+    else:
+        found = _select_mlp(plan, M, dtype, device, tuned)
+    if check.comparisons() != before:
+        # A check's compiles and timings leave enough long-lived objects behind to make Python's next full
+        # garbage collection due: it fell 50-100 calls later, a 2.0-3.3 ms pause inside the un-graphed calls
+        # after a first use (H200, first_use.py's gc_ms), and is paid here instead, inside the first forward.
+        gc.collect()
+    return found
 
 
 def _select_mlp(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
