@@ -105,10 +105,10 @@ def select(plan: LinearPlan | MLPPlan, M: int, dtype: torch.dtype, device: torch
     else:
         found = _select_mlp(plan, M, dtype, device, tuned)
     if check.comparisons() != before:
-        # A check's compiles and timings leave enough long-lived objects behind to make Python's next full
-        # garbage collection due: it fell 50-100 calls later, a 2.0-3.3 ms pause inside the un-graphed calls
-        # after a first use (H200, first_use.py's gc_ms), and is paid here instead, inside the first forward.
-        gc.collect()
+        # A check's compiles and timings leave Python's young generations full: their next collection fell 50-100
+        # un-graphed calls later, a 2.0-3.3 ms pause inside those calls (H200, first_use.py's gc_ms), and runs
+        # here instead, inside the first forward. Young generations only: a full collection took 150 ms there.
+        gc.collect(1)
     return found
 
 
