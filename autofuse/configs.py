@@ -311,10 +311,10 @@ def gemv_configs(shape: Shape, device: Device, kinds: Collection[str], operand_t
     4096 -> 5696: 22.3 and 10.6 us against 24.8 and 13.1 for the first), the gate and up 1 x 2048 on 8 (4096 ->
     5696: 22.9 against 26.8).
     With fp8 weights (`fp8_weights`, one byte an element) the same H200 sweep over five MLPs of 267-1217 MB (34
-    configs a matrix) found one matrix fastest in 1 x 1024 on 4 warps, 8 bytes a thread a step, as bf16's 1 x 512 on 8
-    loads (the down projections of 3456 -> 17344, 4224 -> 23104 and 6480 -> 27640: 18.7, 29.8 and 50.2 us against
-    25.4, 36.1 and 64.3 in 1 x 512 on 8), and the gate and up matrices as bf16's first, then 1 x 512 on 4 (4224 ->
-    23104: 62.4 against 65.3; 1 x 2048 on 8 ran 1.18-1.33x the fastest)."""
+    configs a matrix) found one matrix fastest in 1 x 1024 on 4 warps, 8 weight bytes a thread a step (the down
+    projections of 3456 -> 17344, 4224 -> 23104 and 6480 -> 27640: 18.7, 29.8 and 50.2 us, against 25.4, 36.1 and
+    64.3 in bf16's 1 x 512 on 8, 2 fp8 bytes a thread a step), and the gate and up matrices in bf16's first, then
+    1 x 512 on 4 (4224 -> 23104: 62.4 against 65.3; 1 x 2048 on 8 ran 1.18-1.33x the fastest)."""
     if device.interpret or "gemv" not in kinds:
         return ()
     large = shape.N * shape.K >= 1 << 25
@@ -344,7 +344,7 @@ _GEMV_STARTS = {1: ((1, 512, 8, 1), (1, 8192, 16, 1), (1, 8192, 4, 1), (4, 2048,
 
 def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int],
                 fp8_weights: bool = False) -> tuple[KernelConfig, ...]:
-    """The GEMV configs a tuning run times right after the heuristic's (the first-use one first), or () where
+    """The GEMV configs a tuning run times right after the heuristic's (the first-use ones first), or () where
     the gemv variant does not apply. TPE alone, over a space that holds every variant, left four of six held-out
     MLPs slower at M = 1 after 30 trials than their first-use configs (H100, graph-replayed); starting from these,
     one (a tensor-core config of gated_pairs won its up projection, 1.4% slower)."""

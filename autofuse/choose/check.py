@@ -47,7 +47,7 @@ STORE_WAIT_S = 10.0
 
 _no_checks = threading.local()
 # How many comparisons first-use checks have run in this process (read by plans.select: a table resolved with a
-# check ends with a garbage collection).
+# check ends with a collection of Python's young generations).
 _compared = [0]
 _compared_lock = threading.Lock()
 
