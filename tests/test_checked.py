@@ -617,7 +617,7 @@ def test_the_forward_after_the_checks_does_not_resolve_again(device, monkeypatch
 def test_a_first_forward_that_checked_ends_with_one_garbage_collection_and_later_ones_with_none(device,
                                                                                                 monkeypatch):
     """A check's compiles and timings fill Python's young generations; their collection runs inside the first
-    forward (plans.select), once, not 50-100 un-graphed calls later, and not the full collection (150 ms on a GPU
+    forward (plans.select), once, not 50-100 un-graphed calls later, and not the full collection (0.13 s on a GPU
     host). A forward that resolves without a check collects nothing."""
     from autofuse.choose import plans
 
