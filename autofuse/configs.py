@@ -389,7 +389,7 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
                      ) -> tuple[KernelConfig, ...]:
     """The weight-only fp8 ops' first-use config and its alternatives at decode sizes (_FP8_DECODE_TILES), or ()
     where they do not apply: under the interpreter, above FP8_DECODE_MAX_M, and where the GEMV applies (decode's
-    smallest M, where the GEMV config is the heuristic's or its alternative)."""
+    smallest M, where the GEMV configs are the heuristic's or its alternatives: gemv_configs)."""
     if device.interpret or shape.M > FP8_DECODE_MAX_M or "gemv" in kinds:
         return ()
     configs = []

@@ -322,7 +322,7 @@ class OpSpec:
     def search_starts(self, shape: Shape, device: Device) -> tuple[KernelConfig, ...]:
         """Configs a tuning run times right after the heuristic's: the op's own measured starting points (`starts`),
         or the first-use alternatives of the weight-only fp8 ops and, where the GEMV applies, its own, its
-        first-use config first (configs.gemv_starts)."""
+        first-use configs first (configs.gemv_starts)."""
         kinds = self._kinds(shape, device)
         if self.heuristic is not None:
             return () if self.starts is None else self.starts(shape, device, kinds)

@@ -166,7 +166,7 @@ def _precompile(plan: MLPPlan, M: int, dtype: torch.dtype, device: torch.device)
     about to be checked and no one-launch record exists."""
     up_problem = plan.problem("gated_up", M, dtype, device)
     jobs = [(problem, lookup.resolve(problem)) for problem in (up_problem, plan.problem("down", M, dtype, device))]
-    if plan.pairs:  # its kernels left out where the up-projection's check will time a GEMV (the gemv alternative at
+    if plan.pairs:  # its kernels left out where the up-projection's check will time a GEMV (its GEMV configs at
         # this M): its library paths' passes alone then (None)
         bucketed = up_problem.replace(M=up_problem.bucket)
         gemv = next((c for c in (heuristic_for(bucketed), *alternatives_for(bucketed)) if _gemv(c)), None)
