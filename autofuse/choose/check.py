@@ -46,10 +46,6 @@ logger = logging.getLogger("autofuse")
 STORE_WAIT_S = 10.0
 
 _no_checks = threading.local()
-# How many comparisons first-use checks have run in this process (read by plans.select: a table resolved with a
-# check ends with a collection of Python's young generations).
-_compared = [0]
-_compared_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -81,8 +77,6 @@ def checked(problem: Problem, choice: Choice, libraries_only: bool = False) -> C
     key = problem.key()
     heuristic = heuristic_for(problem.replace(M=problem.bucket))
     kernels = [] if libraries_only else _kernels_to_check(problem, choice, heuristic)
-    with _compared_lock:
-        _compared[0] += 1
     try:
         winner = _compare(key, problem.M, kernels, problem.device, heuristic)
     except Exception as e:  # noqa: BLE001 - e.g. no memory for the operands: a forward must not fail on a check
@@ -94,11 +88,6 @@ def checked(problem: Problem, choice: Choice, libraries_only: bool = False) -> C
     winner = _stored(winner)
     lookup.remember(winner)
     return Choice.of(winner, Source.CHECKED if winner.policy == CHECKED else Source.USER_CACHE)
-
-
-def comparisons() -> int:
-    """How many first-use comparisons have run in this process so far."""
-    return _compared[0]
 
 
 def precompile(jobs: list[tuple[Problem, Choice | None]]) -> None:

@@ -99,12 +99,12 @@ class MLPPlan:
 def select(plan: LinearPlan | MLPPlan, M: int, dtype: torch.dtype, device: torch.device,
            tuned: bool) -> tuple[Table, list[Table]]:
     """(the table of choices a module runs at M rows, the other tables that choice was compared with)."""
-    before = check.comparisons()
+    before = lookup.generation()  # each decision a check stores moves it (lookup.remember)
     if isinstance(plan, LinearPlan):
         found = {"linear": resolve_checked(plan.problem(M, dtype, device), tuned)}, []
     else:
         found = _select_mlp(plan, M, dtype, device, tuned)
-    if check.comparisons() != before:
+    if lookup.generation() != before:
         # A check's compiles and timings leave Python's young generations full: their next collection fell 50-100
         # un-graphed calls later, a 2.0-3.3 ms pause inside those calls (H200, first_use.py's gc_ms), and runs
         # here instead, inside the first forward. Young generations only: a full collection there cost each first
