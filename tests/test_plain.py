@@ -179,7 +179,8 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     policy = current_policy()
     window, checkpoint = policy.race_calls, policy.race_checkpoint_calls
     assert racing == 1 + window + (len(costs) - 1) * (2 * window + policy.race_rounds * 2 * window)
-    assert raced.race_calls() == plain.race_length(len(costs)) == racing + policy.race_voids * window
+    # (the most calls: a start bound by its GPU time runs one window more, plain.START_WINDOWS_BOUND_BY_GPU)
+    assert raced.race_calls() == plain.race_length(len(costs)) == racing + window + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
     assert set(during) == {e.name for e in entries if e.name not in unraced} | {"e0"}  # the first call: e0's result
     # An entry slower than the fastest known by more than race_keep ran its binding call, its host-timed calls and
@@ -421,8 +422,10 @@ def test_a_table_bound_by_its_gpu_time_starts_before_a_host_bound_one_estimated_
     raced.tables[:] = [entries[0].table, entries[1].table]
     order = [raced("x") for _ in range(1 + current_policy().race_calls + 1)]
     assert raced._start == 1 and raced._alive == [True, True]
-    # the first call returns the GPU-time winner's result; the start's window follows, then e0's first window
-    assert order == ["e0", *["e1"] * current_policy().race_calls, "e0"]
+    # the first call returns the GPU-time winner's result; the start's two windows follow (bound by its GPU time),
+    # then e0's first window
+    order += [raced("x") for _ in range(current_policy().race_calls)]
+    assert order == ["e0", *["e1"] * 2 * current_policy().race_calls, "e0"]
 
 
 class _ColdAfter(_Entry):
@@ -804,3 +807,66 @@ def test_on_a_gpu_the_race_runs_for_real_and_a_captured_call_runs_the_graphed_wi
         library = ops.get("linear").library["eager"]({"x": x, "w": layer.weight, "b": layer.bias, "r": None}, "gelu")
     torch.cuda.synchronize()
     assert torch.equal(captured, library)
+
+
+def test_a_table_whose_host_time_is_over_a_gpu_bound_tables_estimate_is_dropped_without_a_window(monkeypatch):
+    """A kernel table of 58 us of host for 108 of GPU time a call (its plain call is its GPU time) beside library
+    tables of 153 and 117 us of host time: the first, over race_host_keep_bound above 108 (within race_host_keep), is
+    dropped at the first call without a window (its probes had run at 212-296 us a call); the second is raced."""
+    key = ("test", "host over bound")
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
+    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
+    monkeypatch.setattr(plain, "_mark", _Queued.mark)
+    plain._decided.pop(key, None)
+    policy = current_policy()
+    winner = _Queued("library", host=153.0, gpu=100.0, gpu_ms=0.100)
+    kernels = _Queued("kernels", host=58.0, gpu=108.0, gpu_ms=0.108)
+    other = _Queued("other", host=117.0, gpu=110.0, gpu_ms=None)
+    assert 108 * (1 + policy.race_host_keep_bound) < 153 < 108 * (1 + policy.race_host_keep)
+    raced = plain.Raced(winner, [kernels, other], [winner.table, kernels.table, other.table], 128, key)
+    raced("x")
+    assert raced._alive == [False, True, True] and raced._start == 1
+    assert winner.calls == 1 + plain.ESTIMATE_CALLS
+    while raced.plain is None:
+        raced("x")
+    assert winner.calls == 1 + plain.ESTIMATE_CALLS and raced.plain is kernels
+
+
+class _SlowFirstWindow(_Queued):
+    """A _Queued entry whose GPU takes `slow` µs a call over the `calls` calls after its first 1 + ESTIMATE_CALLS (the
+    race's first window after the first call)."""
+
+    def __init__(self, name, host, gpu, gpu_ms, slow, calls):
+        super().__init__(name, host, gpu, gpu_ms)
+        self.steady, self.slow, self.window = gpu, slow, calls
+
+    def __call__(self, *args):
+        first = 1 + plain.ESTIMATE_CALLS
+        self.gpu = self.slow if first <= self.calls < first + self.window else self.steady
+        return super().__call__(*args)
+
+
+def test_a_start_bound_by_its_gpu_time_runs_two_windows_and_its_first_bounds_no_checkpoint(monkeypatch):
+    """The start (20 us of host for 100 of GPU time a call) reads 240 us a call in its first window after the first
+    call, 100 after; a table of 160 us a call (1.6x) passed the checkpoint against that first window's reading and
+    ran a whole window. The start runs a second window first, and the other table's checkpoint is held to the second's
+    reading: dropped once the GPU reaches its checkpoint's mark."""
+    key = ("test", "slow first window")
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
+    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
+    monkeypatch.setattr(plain, "_mark", _Queued.mark)
+    plain._decided.pop(key, None)
+    policy = current_policy()
+    window, checkpoint = policy.race_calls, policy.race_checkpoint_calls
+    start = _SlowFirstWindow("start", host=20.0, gpu=100.0, gpu_ms=0.100, slow=240.0, calls=window)
+    other = _Queued("other", host=20.0, gpu=160.0, gpu_ms=None)
+    assert 160 < 240 * (1 + policy.race_keep) and 160 > 100 * (1 + policy.race_keep)
+    raced = plain.Raced(start, [other], [start.table, other.table], 128, key)
+    raced("x")
+    assert raced._plan[:2] == [(0, window, False)] * 2
+    while raced.plain is None:
+        raced("x")
+    assert other.calls == 1 + plain.ESTIMATE_CALLS + 2 * checkpoint  # its mark waited for after twice its calls
+    assert raced.plain is start and start.calls > 1 + plain.ESTIMATE_CALLS + 2 * window

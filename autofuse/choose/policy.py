@@ -40,7 +40,11 @@ Each default is a measured finding (docs/design.md states them with their number
   run up to 1.45x slower over the next few hundred calls, so of a host-bound table and one bound by a GPU time near
   it, the latter starts (3840 -> 12688 at M = 128: library tables estimated at 96-102 us a call ran 134-146 in
   their first windows, a kernel table of 111 us of GPU time 104; eager 107, H200). A table whose host time alone
-  exceeds the lowest estimate (without the slack) by more than `race_host_keep` is dropped without a window. The
+  exceeds the lowest estimate (without the slack) by more than `race_host_keep`, or the lowest estimate of a table
+  bound by its GPU time (its host time under it by `race_host_slack`: its plain call is that GPU time) by more than
+  `race_host_keep_bound`, is dropped without a window (3840 -> 12688 at M = 128, H200: beside a kernel table of
+  58-61 us of host for 108-111 of GPU time, library tables of 137-169 us of host ran their probes at 212-296 us a
+  call). A start bound by its GPU time runs two windows before the others' (choose/race.py: its first reads slow). The
   first call after a switch of tables runs slow for every table,
   more for some (250-306 us for library tables of 110-114 a call beside 122-182 for a kernel table of 106-118, H200):
   bounded at 1.5x it dropped tables as fast as the fastest, so `race_first_keep` is 2.0 (3x), for a table's first
@@ -93,6 +97,7 @@ class DecisionPolicy:
     race_keep: float = 0.25
     race_round_keep: float = 0.10
     race_host_keep: float = 1.0
+    race_host_keep_bound: float = 0.25
     race_host_slack: float = 0.5
     race_first_keep: float = 2.0
     race_gap_outlier: float = 4.0

@@ -43,6 +43,10 @@ WINDOW, ENDED = "window", "ended at a checkpoint"
 # Host-timed calls of each entry in a race's first call, after its binding call: the fastest of them is its host
 # time per call (one call alone may meet a collection or a page fault).
 ESTIMATE_CALLS = 2
+# Windows of a start bound by its GPU time (_bound_by_gpu) before any other entry's: the first window after the first
+# call reads slow at its checkpoints (Raced), and an entry's first window's readings bound another's only while it has
+# no other.
+START_WINDOWS_BOUND_BY_GPU = 2
 
 
 def host_bound(table: dict[str, Choice]) -> bool:
@@ -130,14 +134,15 @@ def race_length(tables: int) -> int:
     the fastest known; race_rounds rounds of a window of the fastest and one of each other table; and race_voids
     windows started again for foreign work in them."""
     policy = current()
-    return planned_length(tables) + policy.race_voids * policy.race_calls
+    return planned_length(tables, START_WINDOWS_BOUND_BY_GPU) + policy.race_voids * policy.race_calls
 
 
-def planned_length(tables: int) -> int:
-    """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again."""
+def planned_length(tables: int, start_windows: int = 1) -> int:
+    """The un-graphed calls a race of `tables` tables plans, none dropped and no window run again, where its start
+    runs `start_windows` windows before the others' (two where the start is bound by its GPU time: Raced)."""
     policy = current()
     window = policy.race_calls
-    return 1 + window + (tables - 1) * 2 * window + policy.race_rounds * (tables - 1) * 2 * window
+    return 1 + start_windows * window + (tables - 1) * 2 * window + policy.race_rounds * (tables - 1) * 2 * window
 
 
 class _Window:
@@ -174,8 +179,9 @@ class Raced:
       each entry ESTIMATE_CALLS more times, timing its host time per call (no synchronisation), and returns the
       GPU-time winner's result. An entry's estimate is the larger of that host time and its table's known GPU
       time; an entry whose host time alone exceeds the lowest estimate of an entry of known GPU time by more
-      than race_host_keep is dropped there (its plain call cannot be faster: a bound table's host took 19-20 us
-      per call where the slowest took 76-176, and the GPU-time winner's 35, on an H100 host). Where a table runs
+      than race_host_keep, or that of one bound by its GPU time by more than race_host_keep_bound, is dropped there
+      (its plain call cannot be faster: _host_limit; a bound table's host took 19-20 us per call where the slowest
+      took 76-176, and the GPU-time winner's 35, on an H100 host). Where a table runs
       bound kernels only, its host time is under its known GPU time by race_margin and that GPU time is within
       check_margin of the GPU-time winner's, its plain call is bound by that GPU time, which no other table's
       undercuts by more: the race settles on it there (_bound_by_gpu_time).
@@ -183,21 +189,21 @@ class Raced:
       where that is larger: _ranked) starts, running a window, and each other entry in turn (lowest rank first) runs
       a window followed by one of the fastest entry known (the lowest median window): a span of calls never holds
       two slower entries' windows back to back.
-    - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and
-      after its race_checkpoint_calls-th gives, once the GPU has reached it, the time of the first call (from the
-      window's start) and the time per call of the calls after it up to the second mark. A window of an entry other
-      than the fastest known ends at a checkpoint slower than the fastest known's windows' at the same checkpoint
-      (their median) by more than race_first_keep (the first call, in the entry's first window only) or race_keep
-      (per call, at race_checkpoint_calls), and the entry is dropped. The first call after a switch of tables runs slow
-      for every table, and more for some (122-182 us for a kernel table of 106-118 us a call in its windows, 250-306
-      for library tables of 110-114, 3840 -> 12688 at M = 128, H200), so it is kept out of the second checkpoint,
-      and its own bound is wide: in the rounds, and at 1.5x, it dropped tables as fast as the fastest (a Linear's
-      eager path and kernel at M = 2, the plain call left 0.85x eager's). The marks are read without waiting, the
-      caller's calls going on meanwhile, except a mark the GPU has not reached by twice its calls (the entry's
-      launches queue ahead of its GPU time): waiting for it then leaves the calls after it queued, so the GPU does
-      not idle; a table of 380 us a call beside the fastest's 105 (H200) costs two calls. Synchronised comparisons
-      drain the queue (about one call's GPU time each) and misrank: probes of 4 calls beside a window of 20 had read
-      a table of 88 us a plain call at 190 and one of 133-147 at 184 (H200).
+    - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and after
+      its race_checkpoint_calls-th gives, once the GPU has reached it, the time of the first call (from the window's
+      start) and the time per call of the calls after it up to the second mark. A window of an entry other than the
+      fastest known ends at a checkpoint slower than the fastest known's windows' at the same checkpoint (their median,
+      less its first window's where it has others) by more than race_first_keep (the first call, in the entry's first
+      window only) or race_keep (per call, at race_checkpoint_calls), and the entry is dropped. The first call after a
+      switch of tables runs slow for every table, and more for some (122-182 us for a kernel table of 106-118 us a call
+      in its windows, 250-306 for library tables of 110-114, 3840 -> 12688 at M = 128, H200), so it is kept out of the
+      second checkpoint, and its own bound is wide: in the rounds, and at 1.5x, it dropped tables as fast as the fastest
+      (a Linear's eager path and kernel at M = 2, the plain call left 0.85x eager's). The marks are read without
+      waiting, the caller's calls going on meanwhile, except a mark the GPU has not reached by twice its calls (the
+      entry's launches queue ahead of its GPU time): waiting for it then leaves the calls after it queued, so the GPU
+      does not idle; a table of 380 us a call beside the fastest's 105 (H200) costs two calls. Synchronised comparisons
+      drain the queue (about one call's GPU time each) and misrank: probes of 4 calls beside a window of 20 had read a
+      table of 88 us a plain call at 190 and one of 133-147 at 184 (H200).
     - Rounds: the entries left run race_rounds rounds, in each a window of every entry but the fastest (by its
       median window so far), in a rotated order, each after a window of the fastest. Before each round an entry
       whose median window is slower than the fastest's by more than race_round_keep is dropped.
@@ -369,6 +375,7 @@ class Raced:
             reference = self._checkpoints[fastest].get(c)
             if not reference:
                 continue
+            reference = reference[1:] or reference  # its first window's where it has no other (Raced says why)
             keep = policy.race_keep if c == policy.race_checkpoint_calls else policy.race_first_keep
             if us > statistics.median(reference) * (1 + keep):
                 self._alive[window.entry] = False
@@ -414,9 +421,9 @@ class Raced:
         ranked = _ranked(host, estimate)
         self._start = min(known, key=ranked.__getitem__, default=0)
         if known:
-            lowest = min(estimate[i] for i in known)
+            limit = _host_limit(host, estimate, known)
             for i, us in enumerate(host):
-                if us > lowest * (1 + policy.race_host_keep):
+                if us > limit:
                     self._alive[i] = False
         order = sorted((i for i in range(count) if i != self._start and self._alive[i]), key=ranked.__getitem__)
         if self.windows is not None:
@@ -424,6 +431,8 @@ class Raced:
                          dropped_by_host_time=[i for i in range(count) if not self._alive[i]])
         # None: the fastest entry known when the window starts.
         self._plan = [(self._start, window, False)]
+        if order and _bound_by_gpu(host[self._start], estimate[self._start]):
+            self._plan *= START_WINDOWS_BOUND_BY_GPU
         for other in order:
             self._plan += [(other, window, True), (None, window, False)]
         return out
@@ -596,6 +605,27 @@ def _ranked(host: list[float], estimate: list[float]) -> list[float]:
     so a table bound by its GPU time starts before a host-bound one whose estimate is near it."""
     slack = 1 + current().race_host_slack
     return [max(us * slack, guess) for us, guess in zip(host, estimate)]
+
+
+def _bound_by_gpu(host_us: float, estimate_us: float) -> bool:
+    """Whether an entry's estimate is its known GPU time with its host time under it by race_host_slack: its plain
+    call is that GPU time, its launches queued ahead of it."""
+    return estimate_us >= host_us * (1 + current().race_host_slack)
+
+
+def _host_limit(host: list[float], estimate: list[float], known: list[int]) -> float:
+    """The host time a call over which an entry is dropped without a window: race_host_keep over the lowest
+    estimate of an entry of known GPU time, or race_host_keep_bound over the lowest of one bound by its GPU time
+    (_bound_by_gpu) where that is lower. A plain call costs at least its entry's host time and the caller's work
+    around it, which every entry pays alike, and one bound by its GPU time costs that GPU time, so an entry whose host
+    time alone is over such an estimate cannot be faster; host times read at the first call run slower afterwards,
+    not faster (3840 -> 12688 at M = 128, H200: library tables of 113-169 us of host time a call beside a kernel
+    table of 58-61 us of host for 108-111 of GPU time ran their probes at 212-296 us a call, and the windows of 50
+    calls holding them 1.3-1.5x eager's)."""
+    policy = current()
+    limit = min(estimate[i] for i in known) * (1 + policy.race_host_keep)
+    bound = [estimate[i] for i in known if _bound_by_gpu(host[i], estimate[i])]
+    return min(limit, min(bound) * (1 + policy.race_host_keep_bound)) if bound else limit
 
 
 def _describe(table: dict[str, Choice]) -> str:
