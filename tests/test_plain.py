@@ -178,7 +178,8 @@ def test_the_race_runs_on_the_callers_calls_and_later_ones_run_the_fastest(monke
     racing = plain.planned_length(len(costs))
     policy = current_policy()
     window, checkpoint = policy.race_calls, policy.race_checkpoint_calls
-    assert racing == 1 + window + (len(costs) - 1) * (2 * window + policy.race_rounds * 2 * window)
+    after = plain.FASTEST_AFTER_FIRST_WINDOWS
+    assert racing == 1 + window + (len(costs) - 1) * ((1 + after) * window + policy.race_rounds * 2 * window)
     # (the most calls: a start bound by its GPU time runs one window more, plain.START_WINDOWS_BOUND_BY_GPU)
     assert raced.race_calls() == plain.race_length(len(costs)) == racing + window + policy.race_voids * window
     during = [raced("x") for _ in range(racing)]
@@ -213,15 +214,15 @@ def test_each_entry_runs_a_window_beside_the_fastest_known_then_the_rounds_rotat
         order = [raced("x") for _ in range(plain.planned_length(3))]
         estimate = plain.ESTIMATE_CALLS
         assert [e.calls for e in entries] == [1 + estimate + 2 + 6, 1 + estimate + 2 + 6,
-                                              1 + estimate + 6 + 12]
+                                              1 + estimate + 2 + 12 + 12]
         decided = raced("x")
     # The first call runs every entry (each binds its launches, then has its host time taken) and returns the
     # GPU-time winner's result; a window of the start (e2, of the lowest estimate); per other entry, lowest
-    # estimate first, a window of it, then one of the fastest known (e2); then rounds of one window of each other
+    # estimate first, a window of it, then three of the fastest known (e2); then rounds of one window of each other
     # entry, each after a window of the fastest (e2), the order rotated.
     round_a = ["e2", "e2", "e0", "e0", "e2", "e2", "e1", "e1"]
     round_b = ["e2", "e2", "e1", "e1", "e2", "e2", "e0", "e0"]
-    expected = ["e0"] + ["e2", "e2"] + ["e0", "e0", "e2", "e2"] + ["e1", "e1", "e2", "e2"] + \
+    expected = ["e0"] + ["e2", "e2"] + ["e0", "e0"] + ["e2"] * 6 + ["e1", "e1"] + ["e2"] * 6 + \
         round_a + round_b + round_a
     assert order == expected and decided == "e2"
 
@@ -870,3 +871,22 @@ def test_a_start_bound_by_its_gpu_time_runs_two_windows_and_its_first_bounds_no_
         raced("x")
     assert other.calls == 1 + plain.ESTIMATE_CALLS + 2 * checkpoint  # its mark waited for after twice its calls
     assert raced.plain is start and start.calls > 1 + plain.ESTIMATE_CALLS + 2 * window
+
+
+def test_no_50_calls_hold_two_first_windows_of_slower_tables(monkeypatch):
+    """Three tables 30% slower than the fastest whose first call after a switch of tables costs 10x the fastest's
+    call (a library table's first call after another's): each first window ends at its first checkpoint, and three of
+    the fastest's windows follow it, so that no 50 calls in a row hold two of them (with one, 50 calls cost 1.54x
+    the fastest's, with two 1.36x)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    raced, _ = _raced(monkeypatch, [1.0, 1.3, 1.3, 1.3], key=("test", "spaced probes"))
+    after = 1 + plain.ESTIMATE_CALLS
+    raced.entries = [_ColdAfter("e0", 1.0, 1.0, 0), *(_ColdAfter(f"e{i}", 1.3, 10.0, after) for i in (1, 2, 3))]
+    raced("x")  # the first call: every entry binds
+    spent = []
+    while raced.plain is None:
+        before = _Entry.clock[0]
+        raced("x")
+        spent.append((_Entry.clock[0] - before) * 1e6)
+    assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.25 * 50
+    assert raced.plain.name == "e0"

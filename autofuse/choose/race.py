@@ -47,6 +47,11 @@ ESTIMATE_CALLS = 2
 # call reads slow at its checkpoints (Raced), and an entry's first window's readings bound another's only while it has
 # no other.
 START_WINDOWS_BOUND_BY_GPU = 2
+# Windows of the fastest known after each other entry's first window (60 calls): that window's slow calls (its first
+# after a switch of tables, and those before its checkpoint where it ends there) then fall at most once in any 50
+# calls. With one, windows of 50 calls holding two such probes ran 1.25-1.33x eager's (3840 -> 12688 at M = 128,
+# H200: probes of library tables at 166-254 us a call beside the fastest's 103-113).
+FASTEST_AFTER_FIRST_WINDOWS = 3
 
 
 def host_bound(table: dict[str, Choice]) -> bool:
@@ -130,9 +135,9 @@ def _capturing() -> bool:
 
 def race_length(tables: int) -> int:
     """The most un-graphed calls a race of `tables` tables takes from its first call to the decision (fewer where
-    tables are dropped): the first call; a window of the fastest known; per other table a window of it and one of
-    the fastest known; race_rounds rounds of a window of the fastest and one of each other table; and race_voids
-    windows started again for foreign work in them."""
+    tables are dropped): the first call; two windows of the fastest known; per other table a window of it and
+    FASTEST_AFTER_FIRST_WINDOWS of the fastest known; race_rounds rounds of a window of the fastest and one of each
+    other table; and race_voids windows started again for foreign work in them."""
     policy = current()
     return planned_length(tables, START_WINDOWS_BOUND_BY_GPU) + policy.race_voids * policy.race_calls
 
@@ -142,7 +147,8 @@ def planned_length(tables: int, start_windows: int = 1) -> int:
     runs `start_windows` windows before the others' (two where the start is bound by its GPU time: Raced)."""
     policy = current()
     window = policy.race_calls
-    return 1 + start_windows * window + (tables - 1) * 2 * window + policy.race_rounds * (tables - 1) * 2 * window
+    return (1 + start_windows * window + (tables - 1) * (1 + FASTEST_AFTER_FIRST_WINDOWS) * window
+            + policy.race_rounds * (tables - 1) * 2 * window)
 
 
 class _Window:
@@ -186,9 +192,12 @@ class Raced:
       check_margin of the GPU-time winner's, its plain call is bound by that GPU time, which no other table's
       undercuts by more: the race settles on it there (_bound_by_gpu_time).
     - Then the entry of known GPU time of the lowest rank (its estimate, or its host time with race_host_slack on it
-      where that is larger: _ranked) starts, running a window, and each other entry in turn (lowest rank first) runs
-      a window followed by one of the fastest entry known (the lowest median window): a span of calls never holds
-      two slower entries' windows back to back.
+      where that is larger: _ranked) starts, running a window (two where it is bound by its GPU time: the first
+      window after the first call reads slow, 242 and 261 us a call at its second checkpoint for a kernel table whose
+      later windows read 112-149 there and ran 104-111 a call, 3840 -> 12688 at M = 128, H200, and held to that
+      reading, tables of 155-176 us a call passed their checkpoints and ran whole windows), and each other entry in
+      turn (lowest rank first) runs a window followed by FASTEST_AFTER_FIRST_WINDOWS of the fastest entry known (the
+      lowest median window): a span of calls never holds two slower entries' windows back to back.
     - Checkpoints bound what a slower entry's window costs: a mark on the stream after a window's first call and after
       its race_checkpoint_calls-th gives, once the GPU has reached it, the time of the first call (from the window's
       start) and the time per call of the calls after it up to the second mark. A window of an entry other than the
@@ -434,7 +443,7 @@ class Raced:
         if order and _bound_by_gpu(host[self._start], estimate[self._start]):
             self._plan *= START_WINDOWS_BOUND_BY_GPU
         for other in order:
-            self._plan += [(other, window, True), (None, window, False)]
+            self._plan += [(other, window, True), *[(None, window, False)] * FASTEST_AFTER_FIRST_WINDOWS]
         return out
 
     def _bound_by_gpu_time(self, host: list[float]) -> int | None:
