@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -377,12 +377,30 @@ def gemv_starts(shape: Shape, device: Device, kinds: Collection[str], operand_ti
 FP8_DECODE_MAX_M = 16
 RESIDENT = -1
 BALANCED = -2
-_FP8_DECODE_TILES = {1: ((64, 128, 4, 4, 2), (64, 256, 4, 3, 1), (64, 128, 4, 4, RESIDENT)),
-                     2: ((64, 128, 4, 6, 0), (64, 256, 4, 2, 0), (128, 128, 4, 4, 0), (64, 128, 4, 6, BALANCED))}
-# The most K slices _split_to_balance gives the gate and up matrices.
-_BALANCED_MAX_SPLIT = 4
 # One e4m3 byte a weight in shared memory.
 _FP8_WEIGHT_BYTES = 1
+
+
+class _Fp8Tile(NamedTuple):
+    """An entry of _FP8_DECODE_TILES. `weight_bytes`: a weight's bytes in shared memory as its stages were swept, where
+    the activations are 16-bit: None, as wide as the activations (the H100 sweep, weights widened by bit moves; every
+    pair fits so with bf16 activations, float32 activations drop stages), or one e4m3 byte (the H200 sweep, weights
+    held as they are)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    split: int
+    weight_bytes: int | None = None
+
+
+_FP8_DECODE_TILES = {
+    1: (_Fp8Tile(64, 128, 4, 4, 2), _Fp8Tile(64, 256, 4, 3, 1), _Fp8Tile(64, 128, 4, 4, RESIDENT, _FP8_WEIGHT_BYTES)),
+    2: (_Fp8Tile(64, 128, 4, 6, 0), _Fp8Tile(64, 256, 4, 2, 0), _Fp8Tile(128, 128, 4, 4, 0, _FP8_WEIGHT_BYTES),
+        _Fp8Tile(64, 128, 4, 6, BALANCED, _FP8_WEIGHT_BYTES))}
+# The most K slices _split_to_balance gives the gate and up matrices.
+_BALANCED_MAX_SPLIT = 4
 
 
 def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], operand_tiles: tuple[int, int]
@@ -393,15 +411,14 @@ def fp8_decode_tiles(shape: Shape, device: Device, kinds: Collection[str], opera
     if device.interpret or shape.M > FP8_DECODE_MAX_M or "gemv" in kinds:
         return ()
     configs = []
-    for i, (block_n, block_k, warps, stages, split) in enumerate(_FP8_DECODE_TILES[1 if operand_tiles[1] == 1 else 2]):
-        config = clamp_to_problem(KernelConfig(16, block_n, block_k, group_m=8, num_warps=warps,
-                                               num_stages=stages), shape.M, shape.N, shape.K)
+    for tile in _FP8_DECODE_TILES[1 if operand_tiles[1] == 1 else 2]:
+        split = tile.split
+        config = clamp_to_problem(KernelConfig(16, tile.block_n, tile.block_k, group_m=8, num_warps=tile.warps,
+                                               num_stages=tile.stages), shape.M, shape.N, shape.K)
         if split > 0 and "split_k" in kinds:
             config = _split_to_fill(config, shape, split * device.multiprocessors)
-        # Counted as if the weights were as wide as the activations (as swept: every pair above fits with bf16
-        # activations; float32 activations drop stages), the others with 16-bit activations as the weights are
-        # held, one byte a weight (as swept).
-        weight_bytes = _FP8_WEIGHT_BYTES if i >= 2 and shape.dtype.itemsize == 2 else None
+        # The stages fitted as the tile was swept (_Fp8Tile.weight_bytes), as wide as the activations otherwise.
+        weight_bytes = tile.weight_bytes if shape.dtype.itemsize == 2 else None
         config = fit_shared_memory(config, operand_tiles, shape.dtype, device.shared_memory_limit, weight_bytes)
         if split == RESIDENT and "split_k" in kinds:
             config = _split_to_resident(config, shape, device, operand_tiles)
