@@ -152,6 +152,21 @@ class _Entry:
         return self.name
 
 
+def _race_to_decision(raced) -> list[float]:
+    """Call `raced` until its race decides; the µs each call took on the fake clock."""
+    spent = []
+    while raced.plain is None:
+        before = _Entry.clock[0]
+        raced("x")
+        spent.append((_Entry.clock[0] - before) * 1e6)
+    return spent
+
+
+def _worst_50(spent: list[float]) -> float:
+    """The most any 50 calls in a row cost (µs)."""
+    return max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
+
+
 def _raced(monkeypatch, costs, key=("test", 1), fresh=True):
     if fresh:
         plain._decided.pop(key, None)
@@ -241,7 +256,7 @@ def test_a_slow_table_costs_the_race_few_calls_and_no_span_of_calls_much(monkeyp
         raced("x")
         spent.append((_Entry.clock[0] - before) * 1e6)
     assert entries[1].calls == entries[3].calls == 1 + plain.ESTIMATE_CALLS  # dropped without a window
-    worst = max(sum(spent[i:i + 50]) for i in range(len(spent) - 49))
+    worst = _worst_50(spent)
     assert worst <= 1.25 * 50 * costs[0]
     assert raced("x") == "e2" and raced.plain is entries[2]
 
@@ -254,13 +269,9 @@ def test_in_the_rounds_no_two_slower_tables_run_back_to_back(monkeypatch):
     with use_policy(dataclasses.replace(current_policy(), race_keep=0.35, race_round_keep=0.35)):
         raced, entries = _raced(monkeypatch, [1.0, 1.3, 1.3, 1.3], key=("test", "interleaved"))
         raced("x")  # the first call: every entry binds
-        spent = []
-        while raced.plain is None:
-            before = _Entry.clock[0]
-            raced("x")
-            spent.append((_Entry.clock[0] - before) * 1e6)
+        spent = _race_to_decision(raced)
     assert all(e.calls > 1 + plain.ESTIMATE_CALLS + current_policy().race_calls for e in entries)  # all raced
-    assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.2 * 50
+    assert _worst_50(spent) <= 1.2 * 50
     assert raced.plain is entries[0]
 
 
@@ -403,12 +414,8 @@ def test_a_start_slower_than_its_estimate_gives_way_after_one_comparison(monkeyp
     raced = plain.Raced(start, [faster], [start.table, faster.table], 16, ("test", "slow start"))
     raced("x")  # the first call: both bind and have their host time taken
     assert raced._start == 0
-    spent = []
-    while raced.plain is None:
-        before = _Entry.clock[0]
-        raced("x")
-        spent.append((_Entry.clock[0] - before) * 1e6)
-    assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.25 * 50 * 20.0
+    spent = _race_to_decision(raced)
+    assert _worst_50(spent) <= 1.25 * 50 * 20.0
     assert raced.plain is faster
 
 
@@ -524,14 +531,19 @@ class _Queued:
         return FakeMark(max(cls.clock), cls.clock, 1e-3)
 
 
-def _race_queued(monkeypatch, key, other):
-    """Race `other` beside a GPU-time winner of 70 us of host and 60 of GPU time a call on the fake GPU, through
-    race_length calls and one more: (winner, other, race)."""
+def _on_queued_gpu(monkeypatch, key) -> None:
+    """Races from here on run on the fake GPU of _Queued, none capturing, and `key` is decided afresh."""
     monkeypatch.setattr(plain, "_capturing", lambda: False)
     monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
     monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
     monkeypatch.setattr(plain, "_mark", _Queued.mark)
     plain._decided.pop(key, None)
+
+
+def _race_queued(monkeypatch, key, other):
+    """Race `other` beside a GPU-time winner of 70 us of host and 60 of GPU time a call on the fake GPU, through
+    race_length calls and one more: (winner, other, race)."""
+    _on_queued_gpu(monkeypatch, key)
     winner = _Queued("winner", host=70.0, gpu=60.0, gpu_ms=0.060)
     raced = plain.Raced(winner, [other], [winner.table, other.table], 16, key)
     for _ in range(raced.race_calls() + 1):
@@ -815,11 +827,7 @@ def test_a_table_whose_host_time_is_over_a_gpu_bound_tables_estimate_is_dropped_
     tables of 153 and 117 us of host time: the first, over race_host_keep_bound above 108 (within race_host_keep), is
     dropped at the first call without a window (its probes had run at 212-296 us a call); the second is raced."""
     key = ("test", "host over bound")
-    monkeypatch.setattr(plain, "_capturing", lambda: False)
-    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
-    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
-    monkeypatch.setattr(plain, "_mark", _Queued.mark)
-    plain._decided.pop(key, None)
+    _on_queued_gpu(monkeypatch, key)
     policy = current_policy()
     winner = _Queued("library", host=153.0, gpu=100.0, gpu_ms=0.100)
     kernels = _Queued("kernels", host=58.0, gpu=108.0, gpu_ms=0.108)
@@ -854,11 +862,7 @@ def test_a_start_bound_by_its_gpu_time_runs_two_windows_and_its_first_bounds_no_
     ran a whole window. The start runs a second window first, and the other table's checkpoint is held to the second's
     reading: dropped once the GPU reaches its checkpoint's mark."""
     key = ("test", "slow first window")
-    monkeypatch.setattr(plain, "_capturing", lambda: False)
-    monkeypatch.setattr(plain, "_now", lambda: _Queued.clock[0] * 1e-6)
-    monkeypatch.setattr(plain, "_synchronize", _Queued.synchronize)
-    monkeypatch.setattr(plain, "_mark", _Queued.mark)
-    plain._decided.pop(key, None)
+    _on_queued_gpu(monkeypatch, key)
     policy = current_policy()
     window, checkpoint = policy.race_calls, policy.race_checkpoint_calls
     start = _SlowFirstWindow("start", host=20.0, gpu=100.0, gpu_ms=0.100, slow=240.0, calls=window)
@@ -883,10 +887,6 @@ def test_no_50_calls_hold_two_first_windows_of_slower_tables(monkeypatch):
     after = 1 + plain.ESTIMATE_CALLS
     raced.entries = [_ColdAfter("e0", 1.0, 1.0, 0), *(_ColdAfter(f"e{i}", 1.3, 10.0, after) for i in (1, 2, 3))]
     raced("x")  # the first call: every entry binds
-    spent = []
-    while raced.plain is None:
-        before = _Entry.clock[0]
-        raced("x")
-        spent.append((_Entry.clock[0] - before) * 1e6)
-    assert max(sum(spent[i:i + 50]) for i in range(len(spent) - 49)) <= 1.25 * 50
+    spent = _race_to_decision(raced)
+    assert _worst_50(spent) <= 1.25 * 50
     assert raced.plain.name == "e0"
