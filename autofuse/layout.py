@@ -105,9 +105,7 @@ def line_rows(t: torch.Tensor, run: int | None = None) -> torch.Tensor:
     width = line_width(k if run is None else run, t.element_size())
     if width == k and t.is_contiguous():
         return t
-    view = t.new_zeros((n, width))[:, :k]
-    view.copy_(t)
-    return view
+    return _copy_into_zeros(t, n, width)
 
 
 def aligned_rows(t: torch.Tensor) -> torch.Tensor:
@@ -117,9 +115,7 @@ def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     n, k = t.shape
     if k % ALIGNED == 0 and t.is_contiguous():
         return t
-    view = t.new_zeros((n, aligned_width(k)))[:, :k]
-    view.copy_(t)
-    return view
+    return _copy_into_zeros(t, n, aligned_width(k))
 
 
 def padded_rows(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +126,13 @@ def padded_rows(t: torch.Tensor) -> torch.Tensor:
     if padded_whole(t) is not None:
         return t
     n, k = t.shape
-    view = t.new_zeros((aligned_width(n), line_width(k, t.element_size())))[:n, :k]
+    return _copy_into_zeros(t, aligned_width(n), line_width(k, t.element_size()))
+
+
+def _copy_into_zeros(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """A copy of `t` ([N, K]) as the [N, K] view of new zero-filled [rows, width] storage (rows >= N, width >= K)."""
+    n, k = t.shape
+    view = t.new_zeros((rows, width))[:n, :k]
     view.copy_(t)
     return view
 
