@@ -890,3 +890,29 @@ def test_no_50_calls_hold_two_first_windows_of_slower_tables(monkeypatch):
     spent = _race_to_decision(raced)
     assert _worst_50(spent) <= 1.25 * 50
     assert raced.plain.name == "e0"
+
+
+class _CountedKey(tuple):
+    """A race key that counts how often it is hashed (a real key holds every table's configs: 3.1 us a hash for seven
+    tables on a CPU)."""
+
+    hashes = [0]
+
+    def __hash__(self):
+        self.hashes[0] += 1
+        return tuple.__hash__(self)
+
+
+def test_a_race_looks_up_another_modules_decision_between_windows_only(monkeypatch):
+    """Each call inside a window runs the entry without hashing the key; a call that starts a window looks the
+    decision of another module of the same key up (and settles on it)."""
+    monkeypatch.setattr(plain, "_capturing", lambda: False)
+    key = _CountedKey(("test", "hashed"))
+    raced, _ = _raced(monkeypatch, [1.0, 1.1, 1.2], key=key)
+    _CountedKey.hashes[0] = 0
+    spent = _race_to_decision(raced)
+    assert raced.calls == len(spent) > 100
+    assert _CountedKey.hashes[0] <= len(spent) // current_policy().race_calls + 3
+    # another module of the same key settles at its first call
+    again, _ = _raced(monkeypatch, [1.0, 1.1, 1.2], key=key, fresh=False)
+    assert again("x") == raced.plain.name and again.decided_after == 1

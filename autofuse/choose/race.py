@@ -157,10 +157,11 @@ class _Window:
     its entry's first (where its first call is bounded), and the fastest entry known when it was planned (whose
     checkpoints bound it; no window's samples change while it runs)."""
 
-    __slots__ = ("entry", "calls", "done", "start", "start_mark", "marks", "read", "first", "fastest")
+    __slots__ = ("entry", "calls", "done", "start", "start_mark", "marks", "read", "first", "fastest", "checkpoints")
 
     def __init__(self, entry: int, calls: int, first: bool, fastest: int) -> None:
         self.entry, self.calls, self.done, self.first, self.fastest = entry, calls, 0, first, fastest
+        self.checkpoints = (1, current().race_checkpoint_calls)  # the calls after which a mark is recorded
         self.marks: dict[int, object] = {}  # checkpoint call -> its mark
         self.read: dict[int, float] = {}  # checkpoint call -> µs per call up to it, once read
         self.start_mark = None
@@ -221,7 +222,8 @@ class Raced:
       again from that call, and a window slower than race_gap_outlier times its entry's estimate (a known GPU time's)
       runs again: up to race_voids times a race in all.
     Then the fastest entry (median window) runs every later call: the GPU-time winner, unless another is race_margin
-    faster. The decision is kept for the process (`_decided`)."""
+    faster. The decision is kept for the process (`_decided`), and a race still running settles on another module's
+    decision of its key at its next window's start."""
 
     __slots__ = ("graphed", "entries", "tables", "M", "key", "device", "plain", "plain_table", "calls",
                  "decided_after", "_plan", "_samples", "_checkpoints", "_stall_us", "_alive", "_rounds", "_window",
@@ -275,9 +277,12 @@ class Raced:
         if plain is not None:
             return plain(*args)
         self.calls += 1
-        decided = _decided.get(self.key)
-        if decided is not None:
-            return self._settle(decided)(*args)
+        if self._window is None:
+            # Between windows (the first call included): another module's race of the same key may have decided.
+            # Not inside a window: hashing the key (every table's configs) cost 3.1 us a call on a CPU for 7 tables.
+            decided = _decided.get(self.key)
+            if decided is not None:
+                return self._settle(decided)(*args)
         try:
             return self._race(args)
         except Exception as e:  # noqa: BLE001 - e.g. no memory for another table's buffers: a forward must not fail on a race
@@ -314,7 +319,7 @@ class Raced:
                     return self._race(args)  # this call starts the next window
         out = self.entries[window.entry](*args)
         window.done += 1
-        if window.done in self._checkpoint_calls() and window.done < window.calls:
+        if window.done in window.checkpoints and window.done < window.calls:
             window.marks[window.done] = _mark(self.device)
         self._returned = _now()
         self._inside.append(self._returned - called)
@@ -360,18 +365,16 @@ class Raced:
         self._gaps, self._inside = [], []
         return window.start
 
-    @staticmethod
-    def _checkpoint_calls() -> tuple[int, ...]:
-        return (1, current().race_checkpoint_calls)
-
     def _ended_at_checkpoint(self, window: _Window) -> bool:
         """Before the window's next call: read each checkpoint the GPU has reached (waiting for one it has not
         reached by twice its calls); where one is slower than the fastest known's by more than its bound, the entry
         is dropped and the window ends (True)."""
         fastest = window.fastest
-        pending = [(c, mark) for c, mark in sorted(window.marks.items()) if c not in window.read]
-        if window.entry == fastest or not pending:
+        if window.entry == fastest or not window.marks:
             return False  # the fastest's checkpoints are read at its window's end
+        pending = [(c, mark) for c, mark in sorted(window.marks.items()) if c not in window.read]
+        if not pending:
+            return False
         policy = current()
         for c, mark in pending:
             if c != policy.race_checkpoint_calls and not window.first:
